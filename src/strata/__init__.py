@@ -1,0 +1,3 @@
+"""Strata: fast, lossless LLM decoding with DFlash block drafters."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,203 @@
+"""The `strata` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import StrataError
+
+
+def _ids(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise StrataError(f"{what}: expected comma-separated integers, got {text!r}") from None
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise StrataError("--device cuda: no CUDA device is available")
+    return name
+
+
+def _dtype(args):
+    import torch
+
+    from .models.weights import parse_dtype
+
+    if args.dtype == "auto":
+        return torch.bfloat16 if args.device == "cuda" else torch.float32
+    return parse_dtype(args.dtype)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target model folder (Hugging Face layout)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dflash", help="DFlash drafter: a GGUF file or a Hugging Face folder")
+    p.add_argument("--spec", type=int, default=None, help="verify window W (anchor + W-1 candidates)")
+    p.add_argument("--dflash-window", type=int, default=32768, help="drafter attention window in context cells")
+    p.add_argument("--temperature", type=float, default=0.0)
+
+
+def load_target_and_tokenizer(args):
+    from .models.decoder import load_target
+    from .tokenizer import Tokenizer
+
+    if not args.model:
+        raise StrataError("--model: no target model given")
+    target = load_target(args.model, device=_device(args.device), dtype=_dtype(args))
+    return target, Tokenizer.from_folder(Path(args.model))
+
+
+def build_engine(args, target):
+    from .spec.decode import Engine
+
+    if args.temperature < 0:
+        raise StrataError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.temperature > 0:
+        raise StrataError("--temperature > 0: sampled decoding is not supported yet; use 0 (greedy)")
+    drafter = None
+    if getattr(args, "dflash", None):
+        from .dflash.runtime import load_drafter
+
+        drafter = load_drafter(args.dflash, target, window_cells=args.dflash_window)
+        if args.spec is not None and not 2 <= args.spec <= drafter.max_window:
+            raise StrataError(f"--spec {args.spec}: must be between 2 and the drafter's block size {drafter.max_window}")
+    elif args.spec is not None:
+        raise StrataError("--spec needs a drafter (--dflash)")
+    max_len = args.max_model_len or target.cfg.max_position_embeddings
+    return Engine(target, drafter, window=args.spec, max_len=max_len)
+
+
+def stop_ids_for(args, target, tokenizer) -> set[int]:
+    from .models.config import read_json
+
+    ids = set(target.cfg.eos_token_ids)
+    gen_cfg = Path(args.model) / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = read_json(gen_cfg, "generation_config.json").get("eos_token_id")
+        if eos is not None:
+            ids |= set([eos] if isinstance(eos, int) else eos)
+    if args.stop_ids:
+        ids |= set(_ids(args.stop_ids, "--stop-ids"))
+    return ids
+
+
+def cmd_generate(args) -> int:
+    from .tokenizer import StreamDecoder
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise StrataError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    target, tokenizer = load_target_and_tokenizer(args)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise StrataError(f"{args.model}: no tokenizer.json; use --prompt-ids")
+        text = args.prompt
+        if args.chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        prompt_ids = tokenizer.encode(text)
+    else:
+        prompt_ids = _ids(args.prompt_ids, "--prompt-ids")
+    engine = build_engine(args, target)
+    stops = stop_ids_for(args, target, tokenizer)
+    if tokenizer is not None and not args.ids:
+        stream = StreamDecoder(tokenizer)
+
+        def on_tokens(ids):
+            sys.stdout.write(stream.push(ids))
+            sys.stdout.flush()
+    else:
+        first = [True]
+
+        def on_tokens(ids):
+            sys.stdout.write(("" if first[0] else ",") + ",".join(map(str, ids)))
+            first[0] = False
+            sys.stdout.flush()
+
+    res = engine.generate(prompt_ids, args.max_new_tokens, stops, on_tokens=on_tokens)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    stats = res.stats()
+    line = (f"prompt {len(prompt_ids)} tokens, new {res.new_tokens} tokens, prefill {res.prefill_s * 1e3:.1f} ms, "
+            f"decode {res.tok_s:.1f} tok/s")
+    if stats["rounds"] and engine.window > 1:
+        line += f", tau {stats['tau']:.2f}, acceptance {stats['acceptance_rate']:.2f} (W={engine.window})"
+    print(line, file=sys.stderr)
+    if args.stats_json:
+        write_json_atomic(Path(args.stats_json), stats)
+    return 0
+
+
+def write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def cmd_init_random(args) -> int:
+    from .models.random_init import write_random_model
+
+    out = write_random_model(args.out_dir, shape=args.shape, seed=args.seed)
+    print(f"wrote a random {args.shape} model to {out}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="Fast, lossless LLM decoding with DFlash drafters")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate from a prompt (target-only or speculative)")
+    add_model_args(g)
+    add_decode_args(g)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-ids")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--ids", action="store_true", help="print token ids even when a tokenizer exists")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--stop-ids", help="extra stop token ids, comma-separated")
+    g.add_argument("--stats-json", help="write generation statistics to this file")
+    g.set_defaults(func=cmd_generate)
+
+    r = sub.add_parser("init-random", help="write a random-weight model of a named shape (HF layout)")
+    r.add_argument("out_dir")
+    r.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-4b", "qwen3-8b"])
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(func=cmd_init_random)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except StrataError as e:
+        print(f"strata: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("strata: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # noqa: BLE001 - the last line of defence: one line, exit 1
+        if os.environ.get("STRATA_DEBUG"):
+            raise
+        print(f"strata: internal error: {type(e).__name__}: {e} (set STRATA_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

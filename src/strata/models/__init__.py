@@ -1,0 +1,1 @@
+"""Target models: configuration, shared layers, the decoder with feature taps, weight loading."""

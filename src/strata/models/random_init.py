@@ -1,0 +1,50 @@
+"""Random-weight checkpoints of named shapes, written in the Hugging Face layout.
+
+They let benchmarks run an 8B-shaped model without a download, and tests build tiny targets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .config import load_model_config
+from .decoder import expected_tensors
+
+SHAPES = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048),
+    "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
+}
+
+
+def qwen3_config(**overrides) -> dict:
+    cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rms_norm_eps=1e-6, rope_theta=1000000.0,
+               tie_word_embeddings=False, attention_bias=False, bos_token_id=None, eos_token_id=None,
+               torch_dtype="bfloat16")
+    cfg.update(overrides)
+    return cfg
+
+
+def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype=torch.float32,
+                       **overrides) -> Path:
+    """Write config.json + model.safetensors with N(0, 0.02) weights and unit norms."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = qwen3_config(**{**SHAPES[shape], **overrides})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    mcfg = load_model_config(out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shp in expected_tensors(mcfg).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shp, dtype=dtype)
+        else:
+            tensors[name] = (torch.randn(shp, generator=gen) * 0.02).to(dtype)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    return out_dir

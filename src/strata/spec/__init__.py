@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters' common interface, the verifier and the decode loop."""

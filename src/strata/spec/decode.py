@@ -1,0 +1,165 @@
+"""The decode loop: prefill, then rounds of propose -> verify -> commit.
+
+Target-only decoding is the same loop with a drafter that proposes nothing (window 1)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import StrataError
+from ..models.decoder import TargetDecoder
+from .drafter import Drafter, NoDrafter
+from .verify import greedy_accept
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    drafter: str = "none"
+    window: int = 1
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per round, bonus included
+    per_position_drafted: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def tok_s(self) -> float:
+        """Tokens produced by the decode rounds per second (the first token comes from prefill)."""
+        n = max(self.new_tokens - 1, 0)
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+    def stats(self) -> dict:
+        rounds = len(self.accept_lengths)
+        drafted = sum(self.per_position_drafted)
+        accepted = sum(self.per_position_accepted)
+        return {
+            "prompt_ids": self.prompt_ids,
+            "output_ids": self.output_ids,
+            "new_tokens": self.new_tokens,
+            "finish_reason": self.finish_reason,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "tok_s": self.tok_s,
+            "drafter": self.drafter,
+            "window": self.window,
+            "rounds": rounds,
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "tau": sum(self.accept_lengths) / rounds if rounds else 0.0,
+            "accept_lengths": self.accept_lengths,
+            "per_position_acceptance": [
+                a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)
+            ],
+        }
+
+
+class Engine:
+    """A target, its cache and a drafter: serves one sequence at a time."""
+
+    def __init__(self, target: TargetDecoder, drafter: Drafter | None = None, window: int | None = None,
+                 max_len: int | None = None):
+        self.target = target
+        self.drafter = drafter or NoDrafter()
+        self.window = window or self.drafter.max_window
+        if not 1 <= self.window <= self.drafter.max_window:
+            raise StrataError(f"--spec {self.window}: must be 2..{self.drafter.max_window} for this drafter")
+        self.max_len = max_len or target.cfg.max_position_embeddings
+        self.cache = target.make_cache(self.max_len)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise StrataError("empty prompt: at least one token is needed")
+        if len(prompt_ids) >= self.max_len:
+            raise StrataError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_len}")
+        vocab = self.target.cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise StrataError(f"prompt token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_ids: set[int] | frozenset = frozenset(),
+        on_tokens: Callable[[list[int]], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        self.check_prompt(prompt_ids)
+        if max_new_tokens < 1:
+            raise StrataError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        target, cache, drafter = self.target, self.cache, self.drafter
+        dev = target.device
+        res = GenerationResult(list(prompt_ids), drafter=drafter.name, window=self.window)
+        res.per_position_drafted = [0] * (self.window - 1)
+        res.per_position_accepted = [0] * (self.window - 1)
+        taps = drafter.tap_layers
+
+        def emit(tokens: list[int]) -> bool:
+            """Append tokens up to a stop id or the budget; True when generation is over."""
+            out = []
+            done = False
+            for t in tokens:
+                out.append(t)
+                if t in stop_ids:
+                    res.finish_reason, done = "stop", True
+                    break
+                if len(res.output_ids) + len(out) >= max_new_tokens:
+                    res.finish_reason, done = "length", True
+                    break
+            res.output_ids.extend(out)
+            if on_tokens and out:
+                on_tokens(out)
+            return done
+
+        t0 = time.perf_counter()
+        cache.reset()
+        drafter.reset()
+        prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
+        out = target(prompt, 0, cache, taps=taps, last_only=True)
+        cache.commit(len(prompt_ids))
+        drafter.observe(prompt_ids, 0, out.taps)
+        anchor = int(out.logits[-1].argmax().item())
+        res.prefill_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        done = emit([anchor])
+        while not done:
+            if should_stop is not None and should_stop():
+                res.finish_reason = "abort"
+                break
+            pos = cache.length
+            w = min(self.window, self.max_len - pos)
+            if w < 1:
+                res.finish_reason = "length"
+                break
+            if w > 1:
+                cands = drafter.propose(anchor, pos, w - 1).tokens
+                window = torch.cat([torch.tensor([anchor], device=dev), cands])
+            else:
+                cands = torch.empty(0, dtype=torch.long, device=dev)
+                window = torch.tensor([anchor], device=dev)
+            out = target(window, pos, cache, taps=taps)
+            a, bonus = greedy_accept(out.logits, cands)
+            accepted = cands[:a].tolist()
+            cache.commit(pos + a + 1)
+            drafter.observe([anchor] + accepted, pos, None if out.taps is None else out.taps[: a + 1])
+            res.accept_lengths.append(a + 1)
+            for i in range(w - 1):
+                res.per_position_drafted[i] += 1
+                res.per_position_accepted[i] += int(i < a)
+            done = emit(accepted + [bonus])
+            anchor = bonus
+        res.decode_s = time.perf_counter() - t1
+        return res

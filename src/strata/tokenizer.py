@@ -1,0 +1,88 @@
+"""Text <-> token ids from a model folder's tokenizer.json, with its chat template when present."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import StrataError
+
+
+class Tokenizer:
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = folder / "tokenizer.json"
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            raise StrataError(f"{path}: cannot load tokenizer ({e})") from None
+        self.chat_template = None
+        self.special: dict[str, str] = {}
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise StrataError(f"{cfg_path}: not valid JSON ({e})") from None
+            self.chat_template = cfg.get("chat_template")
+            for key in ("bos_token", "eos_token"):
+                value = cfg.get(key)
+                if isinstance(value, dict):
+                    value = value.get("content")
+                if isinstance(value, str):
+                    self.special[key] = value
+        template_file = folder / "chat_template.jinja"
+        if self.chat_template is None and template_file.is_file():
+            self.chat_template = template_file.read_text(encoding="utf-8")
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "Tokenizer | None":
+        folder = Path(folder)
+        return cls(folder) if (folder / "tokenizer.json").is_file() else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise StrataError("this model's tokenizer has no chat template")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise StrataError(f"chat template: {e}") from None
+
+
+class StreamDecoder:
+    """Turns a growing list of ids into text increments without splitting multi-byte characters."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.emitted):]
+        self.emitted = text
+        return delta
