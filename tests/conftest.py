@@ -11,7 +11,7 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 def hf_config(family: str, tie: bool = False, kv_heads: int = 2, vocab: int = 256, layers: int = 3, **kw):
@@ -60,3 +60,54 @@ def run_cli(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
     """Run the real `strata` entry point in a subprocess."""
     return subprocess.run([sys.executable, "-m", "strata.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, **kw)
+
+
+def write_hf_drafter(path: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                     head_dim: int = 16, intermediate: int = 96, taps=(0, 2), target_hidden: int | None = None,
+                     block_size: int = 8, mask_token_id: int = 255, num_target_layers: int = 3, vocab: int = 256,
+                     dtype=torch.bfloat16, seed: int = 0, block_in_dflash_config=False, with_taps=True,
+                     scale: float = 0.05, extra_config: dict | None = None, extra_tensors: dict | None = None):
+    """A drafter in the reference Hugging Face format (config.json + model.safetensors), random weights."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    target_hidden = target_hidden or hidden
+    dcfg = {"mask_token_id": mask_token_id}
+    if with_taps:
+        dcfg["target_layer_ids"] = list(taps)
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+           "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+           "vocab_size": vocab, "num_target_layers": num_target_layers, "max_position_embeddings": 4096,
+           "dflash_config": dcfg}
+    if block_in_dflash_config:
+        dcfg["block_size"] = block_size
+    else:
+        cfg["block_size"] = block_size
+    cfg.update(extra_config or {})
+    (path / "config.json").write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(seed)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes = {"fc.weight": (hidden, len(taps) * target_hidden), "hidden_norm.weight": (hidden,),
+              "norm.weight": (hidden,)}
+    for n in range(layers):
+        p = f"layers.{n}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "self_attn.q_proj.weight": (q, hidden),
+                       p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.v_proj.weight": (kv, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, q), p + "self_attn.q_norm.weight": (head_dim,),
+                       p + "self_attn.k_norm.weight": (head_dim,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
+                       p + "mlp.down_proj.weight": (hidden, intermediate)})
+    tensors = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            t = torch.randn(shape, generator=gen) * scale
+        tensors[name] = t.to(dtype)
+    tensors.update(extra_tensors or {})
+    save_file(tensors, str(path / "model.safetensors"))
+    return path

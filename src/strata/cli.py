@@ -154,6 +154,35 @@ def cmd_init_random(args) -> int:
     return 0
 
 
+def cmd_convert_dflash(args) -> int:
+    import time
+
+    from .dflash.converter import convert_hf_to_gguf
+
+    t0 = time.perf_counter()
+    art = convert_hf_to_gguf(args.src, args.out, progress=not args.quiet)
+    print(f"wrote {args.out}: {len(art.tensors)} BF16 tensors, {art.parameter_count:,} parameters, "
+          f"read-back bit-exact ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def cmd_export_dflash(args) -> int:
+    from .dflash.converter import export_gguf_to_hf
+
+    art = export_gguf_to_hf(args.src, args.out_dir, progress=not args.quiet)
+    print(f"wrote {args.out_dir}: config.json + model.safetensors, {len(art.tensors)} tensors, read-back bit-exact",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .dflash.inspect import inspect_path
+
+    text, ok = inspect_path(args.path)
+    print(text)
+    return 0 if ok else 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Fast, lossless LLM decoding with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,6 +198,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-ids", help="extra stop token ids, comma-separated")
     g.add_argument("--stats-json", help="write generation statistics to this file")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert-dflash", help="reference Hugging Face DFlash drafter -> llama.cpp GGUF (BF16)")
+    c.add_argument("src")
+    c.add_argument("out")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.set_defaults(func=cmd_convert_dflash)
+
+    e = sub.add_parser("export-dflash", help="DFlash GGUF -> reference Hugging Face folder")
+    e.add_argument("src")
+    e.add_argument("out_dir")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
+    e.set_defaults(func=cmd_export_dflash)
+
+    i = sub.add_parser("inspect", help="describe and validate a DFlash drafter (GGUF file or HF folder)")
+    i.add_argument("path")
+    i.set_defaults(func=cmd_inspect)
 
     r = sub.add_parser("init-random", help="write a random-weight model of a named shape (HF layout)")
     r.add_argument("out_dir")

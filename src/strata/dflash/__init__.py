@@ -1,0 +1,1 @@
+"""DFlash block drafters: the artifact contract, converter, runtime and NumPy reference."""

@@ -1,0 +1,233 @@
+"""The DFlash drafter artifact contract, in one place.
+
+Tensor roles with their Hugging Face and llama.cpp GGUF names, the GGUF metadata keys, the expected
+shape of every tensor derived from the hyper-parameters, and the variants Strata refuses. Every other
+module reads names from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ArtifactError
+
+ARCH = "dflash"
+
+# role: (Hugging Face suffix under layers.N., GGUF suffix under blk.N.)
+LAYER_ROLES = {
+    "attn_norm": ("input_layernorm.weight", "attn_norm.weight"),
+    "q": ("self_attn.q_proj.weight", "attn_q.weight"),
+    "k": ("self_attn.k_proj.weight", "attn_k.weight"),
+    "v": ("self_attn.v_proj.weight", "attn_v.weight"),
+    "o": ("self_attn.o_proj.weight", "attn_output.weight"),
+    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    "ffn_norm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    "gate": ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    "up": ("mlp.up_proj.weight", "ffn_up.weight"),
+    "down": ("mlp.down_proj.weight", "ffn_down.weight"),
+}
+BIAS_ROLES = {
+    "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),
+    "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
+    "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
+    "o_bias": ("self_attn.o_proj.bias", "attn_output.bias"),
+}
+GLOBAL_ROLES = {
+    "fc": ("fc.weight", "fc.weight"),
+    "hidden_norm": ("hidden_norm.weight", "enc.output_norm.weight"),
+    "norm": ("norm.weight", "output_norm.weight"),
+}
+
+K_BLOCK_COUNT = "dflash.block_count"
+K_EMBED = "dflash.embedding_length"
+K_FFN = "dflash.feed_forward_length"
+K_HEADS = "dflash.attention.head_count"
+K_KV_HEADS = "dflash.attention.head_count_kv"
+K_KEY_LEN = "dflash.attention.key_length"
+K_VALUE_LEN = "dflash.attention.value_length"
+K_EPS = "dflash.attention.layer_norm_rms_epsilon"
+K_ROPE_BASE = "dflash.rope.freq_base"
+K_CONTEXT = "dflash.context_length"
+K_TARGET_LAYERS = "dflash.target_layers"
+K_BLOCK_SIZE = "dflash.block_size"
+K_MASK = "tokenizer.ggml.mask_token_id"
+K_SLIDING = "dflash.attention.sliding_window"
+K_SLIDING_PATTERN = "dflash.attention.sliding_window_pattern"
+# Strata's own keys: facts of the reference config.json that llama.cpp has no key for.
+K_NUM_TARGET_LAYERS = "strata.dflash.num_target_layers"
+K_VOCAB = "strata.dflash.vocab_size"
+K_ATTN_BIAS = "strata.dflash.attention_bias"
+OPTIONAL_FLOAT_KEYS = {
+    "input_embedding_scale": "strata.dflash.input_embedding_scale",
+    "output_multiplier": "strata.dflash.output_multiplier",
+    "final_logit_softcapping": "strata.dflash.final_logit_softcapping",
+}
+
+REQUIRED_INT_KEYS = [K_BLOCK_COUNT, K_EMBED, K_FFN, K_HEADS, K_KV_HEADS, K_KEY_LEN, K_CONTEXT, K_BLOCK_SIZE, K_MASK]
+
+# Variants recognised and refused: (substring of a tensor name, what it means)
+REFUSED_VARIANTS = [
+    ("attention_conv", "DFlash2 (convolutional attention)"),
+    ("mlp_conv", "DFlash2 (convolutional MLP)"),
+    ("candidate_selector", "DFlash2 (candidate selector)"),
+    ("attn_conv_base", "DFlash2 (convolutional attention)"),
+    ("attn_conv_proj", "DFlash2 (convolutional attention)"),
+    ("ffn_conv_base", "DFlash2 (convolutional MLP)"),
+    ("ffn_conv_proj", "DFlash2 (convolutional MLP)"),
+    ("selector_hidden", "DFlash2 (candidate selector)"),
+    ("selector_predecessor", "DFlash2 (candidate selector)"),
+    ("selector_successor", "DFlash2 (candidate selector)"),
+    ("markov_head", "DSpark (Markov head)"),
+    ("markov_w1", "DSpark (Markov head)"),
+    ("markov_w2", "DSpark (Markov head)"),
+    ("confidence_head", "a confidence head"),
+    ("conf_proj", "a confidence head"),
+    ("embed_tokens", "a drafter with its own embedding"),
+    ("token_embd", "a drafter with its own embedding"),
+    ("lm_head", "a drafter with its own LM head"),
+    ("d2t", "a drafter with a draft-to-target vocabulary map (d2t/t2d)"),
+    ("t2d", "a drafter with a draft-to-target vocabulary map (d2t/t2d)"),
+]
+
+
+def default_target_layers(n: int, num_target_layers: int) -> list[int]:
+    """The reference rule (HF ids) when a config names no taps."""
+    if n == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]  # HF convention: feature l = output of target decoder layer l
+    target_hidden_size: int  # derived from fc's shape when not given
+    context_length: int = 32768
+    num_target_layers: int | None = None
+    vocab_size: int | None = None
+    attention_bias: bool = False
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def validate(self, where: str) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "target_hidden_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ArtifactError(f"{where}: {name} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ArtifactError(f"{where}: head count {self.num_heads} is not a multiple of kv head count "
+                                f"{self.num_kv_heads}")
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ArtifactError(f"{where}: block_size must be an integer >= 2, got {self.block_size!r}")
+        if not self.target_layer_ids or any(not isinstance(t, int) or t < 0 for t in self.target_layer_ids):
+            raise ArtifactError(f"{where}: target layers must be a non-empty list of layer ids >= 0, "
+                                f"got {self.target_layer_ids!r}")
+        if not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
+            raise ArtifactError(f"{where}: mask_token_id must be an integer >= 0, got {self.mask_token_id!r}")
+        if not (isinstance(self.rms_norm_eps, float) and 0 < self.rms_norm_eps < 1):
+            raise ArtifactError(f"{where}: rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
+        if not (isinstance(self.rope_theta, float) and self.rope_theta > 1):
+            raise ArtifactError(f"{where}: rope theta must be > 1, got {self.rope_theta!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or any(
+                    t not in ("full_attention", "sliding_attention") for t in self.layer_types):
+                raise ArtifactError(f"{where}: layer_types must list full_attention/sliding_attention for each of "
+                                    f"the {self.num_layers} layers, got {self.layer_types!r}")
+            if "sliding_attention" in self.layer_types and not (
+                    isinstance(self.sliding_window, int) and self.sliding_window > 0):
+                raise ArtifactError(f"{where}: sliding_attention layers need a positive sliding_window")
+
+
+def expected_tensors(cfg: DFlashConfig, naming: str = "hf") -> dict[str, tuple]:
+    """name -> shape in PyTorch order (out, in) for every tensor the artifact must hold."""
+    col = 0 if naming == "hf" else 1
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layer_shapes = {"attn_norm": (h,), "q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "q_norm": (hd,),
+                    "k_norm": (hd,), "ffn_norm": (h,), "gate": (i, h), "up": (i, h), "down": (h, i)}
+    bias_shapes = {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "o_bias": (h,)}
+    out = {}
+    for n in range(cfg.num_layers):
+        prefix = f"layers.{n}." if naming == "hf" else f"blk.{n}."
+        for role, names in LAYER_ROLES.items():
+            out[prefix + names[col]] = layer_shapes[role]
+        if cfg.attention_bias:
+            for role, names in BIAS_ROLES.items():
+                out[prefix + names[col]] = bias_shapes[role]
+    globals_ = {"fc": (h, cfg.num_taps * cfg.target_hidden_size), "hidden_norm": (h,), "norm": (h,)}
+    for role, names in GLOBAL_ROLES.items():
+        out[names[col]] = globals_[role]
+    return out
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """Map a llama.cpp tensor name to its Hugging Face name (HF names pass through)."""
+    if name.startswith("blk."):
+        _, n, rest = name.split(".", 2)
+        for hf, gg in list(LAYER_ROLES.values()) + list(BIAS_ROLES.values()):
+            if rest == gg:
+                return f"layers.{n}.{hf}"
+        return name
+    for hf, gg in GLOBAL_ROLES.values():
+        if name == gg:
+            return hf
+    return name
+
+
+def hf_to_gguf_name(name: str) -> str:
+    if name.startswith("layers."):
+        _, n, rest = name.split(".", 2)
+        for hf, gg in list(LAYER_ROLES.values()) + list(BIAS_ROLES.values()):
+            if rest == hf:
+                return f"blk.{n}.{gg}"
+        return name
+    for hf, gg in GLOBAL_ROLES.values():
+        if name == hf:
+            return gg
+    return name
+
+
+def refuse_variants(names, where: str, architectures=None) -> None:
+    for arch in architectures or []:
+        if arch != "DFlashDraftModel":
+            kind = "DFlash2" if "DFlash2" in arch else f"architecture {arch!r}"
+            raise ArtifactError(f"{where}: {kind} drafters are not supported (expected DFlashDraftModel)")
+    for name in names:
+        stem = name.split(".")
+        for needle, what in REFUSED_VARIANTS:
+            if needle in stem or any(part.startswith(needle) for part in stem):
+                raise ArtifactError(f"{where}: tensor '{name}' belongs to {what}, which is not supported")
+        if name in ("output.weight",):
+            raise ArtifactError(f"{where}: tensor '{name}' belongs to a drafter with its own LM head, "
+                                "which is not supported")
+
+
+def check_tensor_set(names, expected: dict, where: str) -> None:
+    present = set(names)
+    missing = [n for n in expected if n not in present]
+    unexpected = sorted(present - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
+        raise ArtifactError(f"{where}: expected exactly {len(expected)} tensors; " + "; ".join(parts))
