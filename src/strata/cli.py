@@ -69,15 +69,15 @@ def build_engine(args, target):
     if args.temperature > 0:
         raise StrataError("--temperature > 0: sampled decoding is not supported yet; use 0 (greedy)")
     drafter = None
+    max_len = args.max_model_len or target.cfg.max_position_embeddings
     if getattr(args, "dflash", None):
         from .dflash.runtime import load_drafter
 
-        drafter = load_drafter(args.dflash, target, window_cells=args.dflash_window)
+        drafter = load_drafter(args.dflash, target, window_cells=args.dflash_window, max_len=max_len)
         if args.spec is not None and not 2 <= args.spec <= drafter.max_window:
             raise StrataError(f"--spec {args.spec}: must be between 2 and the drafter's block size {drafter.max_window}")
     elif args.spec is not None:
         raise StrataError("--spec needs a drafter (--dflash)")
-    max_len = args.max_model_len or target.cfg.max_position_embeddings
     return Engine(target, drafter, window=args.spec, max_len=max_len)
 
 
@@ -183,6 +183,140 @@ def cmd_inspect(args) -> int:
     return 0 if ok else 2
 
 
+DEFAULT_PROMPTS = [
+    "def quicksort(arr):",
+    "import os\n\ndef list_python_files(root):",
+    "class Stack:\n    def __init__(self):",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+]
+
+
+def prompts_from_args(args, tokenizer, vocab: int) -> list[list[int]]:
+    """--prompt-ids (repeatable) / --prompts FILE (one text prompt per line) / a default set."""
+    if getattr(args, "prompt_ids", None):
+        return [_ids(p, "--prompt-ids") for p in args.prompt_ids]
+    texts = None
+    if getattr(args, "prompts", None):
+        try:
+            texts = [ln.replace("\\n", "\n") for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+        except OSError as e:
+            raise StrataError(f"--prompts {args.prompts}: {e.strerror}") from None
+    if texts is None and tokenizer is not None:
+        texts = DEFAULT_PROMPTS
+    if texts is not None:
+        if tokenizer is None:
+            raise StrataError(f"{args.model}: no tokenizer.json; use --prompt-ids")
+        return [tokenizer.encode(t) for t in texts]
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 7, 60)]
+
+
+def load_dflash_for(args, target):
+    from .dflash.runtime import load_drafter
+
+    if not args.dflash:
+        raise StrataError("--dflash: no drafter given")
+    max_len = args.max_model_len or target.cfg.max_position_embeddings
+    return load_drafter(args.dflash, target, window_cells=args.dflash_window, max_len=max_len)
+
+
+def cmd_parity(args) -> int:
+    from .dflash.tools import format_parity, run_parity
+
+    target, tokenizer = load_target_and_tokenizer(args)
+    drafter = load_dflash_for(args, target)
+    w = args.spec or drafter.max_window
+    if not 2 <= w <= drafter.max_window:
+        raise StrataError(f"--spec {w}: must be between 2 and the drafter's block size {drafter.max_window}")
+    prompt = prompts_from_args(args, tokenizer, target.cfg.vocab_size)[0]
+    plant = None
+    if args.plant_bug:
+        layer, _, stage = args.plant_bug.rpartition(":")
+        plant = (int(layer) if layer else -1, stage)
+    rows, first = run_parity(drafter, prompt, w, plant)
+    print(format_parity(rows, first))
+    return 0 if first is None else 1
+
+
+def cmd_taps(args) -> int:
+    import numpy as np
+
+    from .dflash.tools import taps_check
+
+    target, tokenizer = load_target_and_tokenizer(args)
+    layers = _ids(args.layers, "--layers") if args.layers else None
+    if layers is None:
+        layers = load_dflash_for(args, target).tap_layers if args.dflash else list(range(target.cfg.num_layers))
+    bad = [l for l in layers if not 0 <= l < target.cfg.num_layers]
+    if bad:
+        raise StrataError(f"--layers: layer {bad[0]} outside the target's 0..{target.cfg.num_layers - 1}")
+    prompt = prompts_from_args(args, tokenizer, target.cfg.vocab_size)[0]
+    seq = prompt + target_continuation(target, prompt, args.new_tokens)
+    prefix = max(1, len(prompt))
+    worst = 1.0
+    for w in args.windows:
+        cos, err = taps_check(target, layers, seq, prefix, w)
+        worst = min(worst, float(cos.min()))
+        print(f"W={w}: {len(seq) - prefix} positions, cosine min {cos.min():.8f} median {np.median(cos):.8f}, "
+              f"max abs {err:.3e}")
+    ok = worst >= args.min_cos
+    print(f"taps (HF ids) {layers}: {'OK' if ok else 'FAIL'} (min cosine {worst:.8f}, threshold {args.min_cos})")
+    return 0 if ok else 1
+
+
+def target_continuation(target, prompt: list[int], n: int) -> list[int]:
+    from .spec.decode import Engine
+
+    return Engine(target, max_len=len(prompt) + n + 1).generate(prompt, n).output_ids
+
+
+def cmd_gate(args) -> int:
+    from .dflash.tools import gate
+
+    target, tokenizer = load_target_and_tokenizer(args)
+    drafter = load_dflash_for(args, target)
+    windows = args.spec_list or [drafter.max_window]
+    for w in windows:
+        if not 2 <= w <= drafter.max_window:
+            raise StrataError(f"--spec {w}: must be between 2 and the drafter's block size {drafter.max_window}")
+    prompts = prompts_from_args(args, tokenizer, target.cfg.vocab_size)
+    stops = stop_ids_for(args, target, tokenizer)
+    max_len = args.max_model_len or target.cfg.max_position_embeddings
+    failures, summary = 0, {}
+    records = []
+    for rec in gate(target, drafter, prompts, windows, args.max_new_tokens, stops, max_len):
+        st = rec["dflash"].stats()
+        records.append({"prompt": rec["prompt"], "window": rec["window"], "identical": rec["identical"],
+                        "first_difference": rec["first_difference"], "tau": st["tau"],
+                        "acceptance_rate": st["acceptance_rate"], "new_tokens": st["new_tokens"],
+                        "per_position_acceptance": st["per_position_acceptance"],
+                        "accept_lengths": st["accept_lengths"]})
+        failures += not rec["identical"]
+        agg = summary.setdefault(rec["window"], {"committed": 0, "rounds": 0, "acc": [0] * (rec["window"] - 1),
+                                                 "drafted": [0] * (rec["window"] - 1)})
+        agg["committed"] += sum(st["accept_lengths"])
+        agg["rounds"] += st["rounds"]
+        res = rec["dflash"]
+        agg["acc"] = [a + b for a, b in zip(agg["acc"], res.per_position_accepted)]
+        agg["drafted"] = [a + b for a, b in zip(agg["drafted"], res.per_position_drafted)]
+        print(f"prompt {rec['prompt']} W={rec['window']}: {'identical' if rec['identical'] else 'DIFFERENT at ' + str(rec['first_difference'])}"
+              f", tau {st['tau']:.2f}, acceptance {st['acceptance_rate']:.2f}")
+    out = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "failures": failures, "windows": {}}
+    for w, agg in summary.items():
+        tau = agg["committed"] / agg["rounds"] if agg["rounds"] else 0.0
+        per_pos = [a / d if d else 0.0 for a, d in zip(agg["acc"], agg["drafted"])]
+        out["windows"][str(w)] = {"tau": tau, "per_position_acceptance": per_pos}
+        print(f"W={w}: tau {tau:.3f} over {agg['rounds']} rounds; acceptance by position "
+              + " ".join(f"{p:.2f}" for p in per_pos))
+    out["records"] = records
+    print(f"gate: {'PASS' if failures == 0 else 'FAIL'} ({len(records) - failures}/{len(records)} identical)")
+    if args.stats_json:
+        write_json_atomic(Path(args.stats_json), out)
+    return 0 if failures == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Fast, lossless LLM decoding with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -214,6 +348,36 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe and validate a DFlash drafter (GGUF file or HF folder)")
     i.add_argument("path")
     i.set_defaults(func=cmd_inspect)
+
+    pa = sub.add_parser("parity", help="one proposal, runtime vs the NumPy reference, stage by stage")
+    add_model_args(pa)
+    add_decode_args(pa)
+    pa.add_argument("--prompt-ids", action="append")
+    pa.add_argument("--prompts", help="file of text prompts, one per line (the first is used)")
+    pa.add_argument("--plant-bug", help="self-test: perturb LAYER:STAGE (e.g. 0:q_roped, :logits) in the runtime")
+    pa.set_defaults(func=cmd_parity)
+
+    ta = sub.add_parser("taps", help="taps from prefill vs taps from verify windows, per position")
+    add_model_args(ta)
+    add_decode_args(ta)
+    ta.add_argument("--prompt-ids", action="append")
+    ta.add_argument("--prompts", help="file of text prompts, one per line (the first is used)")
+    ta.add_argument("--layers", help="HF layer ids to tap (default: the drafter's, else all)")
+    ta.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8])
+    ta.add_argument("--new-tokens", type=int, default=32)
+    ta.add_argument("--min-cos", type=float, default=0.9999)
+    ta.set_defaults(func=cmd_taps)
+
+    ga = sub.add_parser("gate", help="greedy identity gate: target-only vs DFlash, token for token")
+    add_model_args(ga)
+    add_decode_args(ga)
+    ga.add_argument("--prompt-ids", action="append")
+    ga.add_argument("--prompts", help="file of text prompts, one per line (\\n for newlines)")
+    ga.add_argument("--spec-list", type=int, nargs="+", help="windows W to gate (default: the block size)")
+    ga.add_argument("--max-new-tokens", type=int, default=64)
+    ga.add_argument("--stop-ids", help="extra stop token ids, comma-separated")
+    ga.add_argument("--stats-json", help="write the gate's statistics to this file")
+    ga.set_defaults(func=cmd_gate)
 
     r = sub.add_parser("init-random", help="write a random-weight model of a named shape (HF layout)")
     r.add_argument("out_dir")

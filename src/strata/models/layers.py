@@ -79,18 +79,26 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def query(self, x: torch.Tensor, rope: RotaryTable, positions: torch.Tensor) -> torch.Tensor:
+    def query(self, x: torch.Tensor, rope: RotaryTable, positions: torch.Tensor, trace=None) -> torch.Tensor:
         q = self.q_proj(x).view(x.shape[0], self.heads, self.head_dim)
+        if trace:
+            q = trace("q_raw", q)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return rope.apply(q, positions)
+            if trace:
+                q = trace("q_normed", q)
+        q = rope.apply(q, positions)
+        return trace("q_roped", q) if trace else q
 
-    def key_value(self, x: torch.Tensor, rope: RotaryTable, positions: torch.Tensor):
+    def key_value(self, x: torch.Tensor, rope: RotaryTable, positions: torch.Tensor, trace=None):
         k = self.k_proj(x).view(x.shape[0], self.kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         v = self.v_proj(x).view(x.shape[0], self.kv_heads, self.head_dim)
-        return rope.apply(k, positions), v
+        k = rope.apply(k, positions)
+        if trace:
+            k, v = trace("k", k), trace("v", v)
+        return k, v
 
 
 class MLP(nn.Module):
@@ -114,11 +122,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(hidden, intermediate)
 
-    def forward(self, x, rope, positions, keys_fn, mask):
-        """keys_fn(k_new, v_new) -> (k_all, v_all): lets the caller splice in cached keys."""
+    def forward(self, x, rope, positions, keys_fn, mask, trace=None):
+        """keys_fn(k_new, v_new) -> (k_all, v_all) lets the caller splice in cached keys.
+
+        trace(stage, tensor) -> tensor, when given, sees (and may replace) every intermediate: the
+        parity tool records them and its self-test plants bugs through it."""
         h = self.input_layernorm(x)
-        q = self.self_attn.query(h, rope, positions)
-        k, v = self.self_attn.key_value(h, rope, positions)
+        if trace:
+            h = trace("attn_in", h)
+        q = self.self_attn.query(h, rope, positions, trace)
+        k, v = self.self_attn.key_value(h, rope, positions, trace)
         k_all, v_all = keys_fn(k, v)
-        x = x + self.self_attn.o_proj(attend(q, k_all, v_all, mask))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = attend(q, k_all, v_all, mask)
+        if trace:
+            a = trace("attn", a)
+        x = x + self.self_attn.o_proj(a)
+        if trace:
+            x = trace("o_residual", x)
+        m = self.mlp(self.post_attention_layernorm(x))
+        if trace:
+            m = trace("mlp", m)
+        return x + m

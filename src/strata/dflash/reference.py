@@ -1,0 +1,96 @@
+"""An independent NumPy (float64) implementation of one DFlash proposal, written from the spec
+(docs/DFLASH.md) and sharing no code with the runtime. The parity tool compares the two stage by
+stage. Attention is recomputed cell by cell from the context K/V that the runtime dumps, so a
+divergence in the context and one in the block pass are told apart."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """x: [T, heads, d]; NeoX layout: the first half of each head pairs with the second half."""
+    d = x.shape[-1]
+    inv = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = positions[:, None].astype(np.float64) * inv[None, :]
+    cos = np.concatenate([np.cos(ang), np.cos(ang)], -1)[:, None, :]
+    sin = np.concatenate([np.sin(ang), np.sin(ang)], -1)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + np.concatenate([-x2, x1], -1) * sin
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarray, context_taps: np.ndarray,
+                       context_k: list, context_v: list, context_ranges: list, anchor: int, pos: int, w: int):
+    """Returns {(layer, stage): array}, layer -1 for stages outside the layers.
+
+    weights: the drafter's tensors by Hugging Face name (float64); context_taps: [pos, taps*H_t];
+    context_k/v[j]: the runtime's dumped cells [cells, kv_heads, d] of layer j for cells
+    context_ranges[j] = (begin, end)."""
+    eps, theta = cfg.rms_norm_eps, cfg.rope_theta
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    out = {}
+    fused = _rms(context_taps @ weights["fc.weight"].T, weights["hidden_norm.weight"], eps)
+    out[(-1, "fused")] = fused
+    tokens = [anchor] + [cfg.mask_token_id] * (w - 1)
+    x = embed[tokens].copy()
+    if cfg.input_embedding_scale is not None:
+        x = x * cfg.input_embedding_scale
+    rows = np.arange(pos, pos + w)
+    for j in range(cfg.num_layers):
+        p = f"layers.{j}."
+        W = lambda name: weights[p + name]  # noqa: E731
+        bias = (lambda name: weights[p + name]) if cfg.attention_bias else (lambda name: 0.0)
+        begin, end = context_ranges[j]
+        ctx_pos = np.arange(begin, end)
+        ck = (fused[begin:end] @ W("self_attn.k_proj.weight").T + bias("self_attn.k_proj.bias")).reshape(-1, nkv, d)
+        out[(j, "context_k")] = _rope(_rms(ck, W("self_attn.k_norm.weight"), eps), ctx_pos, theta)
+        out[(j, "context_v")] = (fused[begin:end] @ W("self_attn.v_proj.weight").T
+                                 + bias("self_attn.v_proj.bias")).reshape(-1, nkv, d)
+        h = _rms(x, W("input_layernorm.weight"), eps)
+        out[(j, "attn_in")] = h
+        q = (h @ W("self_attn.q_proj.weight").T + bias("self_attn.q_proj.bias")).reshape(w, nh, d)
+        out[(j, "q_raw")] = q
+        q = _rms(q, W("self_attn.q_norm.weight"), eps)
+        out[(j, "q_normed")] = q
+        q = _rope(q, rows, theta)
+        out[(j, "q_roped")] = q
+        k = (h @ W("self_attn.k_proj.weight").T + bias("self_attn.k_proj.bias")).reshape(w, nkv, d)
+        k = _rope(_rms(k, W("self_attn.k_norm.weight"), eps), rows, theta)
+        v = (h @ W("self_attn.v_proj.weight").T + bias("self_attn.v_proj.bias")).reshape(w, nkv, d)
+        out[(j, "k")], out[(j, "v")] = k, v
+        keys = np.concatenate([context_k[j], k])  # cells first, then the block's own rows
+        values = np.concatenate([context_v[j], v])
+        attn = np.zeros((w, nh, d))
+        for r in range(w):  # non-causal: each row sees every context cell and every block row
+            for head in range(nh):
+                g = head // (nh // nkv)
+                scores = np.array([q[r, head] @ keys[c, g] for c in range(keys.shape[0])]) / np.sqrt(d)
+                prob = np.exp(scores - scores.max())
+                prob /= prob.sum()
+                attn[r, head] = prob @ values[:, g]
+        attn = attn.reshape(w, nh * d)
+        out[(j, "attn")] = attn
+        x = x + attn @ W("self_attn.o_proj.weight").T + bias("self_attn.o_proj.bias")
+        out[(j, "o_residual")] = x
+        m = _rms(x, W("post_attention_layernorm.weight"), eps)
+        m = (_silu(m @ W("mlp.gate_proj.weight").T) * (m @ W("mlp.up_proj.weight").T)) @ W("mlp.down_proj.weight").T
+        out[(j, "mlp")] = m
+        x = x + m
+        out[(j, "out")] = x
+    h = _rms(x, weights["norm.weight"], eps)
+    out[(-1, "final_norm")] = h
+    logits = h @ lm_head.T
+    if cfg.output_multiplier is not None:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        logits = np.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    out[(-1, "logits")] = logits
+    return out

@@ -1,0 +1,118 @@
+"""The DFlash drafter at run time: fused taps -> its own position-addressed context K/V -> one
+non-causal pass over [anchor, mask x (W-1)] -> candidates through the target's LM head.
+
+It is built from the same layers as the target decoder (models/layers.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..kv_cache import KVCache
+from ..models.config import RopeConfig
+from ..models.decoder import TargetDecoder
+from ..models.layers import DecoderLayer, RMSNorm, RotaryTable
+from ..spec.drafter import Drafter, Proposal
+from .artifact import Artifact, check_against_target, load_artifact
+from .contract import DFlashConfig
+
+
+class DFlashModel(nn.Module):
+    """The drafter's own weights: fusion (fc + hidden_norm), its layers, its final norm."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.num_taps * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.rms_norm_eps, cfg.attention_bias, qk_norm=True)
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+
+    def __init__(self, art: Artifact, target: TargetDecoder, window_cells: int = 32768, max_len: int | None = None):
+        cfg = art.cfg
+        check_against_target(cfg, target.cfg, str(art.source))
+        if window_cells < 1:
+            from ..errors import StrataError
+
+            raise StrataError(f"--dflash-window must be >= 1, got {window_cells}")
+        self.cfg, self.target, self.source = cfg, target, art.source
+        self.tap_layers = list(cfg.target_layer_ids)
+        self.max_window = cfg.block_size
+        with torch.device("meta"):
+            model = DFlashModel(cfg)
+        model.load_state_dict({k: v.to(target.dtype) for k, v in art.tensors.items()}, assign=True, strict=True)
+        self.model = model.to(target.device).eval().requires_grad_(False)
+        self.max_len = max_len or target.cfg.max_position_embeddings
+        self.rope = RotaryTable(cfg.head_dim, RopeConfig(cfg.rope_theta), self.max_len + cfg.block_size,
+                                target.device, target.dtype)
+        self.cache = KVCache(cfg.num_layers, self.max_len + cfg.block_size, cfg.num_kv_heads, cfg.head_dim,
+                             target.device, target.dtype)
+        types = cfg.layer_types or ["full_attention"] * cfg.num_layers
+        self.windows = [cfg.sliding_window if t == "sliding_attention" else window_cells for t in types]
+        self.mask_token = torch.tensor([cfg.mask_token_id], device=target.device)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    @torch.inference_mode()
+    def observe(self, tokens: list[int], start: int, taps: torch.Tensor | None, trace=None) -> None:
+        """Write context K/V of the committed positions start.. into each layer's own cells."""
+        c = self.model.hidden_norm(self.model.fc(taps.to(self.target.dtype)))
+        if trace:
+            c = trace(-1, "fused", c)
+        positions = torch.arange(start, start + c.shape[0], device=c.device)
+        for j, layer in enumerate(self.model.layers):
+            k, v = layer.self_attn.key_value(c, self.rope, positions)
+            self.cache.write(j, start, k, v)
+        self.cache.commit(start + c.shape[0])
+
+    def context_range(self, layer: int, pos: int) -> tuple[int, int]:
+        """Context cells [begin, end) a block at position pos attends to in this layer."""
+        return max(0, pos - self.windows[layer]), pos
+
+    @torch.inference_mode()
+    def propose(self, anchor: int, pos: int, n: int, trace=None) -> Proposal:
+        """trace(layer, stage, tensor) -> tensor records or replaces intermediates (parity tool)."""
+        target, cfg = self.target, self.cfg
+        block = torch.cat([torch.tensor([anchor], device=target.device), self.mask_token.expand(n)])
+        x = target.embed_tokens(block)
+        if cfg.input_embedding_scale is not None:
+            x = x * cfg.input_embedding_scale
+        positions = torch.arange(pos, pos + n + 1, device=target.device)
+        for j, layer in enumerate(self.model.layers):
+            begin, end = self.context_range(j, pos)
+
+            def keys_fn(k, v, j=j, begin=begin, end=end):
+                ck, cv = self.cache.read(j, end, begin)
+                return torch.cat([ck, k]), torch.cat([cv, v])
+
+            layer_trace = (lambda stage, t, j=j: trace(j, stage, t)) if trace else None
+            x = layer(x, self.rope, positions, keys_fn, None, layer_trace)
+            if trace:
+                x = trace(j, "out", x)
+        h = self.model.norm(x)
+        if trace:
+            h = trace(-1, "final_norm", h)
+        logits = target.lm_head(h).float()
+        if cfg.output_multiplier is not None:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        if trace:
+            logits = trace(-1, "logits", logits)
+        return Proposal(logits[1:].argmax(-1), logits[1:])
+
+
+def load_drafter(path: str | Path, target: TargetDecoder, window_cells: int = 32768,
+                 max_len: int | None = None) -> DFlashDrafter:
+    return DFlashDrafter(load_artifact(path), target, window_cells, max_len)

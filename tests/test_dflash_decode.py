@@ -1,0 +1,199 @@
+"""DFlash decoding: greedy identity, the runtime against the NumPy reference, drafter state, edges."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from strata.dflash.runtime import load_drafter
+from strata.dflash.tools import LAYER_STAGES, run_parity
+from strata.models.decoder import load_target
+from strata.spec.decode import Engine
+from strata.spec.drafter import Drafter, OracleDrafter, Proposal
+
+from conftest import run_cli, write_hf_drafter, write_hf_model
+
+PROMPTS = {1: [17], 7: [3, 99, 14, 250, 8, 8, 41]}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    target_dir, _ = write_hf_model(d / "target", "qwen3", seed=21)
+    drafter_dir = write_hf_drafter(d / "drafter", layers=2, taps=(0, 2), block_size=8, seed=4, scale=0.2)
+    target = load_target(target_dir)
+    gen = torch.Generator().manual_seed(9)
+    prompts = dict(PROMPTS)
+    prompts[60] = torch.randint(0, 256, (60,), generator=gen).tolist()
+    base = {n: Engine(target, max_len=256).generate(p, 64).output_ids for n, p in prompts.items()}
+    return target_dir, drafter_dir, target, prompts, base
+
+
+class NoisyOracle(Drafter):
+    """The right continuation with every k-th candidate wrong: forces rejections at varied depths."""
+
+    name = "noisy"
+
+    def __init__(self, seq, max_window, k):
+        self.seq, self.max_window, self.k, self.calls = seq, max_window, k, 0
+
+    def propose(self, anchor, pos, n):
+        self.calls += 1
+        nxt = (self.seq[pos + 1: pos + 1 + n] + [0] * n)[:n]
+        bad = (self.calls * 3) % (self.k + n)
+        if bad < n:
+            nxt[bad] = (nxt[bad] + 1) % 256
+        return Proposal(torch.tensor(nxt))
+
+
+@pytest.mark.parametrize("w", range(2, 9))
+def test_greedy_identity_dflash_and_oracle(pair, w):
+    _, drafter_dir, target, prompts, base = pair
+    drafter = load_drafter(drafter_dir, target, max_len=256)
+    for n, prompt in prompts.items():
+        res = Engine(target, drafter, window=w, max_len=256).generate(prompt, 64)
+        assert res.output_ids == base[n], (n, w)
+        st = res.stats()
+        assert st["rounds"] == len(st["accept_lengths"]) and st["drafted"] == st["rounds"] * (w - 1)
+
+        oracle = OracleDrafter(prompt + base[n], w)
+        res = Engine(target, oracle, window=w, max_len=256).generate(prompt, 64)
+        assert res.output_ids == base[n]
+        assert res.accept_lengths[:-1] == [w] * (len(res.accept_lengths) - 1)  # every full round: tau == W
+        assert res.stats()["acceptance_rate"] == 1.0 or len(res.accept_lengths) * w > 64
+
+        noisy = NoisyOracle(prompt + base[n], w, k=3)
+        res = Engine(target, noisy, window=w, max_len=256).generate(prompt, 64)
+        assert res.output_ids == base[n]
+        if w > 2:
+            assert len(set(res.accept_lengths)) > 1  # the rejections really happened at several depths
+
+
+def test_runtime_matches_numpy_reference(pair):
+    _, drafter_dir, target, prompts, _ = pair
+    drafter = load_drafter(drafter_dir, target, max_len=256)
+    for w in (2, 8):
+        rows, first = run_parity(drafter, prompts[60], w)
+        assert first is None
+        assert len(rows) == 1 + 2 * len(LAYER_STAGES) + 2
+        for row in rows:
+            assert row.max_abs <= 1e-4, row
+
+
+@pytest.mark.parametrize("stage", ["0:q_roped", "1:attn_in", "0:k", "1:mlp", ":final_norm", "0:attn"])
+def test_parity_reports_a_planted_bug_at_its_stage(pair, stage):
+    _, drafter_dir, target, prompts, _ = pair
+    drafter = load_drafter(drafter_dir, target, max_len=256)
+    layer, _, name = stage.rpartition(":")
+    _, first = run_parity(drafter, prompts[7], 8, plant_bug=(int(layer) if layer else -1, name))
+    assert first == (name if not layer else f"layer{layer}.{name}")
+
+
+def test_parity_cli_exit_codes(pair):
+    target_dir, drafter_dir, *_ = pair
+    ok = run_cli("parity", "--model", target_dir, "--dflash", drafter_dir, "--prompt-ids", "4,5,6,7")
+    assert ok.returncode == 0, ok.stderr
+    assert "FIRST DIVERGENCE: none" in ok.stdout
+    bad = run_cli("parity", "--model", target_dir, "--dflash", drafter_dir, "--prompt-ids", "4,5,6,7",
+                  "--plant-bug", "1:v")
+    assert bad.returncode == 1
+    assert "FIRST DIVERGENCE: layer1.v" in bad.stdout
+
+
+def test_context_cells_after_rejections_equal_recomputation(pair):
+    _, drafter_dir, target, prompts, base = pair
+    drafter = load_drafter(drafter_dir, target, max_len=256)
+    res = Engine(target, drafter, window=6, max_len=256).generate(prompts[7], 64)
+    assert res.per_position_drafted[0] > res.per_position_accepted[0]  # rejections happened
+    length = drafter.cache.length
+    committed = (prompts[7] + res.output_ids)[:length]
+    fresh = load_drafter(drafter_dir, target, max_len=256)
+    taps = target(torch.tensor(committed), 0, target.make_cache(256), taps=fresh.tap_layers).taps
+    fresh.observe(committed, 0, taps)
+    for j in range(fresh.cfg.num_layers):
+        k1, v1 = drafter.cache.read(j, length)
+        k2, v2 = fresh.cache.read(j, length)
+        assert (k1 - k2).abs().max() <= 1e-5 and (v1 - v2).abs().max() <= 1e-5
+
+
+def test_stop_inside_block_and_budget_mid_block(pair):
+    _, _, target, prompts, base = pair
+    prompt, full = prompts[7], base[7]
+    stop = full[10]
+    expected = full[: full.index(stop) + 1]
+    oracle = OracleDrafter(prompt + full, 8)
+    res = Engine(target, oracle, window=8, max_len=256).generate(prompt, 64, stop_ids={stop})
+    assert res.output_ids == expected and res.finish_reason == "stop"
+    for budget in (1, 2, 13, 17):
+        res = Engine(target, OracleDrafter(prompt + full, 8), window=8, max_len=256).generate(prompt, budget)
+        assert res.output_ids == full[:budget] and res.finish_reason == "length"
+
+
+def test_context_end_shrinks_the_window(pair):
+    _, drafter_dir, target, prompts, base = pair
+    drafter = load_drafter(drafter_dir, target, max_len=20)
+    res = Engine(target, drafter, window=8, max_len=20).generate(prompts[7], 64)
+    assert res.output_ids == base[7][: 20 - 7 + 1]
+
+
+def test_generate_cli_with_dflash_and_stats(pair, tmp_path):
+    target_dir, drafter_dir, target, prompts, base = pair
+    gguf_path = tmp_path / "d.gguf"
+    assert run_cli("convert-dflash", drafter_dir, gguf_path, "--quiet").returncode == 0
+    stats = tmp_path / "s.json"
+    r = run_cli("generate", "--model", target_dir, "--dflash", gguf_path, "--spec", "5", "--prompt-ids",
+                ",".join(map(str, prompts[7])), "--max-new-tokens", "64", "--stats-json", stats)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(stats.read_text())
+    assert data["output_ids"] == base[7]  # a GGUF (BF16) drafter: proposals change, output does not
+    assert {"rounds", "drafted", "accepted", "acceptance_rate", "tau", "accept_lengths",
+            "per_position_acceptance"} <= set(data)
+    assert len(data["accept_lengths"]) == data["rounds"] and len(data["per_position_acceptance"]) == 4
+    assert "tau" in r.stderr
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--spec", "9"], "--spec 9: must be between 2 and the drafter's block size 8"),
+    (["--spec", "1"], "--spec 1: must be between 2 and the drafter's block size 8"),
+    (["--temperature", "0.7"], "sampled decoding is not supported yet"),
+])
+def test_generate_cli_bad_spec(pair, extra, needle):
+    target_dir, drafter_dir, *_ = pair
+    r = run_cli("generate", "--model", target_dir, "--dflash", drafter_dir, "--prompt-ids", "1,2", *extra)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(hidden=32, heads=2, head_dim=16, target_hidden=64), "drafter hidden size 32 differs from the target's 64"),
+    (dict(taps=(0, 3)), "target layer id 3 (HF convention) is outside the target's 3 layers"),
+    (dict(vocab=1000), "drafter vocabulary 1000 differs from the target's 256"),
+    (dict(target_hidden=48), "fc expects target hidden size 48 per tap, the target has 64"),
+])
+def test_drafter_that_does_not_fit_is_refused_before_decoding(pair, tmp_path, kw, needle):
+    target_dir = pair[0]
+    bad = write_hf_drafter(tmp_path / "bad", **kw)
+    r = run_cli("generate", "--model", target_dir, "--dflash", bad, "--prompt-ids", "1,2")
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert r.stdout == ""
+
+
+def test_gate_cli_random_drafter_passes(pair, tmp_path):
+    target_dir, drafter_dir, *_ = pair
+    stats = tmp_path / "g.json"
+    r = run_cli("gate", "--model", target_dir, "--dflash", drafter_dir, "--spec-list", "2", "8",
+                "--max-new-tokens", "24", "--stats-json", stats)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "gate: PASS (6/6 identical)" in r.stdout
+    data = json.loads(stats.read_text())
+    assert data["failures"] == 0 and data["windows"]["8"]["tau"] < 1.5
+
+
+def test_taps_cli(pair):
+    target_dir, drafter_dir, *_ = pair
+    r = run_cli("taps", "--model", target_dir, "--dflash", drafter_dir, "--prompt-ids", "5,6,7,8")
+    assert r.returncode == 0, r.stderr
+    assert "taps (HF ids) [0, 2]: OK" in r.stdout
+    r = run_cli("taps", "--model", target_dir, "--prompt-ids", "5,6,7,8", "--min-cos", "1.5")
+    assert r.returncode == 1 and "FAIL" in r.stdout
