@@ -48,7 +48,19 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dflash", help="DFlash drafter: a GGUF file or a Hugging Face folder")
     p.add_argument("--spec", type=int, default=None, help="verify window W (anchor + W-1 candidates)")
     p.add_argument("--dflash-window", type=int, default=32768, help="drafter attention window in context cells")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompt-lookup", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--draft-sampling", default="sample", choices=["sample", "argmax"],
+                   help="sampled decoding: draw DFlash candidates from q, or take q's argmax (one-hot q)")
+
+
+def sampling_params(args):
+    from .spec.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
 
 def load_target_and_tokenizer(args):
@@ -64,21 +76,26 @@ def load_target_and_tokenizer(args):
 def build_engine(args, target):
     from .spec.decode import Engine
 
-    if args.temperature < 0:
-        raise StrataError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.temperature > 0:
-        raise StrataError("--temperature > 0: sampled decoding is not supported yet; use 0 (greedy)")
+    sampling_params(args)  # validate before any loading work
     drafter = None
     max_len = args.max_model_len or target.cfg.max_position_embeddings
-    if getattr(args, "dflash", None):
-        from .dflash.runtime import load_drafter
+    if args.dflash and args.prompt_lookup is not None:
+        raise StrataError("--dflash and --prompt-lookup are mutually exclusive: choose one drafter")
+    if args.prompt_lookup is not None:
+        from .spec.prompt_lookup import PromptLookupDrafter
 
-        drafter = load_drafter(args.dflash, target, window_cells=args.dflash_window, max_len=max_len)
-        if args.spec is not None and not 2 <= args.spec <= drafter.max_window:
-            raise StrataError(f"--spec {args.spec}: must be between 2 and the drafter's block size {drafter.max_window}")
+        if args.prompt_lookup < 1:
+            raise StrataError(f"--prompt-lookup must be >= 1, got {args.prompt_lookup}")
+        w = args.spec or 8
+        if w < 2:
+            raise StrataError(f"--spec {w}: must be >= 2")
+        drafter = PromptLookupDrafter(args.prompt_lookup, max_window=w, device=target.device)
+    elif args.dflash:
+        drafter = load_dflash_for(args, target)
+        check_window(args.spec, drafter)
     elif args.spec is not None:
-        raise StrataError("--spec needs a drafter (--dflash)")
-    return Engine(target, drafter, window=args.spec, max_len=max_len)
+        raise StrataError("--spec needs a drafter (--dflash or --prompt-lookup)")
+    return Engine(target, drafter, window=args.spec, max_len=max_len, draft_sampling=args.draft_sampling)
 
 
 def stop_ids_for(args, target, tokenizer) -> set[int]:
@@ -110,6 +127,7 @@ def cmd_generate(args) -> int:
         prompt_ids = tokenizer.encode(text)
     else:
         prompt_ids = _ids(args.prompt_ids, "--prompt-ids")
+    params = sampling_params(args)
     engine = build_engine(args, target)
     stops = stop_ids_for(args, target, tokenizer)
     if tokenizer is not None and not args.ids:
@@ -126,7 +144,7 @@ def cmd_generate(args) -> int:
             first[0] = False
             sys.stdout.flush()
 
-    res = engine.generate(prompt_ids, args.max_new_tokens, stops, on_tokens=on_tokens)
+    res = engine.generate(prompt_ids, args.max_new_tokens, stops, params, on_tokens=on_tokens)
     sys.stdout.write("\n")
     sys.stdout.flush()
     stats = res.stats()
@@ -213,6 +231,11 @@ def prompts_from_args(args, tokenizer, vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 7, 60)]
 
 
+def check_window(w: int | None, drafter) -> None:
+    if w is not None and not 2 <= w <= drafter.max_window:
+        raise StrataError(f"--spec {w}: must be between 2 and the drafter's block size {drafter.max_window}")
+
+
 def load_dflash_for(args, target):
     from .dflash.runtime import load_drafter
 
@@ -228,8 +251,7 @@ def cmd_parity(args) -> int:
     target, tokenizer = load_target_and_tokenizer(args)
     drafter = load_dflash_for(args, target)
     w = args.spec or drafter.max_window
-    if not 2 <= w <= drafter.max_window:
-        raise StrataError(f"--spec {w}: must be between 2 and the drafter's block size {drafter.max_window}")
+    check_window(w, drafter)
     prompt = prompts_from_args(args, tokenizer, target.cfg.vocab_size)[0]
     plant = None
     if args.plant_bug:
@@ -279,8 +301,7 @@ def cmd_gate(args) -> int:
     drafter = load_dflash_for(args, target)
     windows = args.spec_list or [drafter.max_window]
     for w in windows:
-        if not 2 <= w <= drafter.max_window:
-            raise StrataError(f"--spec {w}: must be between 2 and the drafter's block size {drafter.max_window}")
+        check_window(w, drafter)
     prompts = prompts_from_args(args, tokenizer, target.cfg.vocab_size)
     stops = stop_ids_for(args, target, tokenizer)
     max_len = args.max_model_len or target.cfg.max_position_embeddings

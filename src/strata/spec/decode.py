@@ -13,7 +13,10 @@ import torch
 from ..errors import StrataError
 from ..models.decoder import TargetDecoder
 from .drafter import Drafter, NoDrafter
-from .verify import greedy_accept
+from .sampling import SamplingParams, process, sample
+from .verify import greedy_accept, speculative_accept
+
+DRAFT_SAMPLING_MODES = ("sample", "argmax")
 
 
 @dataclass
@@ -69,7 +72,11 @@ class Engine:
     """A target, its cache and a drafter: serves one sequence at a time."""
 
     def __init__(self, target: TargetDecoder, drafter: Drafter | None = None, window: int | None = None,
-                 max_len: int | None = None):
+                 max_len: int | None = None, draft_sampling: str = "sample"):
+        if draft_sampling not in DRAFT_SAMPLING_MODES:
+            raise StrataError(f"--draft-sampling: expected one of {', '.join(DRAFT_SAMPLING_MODES)}, "
+                              f"got {draft_sampling!r}")
+        self.draft_sampling = draft_sampling
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.window = window or self.drafter.max_window
@@ -94,6 +101,7 @@ class Engine:
         prompt_ids: list[int],
         max_new_tokens: int,
         stop_ids: set[int] | frozenset = frozenset(),
+        params: SamplingParams = SamplingParams(),
         on_tokens: Callable[[list[int]], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
@@ -106,6 +114,7 @@ class Engine:
         res.per_position_drafted = [0] * (self.window - 1)
         res.per_position_accepted = [0] * (self.window - 1)
         taps = drafter.tap_layers
+        gen = None if params.greedy else params.generator(dev)
 
         def emit(tokens: list[int]) -> bool:
             """Append tokens up to a stop id or the budget; True when generation is over."""
@@ -131,7 +140,10 @@ class Engine:
         out = target(prompt, 0, cache, taps=taps, last_only=True)
         cache.commit(len(prompt_ids))
         drafter.observe(prompt_ids, 0, out.taps)
-        anchor = int(out.logits[-1].argmax().item())
+        if params.greedy:
+            anchor = int(out.logits[-1].argmax().item())
+        else:
+            anchor = int(sample(process(out.logits[-1:], params), gen).item())
         res.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         done = emit([anchor])
@@ -144,14 +156,22 @@ class Engine:
             if w < 1:
                 res.finish_reason = "length"
                 break
+            q = None
             if w > 1:
-                cands = drafter.propose(anchor, pos, w - 1).tokens
+                proposal = drafter.propose(anchor, pos, w - 1)
+                cands = proposal.tokens
+                if not params.greedy and self.draft_sampling == "sample" and proposal.logits is not None:
+                    q = process(proposal.logits, params)
+                    cands = sample(q, gen)
                 window = torch.cat([torch.tensor([anchor], device=dev), cands])
             else:
                 cands = torch.empty(0, dtype=torch.long, device=dev)
                 window = torch.tensor([anchor], device=dev)
             out = target(window, pos, cache, taps=taps)
-            a, bonus = greedy_accept(out.logits, cands)
+            if params.greedy:
+                a, bonus = greedy_accept(out.logits, cands)
+            else:
+                a, bonus = speculative_accept(process(out.logits, params), cands, q, gen)
             accepted = cands[:a].tolist()
             cache.commit(pos + a + 1)
             drafter.observe([anchor] + accepted, pos, None if out.taps is None else out.taps[: a + 1])
