@@ -157,7 +157,7 @@ def test_generate_cli_with_dflash_and_stats(pair, tmp_path):
 @pytest.mark.parametrize("extra,needle", [
     (["--spec", "9"], "--spec 9: must be between 2 and the drafter's block size 8"),
     (["--spec", "1"], "--spec 1: must be between 2 and the drafter's block size 8"),
-    (["--temperature", "0.7"], "sampled decoding is not supported yet"),
+    (["--temperature", "-0.7"], "temperature must be between 0 and 100"),
 ])
 def test_generate_cli_bad_spec(pair, extra, needle):
     target_dir, drafter_dir, *_ = pair

@@ -96,6 +96,24 @@ class TargetDecoder(nn.Module):
         return ForwardOut(self.logits(x), torch.cat(tapped, dim=-1) if tapped else None)
 
 
+    def forward_batch(self, tokens: torch.Tensor, taps: list[int] | None = None, with_logits: bool = True):
+        """Causal forward of a batch [B, T] without a cache (training and batched data generation).
+
+        Returns (logits [B, T, V] or None, taps [B, T, n*H] or None)."""
+        b, t = tokens.shape
+        positions = torch.arange(t, device=tokens.device)
+        mask = window_mask(0, t, tokens.device)
+        x = self.embed_tokens(tokens)
+        wanted = {l: i for i, l in enumerate(taps or [])}
+        tapped: list[torch.Tensor | None] = [None] * len(wanted)
+        for li, layer in enumerate(self.layers):
+            x = layer(x, self.rope, positions, lambda k, v: (k, v), mask)
+            if li in wanted:
+                tapped[wanted[li]] = x
+        logits = self.lm_head(self.norm(x)) if with_logits else None
+        return logits, (torch.cat(tapped, dim=-1) if tapped else None)
+
+
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
     h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd

@@ -40,27 +40,28 @@ class RotaryTable:
         self.max_positions = max_positions
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; positions: [T] int64."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        """x: [..., T, heads, head_dim]; positions: [T] or [..., T] int64."""
+        cos = self.cos[positions].unsqueeze(-2)
+        sin = self.sin[positions].unsqueeze(-2)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention. q: [T, H, D]; k, v: [S, Hkv, D]; mask: [T, S] bool (True = visible).
-
-    Returns [T, H*D]."""
-    t, h, d = q.shape
-    groups = h // k.shape[1]
+    """Grouped-query attention. q: [..., T, H, D]; k, v: [..., S, Hkv, D]; mask: [..., T, S] bool
+    (True = visible), or None for full visibility. Returns [..., T, H*D]."""
+    *lead, t, h, d = q.shape
+    groups = h // k.shape[-2]
     if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+        k = k.repeat_interleave(groups, dim=-2)
+        v = v.repeat_interleave(groups, dim=-2)
+    if mask is not None and mask.dim() > 2:
+        mask = mask.unsqueeze(-3)  # broadcast over heads
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=d ** -0.5
+        q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=d ** -0.5
     )
-    return out.transpose(0, 1).reshape(t, h * d)
+    return out.transpose(-3, -2).reshape(*lead, t, h * d)
 
 
 class Attention(nn.Module):
@@ -80,7 +81,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def query(self, x: torch.Tensor, rope: RotaryTable, positions: torch.Tensor, trace=None) -> torch.Tensor:
-        q = self.q_proj(x).view(x.shape[0], self.heads, self.head_dim)
+        q = self.q_proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
         if trace:
             q = trace("q_raw", q)
         if self.q_norm is not None:
@@ -91,10 +92,10 @@ class Attention(nn.Module):
         return trace("q_roped", q) if trace else q
 
     def key_value(self, x: torch.Tensor, rope: RotaryTable, positions: torch.Tensor, trace=None):
-        k = self.k_proj(x).view(x.shape[0], self.kv_heads, self.head_dim)
+        k = self.k_proj(x).view(*x.shape[:-1], self.kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = self.v_proj(x).view(x.shape[0], self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*x.shape[:-1], self.kv_heads, self.head_dim)
         k = rope.apply(k, positions)
         if trace:
             k, v = trace("k", k), trace("v", v)
