@@ -338,6 +338,41 @@ def cmd_gate(args) -> int:
     return 0 if failures == 0 else 1
 
 
+def cmd_train_drafter(args) -> int:
+    import torch
+
+    from .dflash.train import DrafterTrainer, TrainConfig, read_corpus, self_distill
+
+    args.model = args.target
+    target, tokenizer = load_target_and_tokenizer(args)
+    if tokenizer is None:
+        raise StrataError(f"{args.target}: no tokenizer.json (needed to read --data)")
+    tc = TrainConfig(layers=args.layers, block_size=args.block_size,
+                     taps=_ids(args.taps, "--taps") if args.taps else None, steps=args.steps,
+                     batch_size=args.batch_size, lr=args.lr, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                     num_sequences=args.num_sequences, seed=args.seed, eval_every=args.eval_every,
+                     save_every=args.save_every, temperature=args.temperature)
+    if tc.block_size < 2:
+        raise StrataError(f"--block-size must be >= 2, got {tc.block_size}")
+    out = Path(args.out)
+    trainer = DrafterTrainer(target, tc, out, args.device)
+    data_path = out / "distill.pt"
+    resumed = args.resume and trainer.load_checkpoint()
+    if resumed and data_path.is_file():
+        trainer.set_data(torch.load(data_path, weights_only=True))
+    else:
+        seqs = self_distill(target, read_corpus(args.data, tokenizer), tc, args.device).cpu()
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(seqs, data_path)
+        trainer.set_data(seqs)
+    history = trainer.fit(progress=not args.quiet)
+    last = history[-1] if history else {}
+    print(f"wrote {out}: {tc.layers}-layer drafter, block {tc.block_size}, taps {trainer.cfg.target_layer_ids}; "
+          f"held-out loss {last.get('held_out_loss', float('nan')):.3f}, tau estimate "
+          f"{last.get('tau_estimate', float('nan')):.2f}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Fast, lossless LLM decoding with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -399,6 +434,29 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument("--stop-ids", help="extra stop token ids, comma-separated")
     ga.add_argument("--stats-json", help="write the gate's statistics to this file")
     ga.set_defaults(func=cmd_gate)
+
+    tr = sub.add_parser("train-drafter", help="train a DFlash drafter for a target by self-distillation")
+    tr.add_argument("--target", required=True, help="target model folder (with tokenizer.json)")
+    tr.add_argument("--data", nargs="+", required=True, help="text files the prompts are cut from")
+    tr.add_argument("--out", required=True, help="output folder (reference Hugging Face format)")
+    tr.add_argument("--layers", type=int, default=2)
+    tr.add_argument("--block-size", type=int, default=8)
+    tr.add_argument("--taps", help="target layer ids (HF convention), comma-separated")
+    tr.add_argument("--steps", type=int, default=2000)
+    tr.add_argument("--batch-size", type=int, default=32)
+    tr.add_argument("--lr", type=float, default=6e-4)
+    tr.add_argument("--prompt-len", type=int, default=64)
+    tr.add_argument("--gen-len", type=int, default=192)
+    tr.add_argument("--num-sequences", type=int, default=2048)
+    tr.add_argument("--temperature", type=float, default=0.0, help="self-distillation sampling temperature")
+    tr.add_argument("--eval-every", type=int, default=200)
+    tr.add_argument("--save-every", type=int, default=500)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    tr.add_argument("--quiet", action="store_true")
+    tr.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    tr.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    tr.set_defaults(func=cmd_train_drafter)
 
     r = sub.add_parser("init-random", help="write a random-weight model of a named shape (HF layout)")
     r.add_argument("out_dir")

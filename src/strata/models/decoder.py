@@ -51,14 +51,18 @@ class TargetDecoder(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def make_cache(self, max_len: int | None = None) -> KVCache:
+    def ensure_rope(self, max_len: int) -> None:
         cfg = self.cfg
-        max_len = max_len or cfg.max_position_embeddings
         if self.rope is None or self.rope.max_positions < max_len:
             self.rope = RotaryTable(
                 cfg.head_dim, cfg.rope, max(max_len, cfg.max_position_embeddings), self.device, self.dtype,
                 orig_max_pos=(cfg.rope.scaling or {}).get("original_max_position_embeddings", 8192),
             )
+
+    def make_cache(self, max_len: int | None = None) -> KVCache:
+        cfg = self.cfg
+        max_len = max_len or cfg.max_position_embeddings
+        self.ensure_rope(max_len)
         return KVCache(cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -101,6 +105,7 @@ class TargetDecoder(nn.Module):
 
         Returns (logits [B, T, V] or None, taps [B, T, n*H] or None)."""
         b, t = tokens.shape
+        self.ensure_rope(t)
         positions = torch.arange(t, device=tokens.device)
         mask = window_mask(0, t, tokens.device)
         x = self.embed_tokens(tokens)

@@ -1,0 +1,300 @@
+"""`strata train-drafter`: train a DFlash drafter for a target by self-distillation.
+
+The published recipe: the target writes the responses the drafter learns from; anchors are drawn at
+random in the response region, anew every epoch; each block is [anchor, mask x (B-1)] and sees the
+target context strictly before its anchor plus its own block in both directions, never another block;
+the loss is cross-entropy of rows 1..B-1 weighted exp(-(k-1)/gamma). The target is frozen and lends
+its embedding and LM head."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ..errors import StrataError
+from ..models.config import RopeConfig
+from ..models.decoder import TargetDecoder
+from ..models.layers import RotaryTable
+from .artifact import config_to_hf
+from .contract import DFlashConfig, default_target_layers
+from .runtime import DFlashModel
+
+GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass
+class TrainConfig:
+    layers: int = 2
+    block_size: int = 8
+    taps: list[int] | None = None
+    steps: int = 2000
+    batch_size: int = 32
+    anchors_per_seq: int = 16
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    prompt_len: int = 64
+    gen_len: int = 192
+    num_sequences: int = 2048
+    held_out: float = 0.05
+    temperature: float = 0.0
+    seed: int = 0
+    eval_every: int = 200
+    save_every: int = 500
+    mask_token_id: int | None = None
+
+
+def gamma_for(block_size: int) -> float:
+    return GAMMA.get(block_size, max(1.0, 0.45 * block_size))
+
+
+def lr_at(step: int, total: int, peak: float, warmup_frac: float) -> float:
+    """Linear warmup, then cosine decay to zero."""
+    warm = max(1, int(total * warmup_frac))
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def drafter_config_for(target: TargetDecoder, tc: TrainConfig) -> DFlashConfig:
+    t = target.cfg
+    taps = tc.taps if tc.taps is not None else default_target_layers(min(5, t.num_layers), t.num_layers) \
+        if t.num_layers >= 5 else default_target_layers(1, t.num_layers)
+    bad = [x for x in taps if not 0 <= x < t.num_layers]
+    if bad:
+        raise StrataError(f"--taps: layer {bad[0]} outside the target's 0..{t.num_layers - 1}")
+    mask = tc.mask_token_id if tc.mask_token_id is not None else t.vocab_size - 1
+    return DFlashConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_layers=tc.layers,
+        num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
+        rope_theta=float(t.rope.theta), block_size=tc.block_size, mask_token_id=mask, target_layer_ids=list(taps),
+        target_hidden_size=t.hidden_size, context_length=t.max_position_embeddings,
+        num_target_layers=t.num_layers, vocab_size=t.vocab_size)
+
+
+def init_drafter(cfg: DFlashConfig, seed: int, device) -> DFlashModel:
+    torch.manual_seed(seed)
+    model = DFlashModel(cfg)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.ones_(p)
+        else:
+            torch.nn.init.normal_(p, 0.0, 0.02)
+    return model.to(device)
+
+
+@torch.no_grad()
+def self_distill(target: TargetDecoder, corpus_ids: list[int], tc: TrainConfig, device, progress=True):
+    """Prompts cut from the corpus at seeded offsets; the target writes the continuations."""
+    rng = random.Random(tc.seed)
+    span = tc.prompt_len
+    if len(corpus_ids) <= span + 1:
+        raise StrataError(f"--data: the corpus has {len(corpus_ids)} tokens, fewer than --prompt-len {span} + 1")
+    starts = [rng.randrange(0, len(corpus_ids) - span) for _ in range(tc.num_sequences)]
+    prompts = torch.tensor([corpus_ids[s:s + span] for s in starts], device=device)
+    gen = torch.Generator(device=device).manual_seed(tc.seed)
+    out = []
+    chunk = 256 if device != "cpu" else 32
+    for i in tqdm(range(0, len(prompts), chunk), desc="self-distill", disable=not progress, leave=False):
+        seq = prompts[i:i + chunk]
+        for _ in range(tc.gen_len):
+            with _autocast(device):
+                logits, _ = target.forward_batch(seq)
+            last = logits[:, -1].float()
+            if tc.temperature > 0:
+                nxt = torch.multinomial(torch.softmax(last / tc.temperature, -1), 1, generator=gen)
+            else:
+                nxt = last.argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+        out.append(seq)
+    return torch.cat(out)
+
+
+def _autocast(device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if str(device).startswith("cuda") else \
+        torch.autocast("cpu", enabled=False)
+
+
+def block_forward(model: DFlashModel, target: TargetDecoder, cfg: DFlashConfig, rope: RotaryTable,
+                  tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor):
+    """Training pass over K blocks per sequence. tokens [B, T]; taps [B, T, n*H]; anchors [B, K].
+
+    Returns logits [B, K, bs-1, V] and labels [B, K, bs-1]."""
+    b, t = tokens.shape
+    k, bs = anchors.shape[1], cfg.block_size
+    dev = tokens.device
+    c = model.hidden_norm(model.fc(taps))
+    ctx_pos = torch.arange(t, device=dev)
+    pos = anchors[..., None] + torch.arange(bs, device=dev)  # [B, K, bs]
+    block = torch.full((b, k, bs), cfg.mask_token_id, device=dev, dtype=torch.long)
+    block[..., 0] = tokens.gather(1, anchors)
+    x = target.embed_tokens(block).view(b, k * bs, -1)
+    if cfg.input_embedding_scale is not None:
+        x = x * cfg.input_embedding_scale
+    flat_pos = pos.view(b, k * bs)
+    row_anchor = anchors.repeat_interleave(bs, dim=1)  # [B, K*bs]
+    ctx_visible = ctx_pos.view(1, 1, t) < row_anchor.unsqueeze(-1)  # strictly before the anchor
+    block_id = torch.arange(k, device=dev).repeat_interleave(bs)
+    own_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)
+    mask = torch.cat([ctx_visible, own_block], dim=-1)
+    for layer in model.layers:
+        ck, cv = layer.self_attn.key_value(c, rope, ctx_pos)
+        x = layer(x, rope, flat_pos, lambda kk, vv, ck=ck, cv=cv: (torch.cat([ck, kk], 1), torch.cat([cv, vv], 1)),
+                  mask)
+    logits = target.lm_head(model.norm(x)).view(b, k, bs, -1)[:, :, 1:]
+    labels = tokens.gather(1, pos[..., 1:].reshape(b, -1)).view(b, k, bs - 1)
+    return logits, labels
+
+
+def sample_anchors(n_seq: int, k: int, lo: int, hi: int, gen: torch.Generator, device) -> torch.Tensor:
+    return torch.randint(lo, hi + 1, (n_seq, k), generator=gen).to(device)
+
+
+class DrafterTrainer:
+    def __init__(self, target: TargetDecoder, tc: TrainConfig, out_dir: Path, device):
+        self.target, self.tc, self.out, self.device = target, tc, Path(out_dir), device
+        self.cfg = drafter_config_for(target, tc)
+        self.model = init_drafter(self.cfg, tc.seed, device)
+        self.rope = RotaryTable(self.cfg.head_dim, RopeConfig(self.cfg.rope_theta),
+                                tc.prompt_len + tc.gen_len + tc.block_size, device, torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, betas=(0.9, 0.95),
+                                     weight_decay=tc.weight_decay)
+        self.step = 0
+        self.gen = torch.Generator().manual_seed(tc.seed + 1)
+        bs = tc.block_size
+        g = gamma_for(bs)
+        self.weights = torch.tensor([math.exp(-(r - 1) / g) for r in range(1, bs)], device=device)
+        self.history: list[dict] = []
+
+    # -- data
+    def set_data(self, sequences: torch.Tensor):
+        n_hold = max(1, int(len(sequences) * self.tc.held_out))
+        self.train_seqs, self.held_seqs = sequences[n_hold:], sequences[:n_hold]
+
+    def taps_of(self, tokens):
+        with torch.no_grad(), _autocast(self.device):
+            _, taps = self.target.forward_batch(tokens, self.cfg.target_layer_ids, with_logits=False)
+        return taps.float()
+
+    def loss_on(self, tokens, anchors):
+        with _autocast(self.device):
+            logits, labels = block_forward(self.model, self.target, self.cfg, self.rope, tokens,
+                                           self.taps_of(tokens), anchors)
+        ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+        loss = (ce * self.weights).sum() / (self.weights.sum() * labels.shape[0] * labels.shape[1])
+        return loss, logits, labels
+
+    def anchor_range(self):
+        return self.tc.prompt_len - 1, self.train_seqs.shape[1] - self.tc.block_size
+
+    # -- one optimisation step
+    def train_step(self) -> float:
+        tc = self.tc
+        idx = torch.randint(0, len(self.train_seqs), (tc.batch_size,), generator=self.gen)
+        tokens = self.train_seqs[idx].to(self.device)
+        lo, hi = self.anchor_range()
+        anchors = sample_anchors(tc.batch_size, tc.anchors_per_seq, lo, hi, self.gen, self.device)
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, tc.steps, tc.lr, tc.warmup)
+        self.model.train()
+        loss, _, _ = self.loss_on(tokens, anchors)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip)
+        self.opt.step()
+        self.step += 1
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out loss and acceptance under teacher forcing: per block, the run of leading rows whose
+        argmax is right; tau estimate = 1 + its mean (the bonus token counted)."""
+        self.model.eval()
+        gen = torch.Generator().manual_seed(12345)
+        lo, hi = self.anchor_range()
+        tokens = self.held_seqs.to(self.device)
+        anchors = sample_anchors(len(tokens), self.tc.anchors_per_seq, lo, hi, gen, self.device)
+        losses, runs, per_pos = [], [], []
+        for i in range(0, len(tokens), self.tc.batch_size):
+            loss, logits, labels = self.loss_on(tokens[i:i + self.tc.batch_size], anchors[i:i + self.tc.batch_size])
+            ok = (logits.argmax(-1) == labels).float()
+            losses.append(float(loss))
+            runs.append(ok.cumprod(-1).sum(-1).flatten())
+            per_pos.append(ok.flatten(0, 1))
+        run = torch.cat(runs)
+        pp = torch.cat(per_pos).mean(0)
+        return {"step": self.step, "held_out_loss": sum(losses) / len(losses), "tau_estimate": 1 + float(run.mean()),
+                "per_position_accuracy": [round(float(x), 4) for x in pp]}
+
+    # -- persistence
+    def save_checkpoint(self):
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / "checkpoint.pt.tmp"
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                    "gen": self.gen.get_state(), "train_config": asdict(self.tc), "history": self.history}, tmp)
+        os.replace(tmp, self.out / "checkpoint.pt")
+
+    def load_checkpoint(self) -> bool:
+        path = self.out / "checkpoint.pt"
+        if not path.is_file():
+            return False
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.history = state["step"], state["history"]
+        self.gen.set_state(state["gen"])
+        return True
+
+    def export(self):
+        """The reference Hugging Face format, BF16 (then `strata convert-dflash` makes the GGUF)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(config_to_hf(self.cfg), indent=2) + "\n")
+        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in self.model.state_dict().items()}
+        save_file(tensors, str(self.out / "model.safetensors"), metadata={"format": "pt"})
+        (self.out / "training_log.json").write_text(json.dumps(self.history, indent=2) + "\n")
+
+    def fit(self, progress=True):
+        bar = tqdm(total=self.tc.steps, initial=self.step, desc="train-drafter", disable=not progress)
+        est = {}
+        if not self.history:
+            est = self.evaluate()  # the untrained baseline
+            self.history.append(est)
+        while self.step < self.tc.steps:
+            loss = self.train_step()
+            bar.update(1)
+            if self.step % self.tc.eval_every == 0 or self.step == self.tc.steps:
+                est = self.evaluate()
+                est["train_loss"] = loss
+                self.history.append(est)
+            bar.set_postfix(loss=f"{loss:.3f}", tau=f"{est.get('tau_estimate', float('nan')):.2f}")
+            if self.step % self.tc.save_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        self.save_checkpoint()
+        self.export()
+        return self.history
+
+
+def read_corpus(files: list[str], tokenizer) -> list[int]:
+    ids: list[int] = []
+    eos = tokenizer.token_id("<|endoftext|>")
+    for f in files:
+        try:
+            text = Path(f).read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise StrataError(f"--data {f}: {e.strerror}") from None
+        ids.extend(tokenizer.encode(text))
+        if eos is not None:
+            ids.append(eos)
+    return ids

@@ -1,0 +1,92 @@
+"""Drafter training on the CPU: the loss falls, the output converts and loads, a step is deterministic."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from strata.dflash.artifact import load_artifact
+from strata.dflash.runtime import load_drafter
+from strata.dflash.train import DrafterTrainer, TrainConfig, block_forward
+from strata.models.decoder import load_target
+from strata.spec.decode import Engine
+
+from conftest import run_cli, write_hf_model
+from test_cli_generate import make_tokenizer
+
+
+def _target(tmp_path):
+    path, _ = write_hf_model(tmp_path / "target", "qwen3", seed=3, vocab=300)
+    make_tokenizer(path, 300)
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n" * 30)
+    return path, corpus
+
+
+def test_train_drafter_cli_loss_falls_and_output_loads(tmp_path):
+    target_dir, corpus = _target(tmp_path)
+    out = tmp_path / "drafter"
+    r = run_cli("train-drafter", "--target", target_dir, "--data", corpus, "--out", out, "--layers", "1",
+                "--block-size", "4", "--taps", "0,2", "--steps", "60", "--batch-size", "8", "--num-sequences", "40",
+                "--prompt-len", "16", "--gen-len", "24", "--eval-every", "20", "--lr", "3e-3", "--quiet",
+                timeout=600)
+    assert r.returncode == 0, r.stderr
+    log = json.loads((out / "training_log.json").read_text())
+    assert [e["step"] for e in log] == [0, 20, 40, 60]
+    assert log[-1]["held_out_loss"] < log[0]["held_out_loss"] * 0.9
+    assert (out / "checkpoint.pt").is_file()
+
+    gguf = tmp_path / "d.gguf"
+    assert run_cli("convert-dflash", out, gguf, "--quiet").returncode == 0
+    art = load_artifact(gguf)
+    assert art.cfg.block_size == 4 and art.cfg.target_layer_ids == [0, 2] and len(art.tensors) == 14
+    target = load_target(target_dir)
+    base = Engine(target, max_len=128).generate([5, 6, 7], 20).output_ids
+    res = Engine(target, load_drafter(gguf, target, max_len=128), max_len=128).generate([5, 6, 7], 20)
+    assert res.output_ids == base
+
+    resumed = run_cli("train-drafter", "--target", target_dir, "--data", corpus, "--out", out, "--layers", "1",
+                      "--block-size", "4", "--taps", "0,2", "--steps", "80", "--batch-size", "8",
+                      "--num-sequences", "40", "--prompt-len", "16", "--gen-len", "24", "--eval-every", "20",
+                      "--resume", "--quiet", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [e["step"] for e in json.loads((out / "training_log.json").read_text())] == [0, 20, 40, 60, 80]
+
+
+def test_one_step_is_deterministic(tmp_path):
+    target_dir, _ = _target(tmp_path)
+    target = load_target(target_dir)
+    seqs = torch.randint(0, 300, (12, 40), generator=torch.Generator().manual_seed(0))
+    states = []
+    for _ in range(2):
+        tc = TrainConfig(layers=1, block_size=4, taps=[0, 2], steps=10, batch_size=4, prompt_len=16, gen_len=24,
+                         seed=11)
+        tr = DrafterTrainer(target, tc, tmp_path / "x", "cpu")
+        tr.set_data(seqs)
+        tr.train_step()
+        states.append({k: v.clone() for k, v in tr.model.state_dict().items()})
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_block_attention_mask_isolates_blocks(tmp_path):
+    """A block's logits depend on context strictly before its anchor and on no other block."""
+    target_dir, _ = _target(tmp_path)
+    target = load_target(target_dir)
+    tc = TrainConfig(layers=1, block_size=4, taps=[0, 2], prompt_len=8, gen_len=24)
+    tr = DrafterTrainer(target, tc, tmp_path / "x", "cpu")
+    tokens = torch.randint(0, 299, (1, 32), generator=torch.Generator().manual_seed(1))
+    anchors = torch.tensor([[10, 20]])
+    base, _ = block_forward(tr.model, target, tr.cfg, tr.rope, tokens, tr.taps_of(tokens), anchors)
+    changed = tokens.clone()
+    changed[0, 15] = (changed[0, 15] + 1) % 299  # after anchor 10, before anchor 20
+    taps = tr.taps_of(tokens)
+    taps2 = tr.taps_of(changed)
+    out, _ = block_forward(tr.model, target, tr.cfg, tr.rope, changed, taps2, anchors)
+    assert torch.allclose(out[0, 0], base[0, 0], atol=1e-6)  # block at 10 cannot see position 15
+    assert not torch.allclose(out[0, 1], base[0, 1], atol=1e-6)  # block at 20 can
+    taps_anchor = taps.clone()
+    taps_anchor[0, 10] += 1.0  # the anchor's own features are not context for its block
+    out, _ = block_forward(tr.model, target, tr.cfg, tr.rope, tokens, taps_anchor, anchors)
+    assert torch.allclose(out[0, 0], base[0, 0], atol=1e-6)
