@@ -90,3 +90,26 @@ def test_block_attention_mask_isolates_blocks(tmp_path):
     taps_anchor[0, 10] += 1.0  # the anchor's own features are not context for its block
     out, _ = block_forward(tr.model, target, tr.cfg, tr.rope, tokens, taps_anchor, anchors)
     assert torch.allclose(out[0, 0], base[0, 0], atol=1e-6)
+
+
+def test_training_pass_equals_runtime_proposal(tmp_path):
+    """What the drafter learns is what it does at run time: the training block pass and the runtime's
+    proposal give the same logits for the same anchor and context."""
+    from strata.dflash.runtime import DFlashDrafter
+    from strata.dflash.artifact import Artifact
+
+    target_dir, _ = _target(tmp_path)
+    target = load_target(target_dir)
+    tc = TrainConfig(layers=2, block_size=6, taps=[0, 2], prompt_len=8, gen_len=40, seed=3)
+    tr = DrafterTrainer(target, tc, tmp_path / "x", "cpu")
+    tokens = torch.randint(0, 299, (1, 48), generator=torch.Generator().manual_seed(2))
+    anchors = torch.tensor([[9, 30]])
+    logits, _ = block_forward(tr.model, target, tr.cfg, tr.rope, tokens, tr.taps_of(tokens), anchors)
+    art = Artifact(tr.cfg, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}, tmp_path, "hf")
+    runtime = DFlashDrafter(art, target, max_len=64)
+    for k, a in enumerate([9, 30]):
+        taps = target(tokens[0, :a], 0, target.make_cache(64), taps=[0, 2]).taps
+        runtime.reset()
+        runtime.observe(tokens[0, :a].tolist(), 0, taps)
+        got = runtime.propose(int(tokens[0, a]), a, 5).logits
+        assert (got - logits[0, k]).abs().max() <= 1e-4

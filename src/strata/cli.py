@@ -37,7 +37,7 @@ def _dtype(args):
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="target model folder (Hugging Face layout)")
+    p.add_argument("--model", help="target model folder (Hugging Face layout); default: the embedded demo pair")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on cpu, bfloat16 on cuda")
@@ -45,7 +45,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dflash", help="DFlash drafter: a GGUF file or a Hugging Face folder")
+    p.add_argument("--dflash", help="DFlash drafter: a GGUF file or a Hugging Face folder "
+                                    "(default with the demo target: the demo drafter)")
+    p.add_argument("--no-dflash", action="store_true", help="target-only decoding, also for the demo pair")
     p.add_argument("--spec", type=int, default=None, help="verify window W (anchor + W-1 candidates)")
     p.add_argument("--dflash-window", type=int, default=32768, help="drafter attention window in context cells")
     p.add_argument("--prompt-lookup", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
@@ -63,12 +65,27 @@ def sampling_params(args):
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
 
+def resolve_demo(args) -> None:
+    """No --model: the embedded demo pair (its drafter too, unless another drafter or none is asked for)."""
+    from . import demo
+
+    if args.model:
+        return
+    if not demo.available():
+        raise StrataError("--model: no target model given and the embedded demo pair is not installed")
+    args.model = str(demo.TARGET)
+    args.using_demo = True
+    if hasattr(args, "dflash") and not args.dflash and not args.no_dflash and args.prompt_lookup is None:
+        args.dflash = str(demo.DRAFTER)
+
+
 def load_target_and_tokenizer(args):
     from .models.decoder import load_target
     from .tokenizer import Tokenizer
 
-    if not args.model:
-        raise StrataError("--model: no target model given")
+    resolve_demo(args)
+    if getattr(args, "no_dflash", False):
+        args.dflash = None
     target = load_target(args.model, device=_device(args.device), dtype=_dtype(args))
     return target, Tokenizer.from_folder(Path(args.model))
 
@@ -115,8 +132,12 @@ def stop_ids_for(args, target, tokenizer) -> set[int]:
 def cmd_generate(args) -> int:
     from .tokenizer import StreamDecoder
 
+    if args.text is not None:
+        if args.prompt is not None:
+            raise StrataError("give the prompt once: as an argument or with --prompt")
+        args.prompt = args.text
     if (args.prompt is None) == (args.prompt_ids is None):
-        raise StrataError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+        raise StrataError("give exactly one of a prompt (TEXT or --prompt TEXT) or --prompt-ids 1,2,3")
     target, tokenizer = load_target_and_tokenizer(args)
     if args.prompt is not None:
         if tokenizer is None:
@@ -209,16 +230,35 @@ DEFAULT_PROMPTS = [
 ]
 
 
+def read_prompts_file(path: str) -> list[str]:
+    """A .json file holds a list of strings; any other file holds one prompt per line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise StrataError(f"--prompts {path}: {e.strerror}") from None
+    if path.endswith(".json"):
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise StrataError(f"--prompts {path}: not valid JSON ({e})") from None
+        if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts) or not prompts:
+            raise StrataError(f"--prompts {path}: expected a non-empty JSON list of non-empty strings")
+        return prompts
+    prompts = [ln for ln in text.splitlines() if ln.strip()]
+    if not prompts:
+        raise StrataError(f"--prompts {path}: no prompts in the file")
+    return prompts
+
+
 def prompts_from_args(args, tokenizer, vocab: int) -> list[list[int]]:
     """--prompt-ids (repeatable) / --prompts FILE (one text prompt per line) / a default set."""
     if getattr(args, "prompt_ids", None):
         return [_ids(p, "--prompt-ids") for p in args.prompt_ids]
-    texts = None
-    if getattr(args, "prompts", None):
-        try:
-            texts = [ln.replace("\\n", "\n") for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
-        except OSError as e:
-            raise StrataError(f"--prompts {args.prompts}: {e.strerror}") from None
+    texts = read_prompts_file(args.prompts) if getattr(args, "prompts", None) else None
+    if texts is None and getattr(args, "using_demo", False):
+        from . import demo
+
+        texts = read_prompts_file(str(demo.EVAL_PROMPTS))
     if texts is None and tokenizer is not None:
         texts = DEFAULT_PROMPTS
     if texts is not None:
@@ -380,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate from a prompt (target-only or speculative)")
     add_model_args(g)
     add_decode_args(g)
+    g.add_argument("text", nargs="?", help="the prompt (same as --prompt)")
     g.add_argument("--prompt")
     g.add_argument("--prompt-ids")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -409,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(pa)
     add_decode_args(pa)
     pa.add_argument("--prompt-ids", action="append")
-    pa.add_argument("--prompts", help="file of text prompts, one per line (the first is used)")
+    pa.add_argument("--prompts", help="prompts: a JSON list of strings (.json) or one per line; the first is used")
     pa.add_argument("--plant-bug", help="self-test: perturb LAYER:STAGE (e.g. 0:q_roped, :logits) in the runtime")
     pa.set_defaults(func=cmd_parity)
 
@@ -417,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(ta)
     add_decode_args(ta)
     ta.add_argument("--prompt-ids", action="append")
-    ta.add_argument("--prompts", help="file of text prompts, one per line (the first is used)")
+    ta.add_argument("--prompts", help="prompts: a JSON list of strings (.json) or one per line; the first is used")
     ta.add_argument("--layers", help="HF layer ids to tap (default: the drafter's, else all)")
     ta.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8])
     ta.add_argument("--new-tokens", type=int, default=32)
@@ -428,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(ga)
     add_decode_args(ga)
     ga.add_argument("--prompt-ids", action="append")
-    ga.add_argument("--prompts", help="file of text prompts, one per line (\\n for newlines)")
+    ga.add_argument("--prompts", help="prompts: a JSON list of strings (.json) or one per line")
     ga.add_argument("--spec-list", type=int, nargs="+", help="windows W to gate (default: the block size)")
     ga.add_argument("--max-new-tokens", type=int, default=64)
     ga.add_argument("--stop-ids", help="extra stop token ids, comma-separated")
