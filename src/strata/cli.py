@@ -413,6 +413,24 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    from .serve.app import Server, serve_forever
+
+    if args.max_queue < 1:
+        raise StrataError(f"--max-queue must be >= 1, got {args.max_queue}")
+    target, tokenizer = load_target_and_tokenizer(args)
+    engine = build_engine(args, target)
+    name = args.served_model_name or ("strata-demo" if getattr(args, "using_demo", False) else Path(args.model).name)
+    server = Server(engine, tokenizer, name, stop_ids_for(args, target, tokenizer), max_queue=args.max_queue)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(f"strata serve: model '{name}' ({engine.drafter.name} drafter, W={engine.window}) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    serve_forever(server, args.host, args.port, args.shutdown_timeout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Fast, lossless LLM decoding with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -445,6 +463,18 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe and validate a DFlash drafter (GGUF file or HF folder)")
     i.add_argument("path")
     i.set_defaults(func=cmd_inspect)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_model_args(sv)
+    add_decode_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=64, help="requests admitted at once; more get HTTP 429")
+    sv.add_argument("--served-model-name", help="the model id clients use (default: the folder name)")
+    sv.add_argument("--stop-ids", help="extra stop token ids, comma-separated")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests get to finish after SIGTERM")
+    sv.set_defaults(func=cmd_serve)
 
     pa = sub.add_parser("parity", help="one proposal, runtime vs the NumPy reference, stage by stage")
     add_model_args(pa)

@@ -1,0 +1,1 @@
+"""`strata serve`: an OpenAI-compatible HTTP server over the decode loop."""

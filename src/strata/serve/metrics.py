@@ -1,0 +1,39 @@
+"""Prometheus metrics, with speculative-decoding counters named like vLLM's."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self, max_window: int):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("strata:requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("strata:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("strata:generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("strata:request_success", "Finished generations by reason", ["finish_reason"],
+                                registry=r)
+        self.latency = Histogram("strata:e2e_request_latency_seconds", "Request latency", registry=r,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.queue = Gauge("strata:num_requests_waiting", "Requests admitted and not yet finished", registry=r)
+        self.drafts = Counter("strata:spec_decode_num_drafts", "Speculative rounds (drafts verified)", registry=r)
+        self.draft_tokens = Counter("strata:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted_tokens = Counter("strata:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                       registry=r)
+        self.accepted_per_pos = Counter("strata:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each position", ["position"], registry=r)
+        for i in range(max(0, max_window - 1)):
+            self.accepted_per_pos.labels(position=str(i))
+
+    def record_generation(self, res) -> None:
+        self.prompt_tokens.inc(len(res.prompt_ids))
+        self.generation_tokens.inc(res.new_tokens)
+        self.finished.labels(finish_reason=res.finish_reason).inc()
+        drafted = sum(res.per_position_drafted)
+        if drafted:
+            self.drafts.inc(len(res.accept_lengths))
+            self.draft_tokens.inc(drafted)
+            self.accepted_tokens.inc(sum(res.per_position_accepted))
+            for i, n in enumerate(res.per_position_accepted):
+                self.accepted_per_pos.labels(position=str(i)).inc(n)
