@@ -431,6 +431,77 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import time
+
+    import torch
+
+    from .bench.plot import plot
+    from .bench.run import random_drafter, run_bench, sync
+    from .models.random_init import random_target
+
+    device = _device(args.device)
+    if args.prompt_len < 1 or args.new_tokens < 1:
+        raise StrataError("--prompt-len and --new-tokens must be >= 1")
+    t0 = time.perf_counter()
+    if args.shape:
+        if args.model:
+            raise StrataError("give --model or --shape, not both")
+        target = random_target(args.shape, device=device, dtype=_dtype(args))
+        label = args.shape
+    else:
+        target, _ = load_target_and_tokenizer(args)
+        label = "demo" if getattr(args, "using_demo", False) else Path(args.model).name
+    sync(device)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if args.dflash:
+        drafter = load_dflash_for(args, target)
+    elif args.drafter_layers:
+        drafter = random_drafter(target, args.drafter_layers, args.block_size)
+    else:
+        drafter = None
+    sync(device)
+    drafter_s = time.perf_counter() - t0
+    window = args.spec or (drafter.max_window if drafter else 8)
+    if drafter is not None:
+        check_window(window, drafter)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, target.cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
+    hf = [] if args.hf == "none" else args.hf.split(",")
+    result = run_bench(target, drafter, prompt, args.new_tokens, window, runs=args.runs, hf_modes=tuple(hf),
+                       startup={"load_target_s": load_s, "load_drafter_s": drafter_s})
+    result["model"] = label
+    result["drafter"] = (args.dflash or (f"random {args.drafter_layers}-layer" if args.drafter_layers else None))
+    result["command"] = "strata " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
+    out = Path(args.out or f"bench/results/bench-{label}-{device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, result)
+    plot(result, out.with_suffix(".png"))
+    t = result["target_only"]
+    print(f"floor {result['floor_tok_s']:.1f} tok/s ({result['copy_bandwidth_GBps']:.1f} GB/s copy, "
+          f"{result['weight_bytes'] / 1e6:.1f} MB weights)", file=sys.stderr)
+    print(f"target-only {t['tok_s']:.1f} tok/s ({result['ratios']['target_only_vs_floor']:.2f} of floor)",
+          file=sys.stderr)
+    o = result["dflash_oracle"]
+    print(f"DFlash oracle W={window}: {o['tok_s']:.1f} tok/s, tau {o['tau']:.2f}, "
+          f"x{result['ratios']['oracle_vs_target_only']:.2f}; round: draft {o['split']['draft_ms']:.2f} ms, "
+          f"verify {o['split']['verify_ms']:.2f} ms, other {o['split']['other_ms']:.2f} ms", file=sys.stderr)
+    if "dflash" in result:
+        d = result["dflash"]
+        print(f"DFlash W={window}: {d['tok_s']:.1f} tok/s, tau {d['tau']:.2f}, "
+              f"x{result['ratios']['dflash_vs_target_only']:.2f}; round: draft {d['split']['draft_ms']:.2f} ms, "
+              f"verify {d['split']['verify_ms']:.2f} ms", file=sys.stderr)
+    for mode, r in (result.get("hf") or {}).items():
+        if isinstance(r, dict) and "tok_s" in r:
+            print(f"HF generate ({mode}): {r['tok_s']:.1f} tok/s (first call {r['first_call_s']:.1f} s)",
+                  file=sys.stderr)
+        elif isinstance(r, dict) and "error" in r:
+            print(f"HF generate ({mode}): {r['error']}", file=sys.stderr)
+    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Fast, lossless LLM decoding with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -475,6 +546,19 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish after SIGTERM")
     sv.set_defaults(func=cmd_serve)
+
+    be = sub.add_parser("bench", help="Strata target-only vs DFlash vs HF generate vs the bandwidth floor")
+    add_model_args(be)
+    add_decode_args(be)
+    be.add_argument("--shape", choices=["tiny", "qwen3-4b", "qwen3-8b"], help="random weights of a named shape")
+    be.add_argument("--drafter-layers", type=int, help="a random DFlash drafter of this many layers")
+    be.add_argument("--block-size", type=int, default=16, help="block size of the random drafter")
+    be.add_argument("--prompt-len", type=int, default=512)
+    be.add_argument("--new-tokens", type=int, default=256)
+    be.add_argument("--runs", type=int, default=3, help="timed runs per method (median reported)")
+    be.add_argument("--hf", default="eager", help="transformers generate modes: eager,static or none")
+    be.add_argument("--out", help="result JSON (a PNG plot is written beside it)")
+    be.set_defaults(func=cmd_bench)
 
     pa = sub.add_parser("parity", help="one proposal, runtime vs the NumPy reference, stage by stage")
     add_model_args(pa)

@@ -93,7 +93,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not model_dir.is_dir():
         raise StrataError(f"{model_dir}: not a model folder")
     path = model_dir / "config.json"
-    cfg = read_json(path, "config.json")
+    return parse_model_config(read_json(path, "config.json"), path)
+
+
+def parse_model_config(cfg: dict, path: Path) -> ModelConfig:
+    """A Hugging Face config dict; `path` names it in errors."""
     archs = cfg.get("architectures") or []
     family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if family is None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .config import load_model_config
-from .decoder import expected_tensors
+from .config import load_model_config, parse_model_config
+from .decoder import TargetDecoder, expected_tensors
 
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -48,3 +48,19 @@ def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
             tensors[name] = (torch.randn(shp, generator=gen) * 0.02).to(dtype)
     save_file(tensors, str(out_dir / "model.safetensors"))
     return out_dir
+
+
+def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: int = 0, **overrides) -> TargetDecoder:
+    """A random-weight target built directly on the device (no files: an 8B shape needs no download)."""
+    cfg = parse_model_config(qwen3_config(**{**SHAPES[shape], **overrides}), Path(f"<random {shape}>"))
+    with torch.device("meta"):
+        model = TargetDecoder(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02))
+    return model.eval().requires_grad_(False)

@@ -31,6 +31,8 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per round, bonus included
     per_position_drafted: list[int] = field(default_factory=list)
     per_position_accepted: list[int] = field(default_factory=list)
+    draft_s: float = 0.0  # measured only by an Engine with profile=True
+    verify_s: float = 0.0
 
     @property
     def new_tokens(self) -> int:
@@ -65,6 +67,8 @@ class GenerationResult:
             "per_position_acceptance": [
                 a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)
             ],
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
         }
 
 
@@ -72,11 +76,12 @@ class Engine:
     """A target, its cache and a drafter: serves one sequence at a time."""
 
     def __init__(self, target: TargetDecoder, drafter: Drafter | None = None, window: int | None = None,
-                 max_len: int | None = None, draft_sampling: str = "sample"):
+                 max_len: int | None = None, draft_sampling: str = "sample", profile: bool = False):
         if draft_sampling not in DRAFT_SAMPLING_MODES:
             raise StrataError(f"--draft-sampling: expected one of {', '.join(DRAFT_SAMPLING_MODES)}, "
                               f"got {draft_sampling!r}")
         self.draft_sampling = draft_sampling
+        self.profile = profile
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.window = window or self.drafter.max_window
@@ -94,6 +99,12 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise StrataError(f"prompt token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+
+    def _clock(self) -> float:
+        """Wall time; with profile=True it first waits for the device, so segments can be told apart."""
+        if self.profile and self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() if self.profile else 0.0
 
     @torch.inference_mode()
     def generate(
@@ -157,6 +168,7 @@ class Engine:
                 res.finish_reason = "length"
                 break
             q = None
+            t_draft = self._clock()
             if w > 1:
                 proposal = drafter.propose(anchor, pos, w - 1)
                 cands = proposal.tokens
@@ -167,6 +179,7 @@ class Engine:
             else:
                 cands = torch.empty(0, dtype=torch.long, device=dev)
                 window = torch.tensor([anchor], device=dev)
+            t_verify = self._clock()
             out = target(window, pos, cache, taps=taps)
             if params.greedy:
                 a, bonus = greedy_accept(out.logits, cands)
@@ -174,7 +187,11 @@ class Engine:
                 a, bonus = speculative_accept(process(out.logits, params), cands, q, gen)
             accepted = cands[:a].tolist()
             cache.commit(pos + a + 1)
+            t_observe = self._clock()
             drafter.observe([anchor] + accepted, pos, None if out.taps is None else out.taps[: a + 1])
+            t_end = self._clock()
+            res.draft_s += (t_verify - t_draft) + (t_end - t_observe)
+            res.verify_s += t_observe - t_verify
             res.accept_lengths.append(a + 1)
             for i in range(w - 1):
                 res.per_position_drafted[i] += 1

@@ -1,0 +1,1 @@
+"""`strata bench`: Strata target-only vs DFlash vs Hugging Face generate vs the bandwidth floor."""

@@ -1,0 +1,184 @@
+"""One benchmark run, everything side by side on the same weights and prompt: the copy bandwidth and
+the weight-streaming floor, Strata target-only, DFlash with an oracle drafter and with the real (or a
+random) drafter, the per-round split, startup, and transformers' generate when it is installed."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+
+from ..dflash.artifact import Artifact
+from ..dflash.runtime import DFlashDrafter
+from ..dflash.train import TrainConfig, drafter_config_for, init_drafter
+from ..spec.decode import Engine
+from ..spec.drafter import OracleDrafter
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, nbytes: int, reps: int = 10) -> float:
+    """Bytes per second of a buffer copy, reads and writes both counted (the PERF-NOTES convention)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def random_drafter(target, layers: int, block_size: int, seed: int = 0) -> DFlashDrafter:
+    cfg = drafter_config_for(target, TrainConfig(layers=layers, block_size=block_size))
+    model = init_drafter(cfg, seed, "cpu")
+    art = Artifact(cfg, {k: v.detach() for k, v in model.state_dict().items()}, "<random drafter>", "random")
+    return DFlashDrafter(art, target, max_len=target.cfg.max_position_embeddings)
+
+
+def timed_runs(engine: Engine, prompt: list[int], new_tokens: int, runs: int) -> dict:
+    engine.generate(prompt, new_tokens)  # warm-up
+    results = []
+    for _ in range(runs):
+        sync(engine.target.device)
+        results.append(engine.generate(prompt, new_tokens))
+    tok_s = [r.tok_s for r in results]
+    best = results[tok_s.index(statistics.median(tok_s))] if runs % 2 else results[0]
+    st = best.stats()
+    rounds = max(st["rounds"], 1)
+    return {"tok_s": statistics.median(tok_s), "tok_s_runs": tok_s, "tau": st["tau"], "rounds": st["rounds"],
+            "new_tokens": st["new_tokens"], "per_position_acceptance": st["per_position_acceptance"],
+            "ms_per_round": 1e3 * best.decode_s / rounds, "output_ids": best.output_ids}
+
+
+def round_split(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
+    engine.profile = True
+    try:
+        res = engine.generate(prompt, new_tokens)
+    finally:
+        engine.profile = False
+    rounds = max(len(res.accept_lengths), 1)
+    return {"draft_ms": 1e3 * res.draft_s / rounds, "verify_ms": 1e3 * res.verify_s / rounds,
+            "other_ms": 1e3 * (res.decode_s - res.draft_s - res.verify_s) / rounds}
+
+
+def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], runs: int) -> dict:
+    """transformers' generate on the very same weights (built from Strata's config and state dict)."""
+    try:
+        import transformers
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    cfg = target.cfg
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                  max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+                  rope_theta=cfg.rope.theta, attention_bias=cfg.attention_bias, eos_token_id=None,
+                  bos_token_id=None, pad_token_id=None)
+    hf_cfg = (transformers.Qwen3Config if cfg.family == "qwen3" else transformers.LlamaConfig)(**common)
+    cls = transformers.Qwen3ForCausalLM if cfg.family == "qwen3" else transformers.LlamaForCausalLM
+    with torch.device(target.device):
+        model = cls._from_config(hf_cfg, dtype=target.dtype)
+    state = {("model." + k if not k.startswith("lm_head") else k): v for k, v in target.state_dict().items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not m.startswith("lm_head")]:
+        return {"skipped": f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}"}
+    model = model.eval()
+    ids = torch.tensor([prompt], device=target.device)
+    mask = torch.ones_like(ids)
+    out = {"version": transformers.__version__}
+    for mode in modes:
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, attention_mask=mask)
+        if mode == "static":
+            kwargs["cache_implementation"] = "static"
+        try:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                first = model.generate(ids, **kwargs)
+            sync(target.device)
+            first_s = time.perf_counter() - t0
+            times = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    model.generate(ids, **kwargs)
+                sync(target.device)
+                times.append(time.perf_counter() - t0)
+            out[mode] = {"tok_s": new_tokens / statistics.median(times), "first_call_s": first_s,
+                         "output_ids": first[0, len(prompt):].tolist()}
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            out[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
+def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, runs: int = 3,
+              hf_modes: tuple = ("eager",), startup: dict | None = None) -> dict:
+    device = target.device
+    bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20))
+    wbytes = weight_bytes(target)
+    floor_s = wbytes / bw
+    max_len = len(prompt) + new_tokens + window + 1
+    result = {
+        "env": {"torch": torch.__version__, "python": platform.python_version(),
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                "dtype": str(target.dtype).removeprefix("torch.")},
+        "shape": {"layers": target.cfg.num_layers, "hidden": target.cfg.hidden_size, "heads": target.cfg.num_heads,
+                  "kv_heads": target.cfg.num_kv_heads, "head_dim": target.cfg.head_dim,
+                  "intermediate": target.cfg.intermediate_size, "vocab": target.cfg.vocab_size},
+        "prompt_len": len(prompt), "new_tokens": new_tokens, "window": window, "runs": runs,
+        "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "floor_ms_per_token": 1e3 * floor_s,
+        "floor_tok_s": 1 / floor_s, "startup_s": startup or {},
+    }
+    base_engine = Engine(target, max_len=max_len)
+    base = timed_runs(base_engine, prompt, new_tokens, runs)
+    base["ms_per_round"] = 1e3 / base["tok_s"] if base["tok_s"] else 0.0
+    result["target_only"] = base
+    oracle_engine = Engine(target, OracleDrafter(prompt + base["output_ids"], window, device), window=window,
+                           max_len=max_len)
+    result["dflash_oracle"] = timed_runs(oracle_engine, prompt, new_tokens, runs)
+    result["dflash_oracle"]["split"] = round_split(oracle_engine, prompt, new_tokens)
+    if drafter is not None:
+        engine = Engine(target, drafter, window=window, max_len=max_len)
+        result["dflash"] = timed_runs(engine, prompt, new_tokens, runs)
+        result["dflash"]["split"] = round_split(engine, prompt, new_tokens)
+        result["dflash"]["identical_to_target_only"] = result["dflash"]["output_ids"] == base["output_ids"]
+    result["dflash_oracle"]["identical_to_target_only"] = result["dflash_oracle"]["output_ids"] == base["output_ids"]
+    if hf_modes:
+        result["hf"] = hf_generate(target, prompt, new_tokens, list(hf_modes), max(1, runs // 2))
+        for r in result["hf"].values():
+            if isinstance(r, dict) and "output_ids" in r:
+                r["identical_to_strata"] = r["output_ids"] == base["output_ids"]
+    t = result["target_only"]["tok_s"]
+    result["ratios"] = {
+        "target_only_vs_floor": t / result["floor_tok_s"],
+        "oracle_vs_target_only": result["dflash_oracle"]["tok_s"] / t if t else 0.0,
+    }
+    if drafter is not None:
+        result["ratios"]["dflash_vs_target_only"] = result["dflash"]["tok_s"] / t if t else 0.0
+    for mode, r in (result.get("hf") or {}).items():
+        if isinstance(r, dict) and "tok_s" in r:
+            result["ratios"][f"target_only_vs_hf_{mode}"] = t / r["tok_s"]
+    for section in ("target_only", "dflash_oracle", "dflash"):
+        if section in result:
+            result[section].pop("output_ids", None)
+    for r in (result.get("hf") or {}).values():
+        if isinstance(r, dict):
+            r.pop("output_ids", None)
+    return result

@@ -1,0 +1,29 @@
+"""`strata bench` on the CPU (tiny shape): every section present, oracle at full acceptance, outputs
+identical across Strata's paths and transformers' generate, a JSON and a plot written."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+
+def test_bench_tiny_cpu(tmp_path):
+    out = tmp_path / "b.json"
+    r = run_cli("bench", "--shape", "tiny", "--drafter-layers", "1", "--block-size", "4", "--prompt-len", "24",
+                "--new-tokens", "17", "--runs", "1", "--out", out, timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert data["copy_bandwidth_GBps"] > 0 and data["floor_tok_s"] > 0 and data["weight_bytes"] > 0
+    assert data["window"] == 4 and data["new_tokens"] == 17
+    oracle = data["dflash_oracle"]
+    assert oracle["identical_to_target_only"] and data["dflash"]["identical_to_target_only"]
+    assert oracle["tau"] > 3.0 and oracle["per_position_acceptance"] == [1.0, 1.0, 1.0]
+    assert oracle["rounds"] == 4  # 16 tokens after the prefill's first one, 4 per round
+    for section in ("target_only", "dflash_oracle", "dflash"):
+        assert data[section]["tok_s"] > 0
+    assert set(data["dflash"]["split"]) == {"draft_ms", "verify_ms", "other_ms"}
+    assert data["hf"]["eager"]["identical_to_strata"], data["hf"]
+    assert data["ratios"]["target_only_vs_hf_eager"] > 0
+    assert "target-only" in r.stderr and "HF generate (eager)" in r.stderr
