@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from strata.dflash.train import DrafterTrainer, TrainConfig, lr_at, self_distill  # noqa: E402
 from strata.models.config import load_model_config  # noqa: E402
 from strata.models.decoder import TargetDecoder  # noqa: E402
+from strata.models.layers import init_weights_  # noqa: E402
 from strata.models.random_init import qwen3_config  # noqa: E402
 
 # Modules kept out of training: the evaluation set (stdlib-relative paths of files).
@@ -118,12 +119,7 @@ def train_target(out: Path, train_ids, held_ids, args, shape) -> dict:
     (out / "config.json").write_text(json.dumps(qwen3_config(**shape), indent=2))
     cfg = load_model_config(out)
     torch.manual_seed(args.seed)
-    model = TargetDecoder(cfg)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            torch.nn.init.ones_(p)
-        else:
-            torch.nn.init.normal_(p, 0.0, 0.02)
+    model = init_weights_(TargetDecoder(cfg))
     model.lm_head.weight = model.embed_tokens.weight
     model = model.to(args.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.target_lr, betas=(0.9, 0.95), weight_decay=0.1)

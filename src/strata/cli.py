@@ -44,6 +44,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
 
 
+def add_prompt_set_args(p: argparse.ArgumentParser, first_only: bool) -> None:
+    note = "; the first is used" if first_only else ""
+    p.add_argument("--prompt-ids", action="append", help="comma-separated ids (repeatable)")
+    p.add_argument("--prompts", help=f"prompts: a JSON list of strings (.json) or one per line{note}")
+
+
 def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dflash", help="DFlash drafter: a GGUF file or a Hugging Face folder "
                                     "(default with the demo target: the demo drafter)")
@@ -563,16 +569,14 @@ def build_parser() -> argparse.ArgumentParser:
     pa = sub.add_parser("parity", help="one proposal, runtime vs the NumPy reference, stage by stage")
     add_model_args(pa)
     add_decode_args(pa)
-    pa.add_argument("--prompt-ids", action="append")
-    pa.add_argument("--prompts", help="prompts: a JSON list of strings (.json) or one per line; the first is used")
+    add_prompt_set_args(pa, first_only=True)
     pa.add_argument("--plant-bug", help="self-test: perturb LAYER:STAGE (e.g. 0:q_roped, :logits) in the runtime")
     pa.set_defaults(func=cmd_parity)
 
     ta = sub.add_parser("taps", help="taps from prefill vs taps from verify windows, per position")
     add_model_args(ta)
     add_decode_args(ta)
-    ta.add_argument("--prompt-ids", action="append")
-    ta.add_argument("--prompts", help="prompts: a JSON list of strings (.json) or one per line; the first is used")
+    add_prompt_set_args(ta, first_only=True)
     ta.add_argument("--layers", help="HF layer ids to tap (default: the drafter's, else all)")
     ta.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8])
     ta.add_argument("--new-tokens", type=int, default=32)
@@ -582,8 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     ga = sub.add_parser("gate", help="greedy identity gate: target-only vs DFlash, token for token")
     add_model_args(ga)
     add_decode_args(ga)
-    ga.add_argument("--prompt-ids", action="append")
-    ga.add_argument("--prompts", help="prompts: a JSON list of strings (.json) or one per line")
+    add_prompt_set_args(ga, first_only=False)
     ga.add_argument("--spec-list", type=int, nargs="+", help="windows W to gate (default: the block size)")
     ga.add_argument("--max-new-tokens", type=int, default=64)
     ga.add_argument("--stop-ids", help="extra stop token ids, comma-separated")

@@ -178,31 +178,28 @@ def expected_tensors(cfg: DFlashConfig, naming: str = "hf") -> dict[str, tuple]:
     return out
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """Map a llama.cpp tensor name to its Hugging Face name (HF names pass through)."""
-    if name.startswith("blk."):
+def _rename(name: str, to_gguf: bool) -> str:
+    src, dst = (0, 1) if to_gguf else (1, 0)
+    prefixes = ("layers.", "blk.")
+    if name.startswith(prefixes[src]):
         _, n, rest = name.split(".", 2)
-        for hf, gg in list(LAYER_ROLES.values()) + list(BIAS_ROLES.values()):
-            if rest == gg:
-                return f"layers.{n}.{hf}"
+        for pair in list(LAYER_ROLES.values()) + list(BIAS_ROLES.values()):
+            if rest == pair[src]:
+                return f"{prefixes[dst]}{n}.{pair[dst]}"
         return name
-    for hf, gg in GLOBAL_ROLES.values():
-        if name == gg:
-            return hf
+    for pair in GLOBAL_ROLES.values():
+        if name == pair[src]:
+            return pair[dst]
     return name
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """A llama.cpp tensor name as its Hugging Face name (unknown and HF names pass through)."""
+    return _rename(name, to_gguf=False)
 
 
 def hf_to_gguf_name(name: str) -> str:
-    if name.startswith("layers."):
-        _, n, rest = name.split(".", 2)
-        for hf, gg in list(LAYER_ROLES.values()) + list(BIAS_ROLES.values()):
-            if rest == hf:
-                return f"blk.{n}.{gg}"
-        return name
-    for hf, gg in GLOBAL_ROLES.values():
-        if name == hf:
-            return gg
-    return name
+    return _rename(name, to_gguf=True)
 
 
 def refuse_variants(names, where: str, architectures=None) -> None:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from ..errors import StrataError
 from ..models.config import RopeConfig
 from ..models.decoder import TargetDecoder
-from ..models.layers import RotaryTable
+from ..models.layers import RotaryTable, init_weights_
 from .artifact import config_to_hf
 from .contract import DFlashConfig, default_target_layers
 from .runtime import DFlashModel
@@ -85,13 +85,7 @@ def drafter_config_for(target: TargetDecoder, tc: TrainConfig) -> DFlashConfig:
 
 def init_drafter(cfg: DFlashConfig, seed: int, device) -> DFlashModel:
     torch.manual_seed(seed)
-    model = DFlashModel(cfg)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            torch.nn.init.ones_(p)
-        else:
-            torch.nn.init.normal_(p, 0.0, 0.02)
-    return model.to(device)
+    return init_weights_(DFlashModel(cfg)).to(device)
 
 
 @torch.no_grad()

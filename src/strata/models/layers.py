@@ -12,6 +12,16 @@ from torch import nn
 from .config import RopeConfig, llama3_inv_freq
 
 
+def init_weights_(model: nn.Module, std: float = 0.02) -> nn.Module:
+    """Training from scratch: norms at one, every other weight N(0, std) (torch's global RNG)."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(p)
+        else:
+            nn.init.normal_(p, 0.0, std)
+    return model
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

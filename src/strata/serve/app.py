@@ -87,9 +87,7 @@ class Job:
 
     @property
     def finish_reason(self) -> str:
-        if self.stopped_by_string:
-            return "stop"
-        return {"abort": "abort"}.get(self.result.finish_reason, self.result.finish_reason)
+        return "stop" if self.stopped_by_string else self.result.finish_reason
 
 
 class Server:
