@@ -197,3 +197,34 @@ def test_taps_cli(pair):
     assert "taps (HF ids) [0, 2]: OK" in r.stdout
     r = run_cli("taps", "--model", target_dir, "--prompt-ids", "5,6,7,8", "--min-cos", "1.5")
     assert r.returncode == 1 and "FAIL" in r.stdout
+
+
+@pytest.mark.parametrize("w", [2, 5, 8])
+def test_static_shapes_give_the_same_tokens(pair, w):
+    """The CUDA-graph-shaped path (fixed windows, device-side positions, every cell masked) is a CPU
+    twin of the GPU path: same tokens, same acceptance as the dynamic one."""
+    _, drafter_dir, target, prompts, base = pair
+    for n in (1, 60):
+        dyn = Engine(target, load_drafter(drafter_dir, target, max_len=256), window=w, max_len=256).generate(
+            prompts[n], 64)
+        sta = Engine(target, load_drafter(drafter_dir, target, max_len=256), window=w, max_len=256,
+                     static=True).generate(prompts[n], 64)
+        assert sta.output_ids == dyn.output_ids == base[n]
+        assert sta.accept_lengths == dyn.accept_lengths
+        oracle = Engine(target, OracleDrafter(prompts[n] + base[n], w), window=w, max_len=256, static=True)
+        assert oracle.generate(prompts[n], 64).output_ids == base[n]
+    target_only = Engine(target, max_len=256, static=True).generate(prompts[7], 64)
+    assert target_only.output_ids == base[7]
+    short = Engine(target, load_drafter(drafter_dir, target, max_len=20), window=w, max_len=20, static=True)
+    assert short.generate(prompts[7], 64).output_ids == base[7][: 20 - 7 + 1]
+
+
+def test_static_drafter_state_matches_dynamic(pair):
+    _, drafter_dir, target, prompts, _ = pair
+    dyn_d = load_drafter(drafter_dir, target, max_len=256)
+    sta_d = load_drafter(drafter_dir, target, max_len=256)
+    Engine(target, dyn_d, window=6, max_len=256).generate(prompts[7], 40)
+    Engine(target, sta_d, window=6, max_len=256, static=True).generate(prompts[7], 40)
+    n = dyn_d.cache.length
+    for j in range(dyn_d.cfg.num_layers):
+        assert (dyn_d.cache.k[j, :n] - sta_d.cache.k[j, :n]).abs().max() <= 1e-5

@@ -61,6 +61,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--static", action="store_true",
+                   help="fixed-shape verify/draft windows (the CUDA-graph layout; same tokens)")
     p.add_argument("--draft-sampling", default="sample", choices=["sample", "argmax"],
                    help="sampled decoding: draw DFlash candidates from q, or take q's argmax (one-hot q)")
 
@@ -118,7 +120,8 @@ def build_engine(args, target):
         check_window(args.spec, drafter)
     elif args.spec is not None:
         raise StrataError("--spec needs a drafter (--dflash or --prompt-lookup)")
-    return Engine(target, drafter, window=args.spec, max_len=max_len, draft_sampling=args.draft_sampling)
+    return Engine(target, drafter, window=args.spec, max_len=max_len, draft_sampling=args.draft_sampling,
+                  static=args.static)
 
 
 def stop_ids_for(args, target, tokenizer) -> set[int]:
@@ -476,6 +479,7 @@ def cmd_bench(args) -> int:
     prompt = torch.randint(0, target.cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
     hf = [] if args.hf == "none" else args.hf.split(",")
     result = run_bench(target, drafter, prompt, args.new_tokens, window, runs=args.runs, hf_modes=tuple(hf),
+                       static=args.static,
                        startup={"load_target_s": load_s, "load_drafter_s": drafter_s})
     result["model"] = label
     result["drafter"] = (args.dflash or (f"random {args.drafter_layers}-layer" if args.drafter_layers else None))

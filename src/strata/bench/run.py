@@ -129,7 +129,7 @@ def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], ru
 
 
 def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, runs: int = 3,
-              hf_modes: tuple = ("eager",), startup: dict | None = None) -> dict:
+              hf_modes: tuple = ("eager",), startup: dict | None = None, static: bool = False) -> dict:
     device = target.device
     bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20))
     wbytes = weight_bytes(target)
@@ -142,20 +142,20 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         "shape": {"layers": target.cfg.num_layers, "hidden": target.cfg.hidden_size, "heads": target.cfg.num_heads,
                   "kv_heads": target.cfg.num_kv_heads, "head_dim": target.cfg.head_dim,
                   "intermediate": target.cfg.intermediate_size, "vocab": target.cfg.vocab_size},
-        "prompt_len": len(prompt), "new_tokens": new_tokens, "window": window, "runs": runs,
+        "prompt_len": len(prompt), "new_tokens": new_tokens, "window": window, "runs": runs, "static": static,
         "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "floor_ms_per_token": 1e3 * floor_s,
         "floor_tok_s": 1 / floor_s, "startup_s": startup or {},
     }
-    base_engine = Engine(target, max_len=max_len)
+    base_engine = Engine(target, max_len=max_len, static=static)
     base = timed_runs(base_engine, prompt, new_tokens, runs)
     base["ms_per_round"] = 1e3 / base["tok_s"] if base["tok_s"] else 0.0
     result["target_only"] = base
     oracle_engine = Engine(target, OracleDrafter(prompt + base["output_ids"], window, device), window=window,
-                           max_len=max_len)
+                           max_len=max_len, static=static)
     result["dflash_oracle"] = timed_runs(oracle_engine, prompt, new_tokens, runs)
     result["dflash_oracle"]["split"] = round_split(oracle_engine, prompt, new_tokens)
     if drafter is not None:
-        engine = Engine(target, drafter, window=window, max_len=max_len)
+        engine = Engine(target, drafter, window=window, max_len=max_len, static=static)
         result["dflash"] = timed_runs(engine, prompt, new_tokens, runs)
         result["dflash"]["split"] = round_split(engine, prompt, new_tokens)
         result["dflash"]["identical_to_target_only"] = result["dflash"]["output_ids"] == base["output_ids"]

@@ -79,14 +79,34 @@ class DFlashDrafter(Drafter):
         """Context cells [begin, end) a block at position pos attends to in this layer."""
         return max(0, pos - self.windows[layer]), pos
 
+    def _block_input(self, block: torch.Tensor) -> torch.Tensor:
+        x = self.target.embed_tokens(block)
+        if self.cfg.input_embedding_scale is not None:
+            x = x * self.cfg.input_embedding_scale
+        return x
+
+    def _head(self, x: torch.Tensor, trace=None) -> Proposal:
+        """Final norm, the target's LM head, the optional multiplier and softcap; rows 1.. are candidates."""
+        cfg = self.cfg
+        h = self.model.norm(x)
+        if trace:
+            h = trace(-1, "final_norm", h)
+        logits = self.target.lm_head(h).float()
+        if cfg.output_multiplier is not None:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        if trace:
+            logits = trace(-1, "logits", logits)
+        return Proposal(logits[1:].argmax(-1), logits[1:])
+
     @torch.inference_mode()
     def propose(self, anchor: int, pos: int, n: int, trace=None) -> Proposal:
         """trace(layer, stage, tensor) -> tensor records or replaces intermediates (parity tool)."""
-        target, cfg = self.target, self.cfg
+        target = self.target
         block = torch.cat([torch.tensor([anchor], device=target.device), self.mask_token.expand(n)])
-        x = target.embed_tokens(block)
-        if cfg.input_embedding_scale is not None:
-            x = x * cfg.input_embedding_scale
+        x = self._block_input(block)
         positions = torch.arange(pos, pos + n + 1, device=target.device)
         for j, layer in enumerate(self.model.layers):
             begin, end = self.context_range(j, pos)
@@ -99,18 +119,45 @@ class DFlashDrafter(Drafter):
             x = layer(x, self.rope, positions, keys_fn, None, layer_trace)
             if trace:
                 x = trace(j, "out", x)
-        h = self.model.norm(x)
-        if trace:
-            h = trace(-1, "final_norm", h)
-        logits = target.lm_head(h).float()
-        if cfg.output_multiplier is not None:
-            logits = logits * cfg.output_multiplier
-        if cfg.final_logit_softcapping is not None:
-            cap = cfg.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        if trace:
-            logits = trace(-1, "logits", logits)
-        return Proposal(logits[1:].argmax(-1), logits[1:])
+        return self._head(x, trace)
+
+    # -- static shapes (CUDA-graph friendly): positions are device tensors, every cell is addressed
+
+    def propose_window(self, anchor: int, pos: int, n: int) -> Proposal:
+        dev = self.target.device
+        return self.propose_static(torch.tensor([anchor], device=dev), torch.tensor([pos], device=dev), n)
+
+    def observe_window(self, window: list[int], start: int, taps: torch.Tensor | None, accepted: int) -> None:
+        self.observe_static(taps, torch.arange(start, start + taps.shape[0], device=taps.device))
+
+    @torch.inference_mode()
+    def observe_static(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
+        """Context K/V of every row of a verify window at its position. Rows past the accepted prefix
+        write cells no proposal reads (a block at p sees cells < p) until they are rewritten."""
+        c = self.model.hidden_norm(self.model.fc(taps.to(self.target.dtype)))
+        for j, layer in enumerate(self.model.layers):
+            k, v = layer.self_attn.key_value(c, self.rope, positions)
+            self.cache.k[j].index_copy_(0, positions, k)
+            self.cache.v[j].index_copy_(0, positions, v)
+
+    @torch.inference_mode()
+    def propose_static(self, anchor: torch.Tensor, pos: torch.Tensor, n: int) -> Proposal:
+        """anchor, pos: one-element device tensors. Keys: every cell (masked to the window before pos),
+        then the block's rows."""
+        dev = self.target.device
+        x = self._block_input(torch.cat([anchor, self.mask_token.expand(n)]))
+        positions = pos + torch.arange(n + 1, device=dev)
+        cells = torch.arange(self.cache.max_len, device=dev)
+        own = torch.ones(n + 1, n + 1, dtype=torch.bool, device=dev)
+        for j, layer in enumerate(self.model.layers):
+            visible = (cells < pos) & (cells >= pos - self.windows[j])
+            mask = torch.cat([visible.expand(n + 1, -1), own], dim=1)
+
+            def keys_fn(k, v, j=j):
+                return torch.cat([self.cache.k[j], k]), torch.cat([self.cache.v[j], v])
+
+            x = layer(x, self.rope, positions, keys_fn, mask)
+        return self._head(x)
 
 
 def load_drafter(path: str | Path, target: TargetDecoder, window_cells: int = 32768,

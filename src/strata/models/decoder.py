@@ -100,6 +100,29 @@ class TargetDecoder(nn.Module):
         return ForwardOut(self.logits(x), torch.cat(tapped, dim=-1) if tapped else None)
 
 
+    @torch.inference_mode()
+    def forward_static(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       taps: list[int] | None = None) -> ForwardOut:
+        """The same window as `forward`, with shapes that do not depend on the position: the window's
+        K/V are scattered into the cache at `positions` (a device tensor) and every query attends over
+        all cache cells through a mask built on the device. No host value is read, so the call can be
+        captured in a CUDA graph and replayed for any position."""
+        cells = torch.arange(cache.max_len, device=tokens.device)
+        mask = cells.unsqueeze(0) <= positions.unsqueeze(1)
+        x = self.embed_tokens(tokens)
+        wanted = {l: i for i, l in enumerate(taps or [])}
+        tapped: list[torch.Tensor | None] = [None] * len(wanted)
+        for li, layer in enumerate(self.layers):
+            def keys_fn(k, v, li=li):
+                cache.k[li].index_copy_(0, positions, k)
+                cache.v[li].index_copy_(0, positions, v)
+                return cache.k[li], cache.v[li]
+
+            x = layer(x, self.rope, positions, keys_fn, mask)
+            if li in wanted:
+                tapped[wanted[li]] = x
+        return ForwardOut(self.logits(x), torch.cat(tapped, dim=-1) if tapped else None)
+
     def forward_batch(self, tokens: torch.Tensor, taps: list[int] | None = None, with_logits: bool = True):
         """Causal forward of a batch [B, T] without a cache (training and batched data generation).
 

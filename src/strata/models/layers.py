@@ -62,14 +62,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Grouped-query attention. q: [..., T, H, D]; k, v: [..., S, Hkv, D]; mask: [..., T, S] bool
     (True = visible), or None for full visibility. Returns [..., T, H*D]."""
     *lead, t, h, d = q.shape
-    groups = h // k.shape[-2]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=-2)
-        v = v.repeat_interleave(groups, dim=-2)
     if mask is not None and mask.dim() > 2:
         mask = mask.unsqueeze(-3)  # broadcast over heads
     out = F.scaled_dot_product_attention(
-        q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=d ** -0.5
+        q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=d ** -0.5,
+        enable_gqa=h != k.shape[-2],  # K/V heads are shared by groups of query heads without copies
     )
     return out.transpose(-3, -2).reshape(*lead, t, h * d)
 

@@ -76,7 +76,10 @@ class Engine:
     """A target, its cache and a drafter: serves one sequence at a time."""
 
     def __init__(self, target: TargetDecoder, drafter: Drafter | None = None, window: int | None = None,
-                 max_len: int | None = None, draft_sampling: str = "sample", profile: bool = False):
+                 max_len: int | None = None, draft_sampling: str = "sample", profile: bool = False,
+                 static: bool = False):
+        """static=True: fixed verify windows over a cache addressed by device-side positions (the shapes
+        CUDA graphs need; every round verifies W tokens, also the last). Prefill stays dynamic."""
         if draft_sampling not in DRAFT_SAMPLING_MODES:
             raise StrataError(f"--draft-sampling: expected one of {', '.join(DRAFT_SAMPLING_MODES)}, "
                               f"got {draft_sampling!r}")
@@ -88,7 +91,8 @@ class Engine:
         if not 1 <= self.window <= self.drafter.max_window:
             raise StrataError(f"--spec {self.window}: must be 2..{self.drafter.max_window} for this drafter")
         self.max_len = max_len or target.cfg.max_position_embeddings
-        self.cache = target.make_cache(self.max_len)
+        self.static = static
+        self.cache = target.make_cache(self.max_len + (self.window if static else 0))
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -126,6 +130,7 @@ class Engine:
         res.per_position_accepted = [0] * (self.window - 1)
         taps = drafter.tap_layers
         gen = None if params.greedy else params.generator(dev)
+        budget = min(max_new_tokens, self.max_len + 1 - len(prompt_ids))  # the context's end
 
         def emit(tokens: list[int]) -> bool:
             """Append tokens up to a stop id or the budget; True when generation is over."""
@@ -136,7 +141,7 @@ class Engine:
                 if t in stop_ids:
                     res.finish_reason, done = "stop", True
                     break
-                if len(res.output_ids) + len(out) >= max_new_tokens:
+                if len(res.output_ids) + len(out) >= budget:
                     res.finish_reason, done = "length", True
                     break
             res.output_ids.extend(out)
@@ -163,32 +168,38 @@ class Engine:
                 res.finish_reason = "abort"
                 break
             pos = cache.length
-            w = min(self.window, self.max_len - pos)
-            if w < 1:
+            w = self.window if self.static else min(self.window, self.max_len - pos)
+            if pos >= self.max_len:
                 res.finish_reason = "length"
                 break
-            q = None
             t_draft = self._clock()
+            q = None
             if w > 1:
-                proposal = drafter.propose(anchor, pos, w - 1)
+                proposal = drafter.propose_window(anchor, pos, w - 1) if self.static else \
+                    drafter.propose(anchor, pos, w - 1)
                 cands = proposal.tokens
                 if not params.greedy and self.draft_sampling == "sample" and proposal.logits is not None:
                     q = process(proposal.logits, params)
                     cands = sample(q, gen)
-                window = torch.cat([torch.tensor([anchor], device=dev), cands])
             else:
                 cands = torch.empty(0, dtype=torch.long, device=dev)
-                window = torch.tensor([anchor], device=dev)
+            window = torch.cat([torch.tensor([anchor], device=dev), cands])
             t_verify = self._clock()
-            out = target(window, pos, cache, taps=taps)
+            if self.static:
+                out = target.forward_static(window, torch.arange(pos, pos + w, device=dev), cache, taps)
+            else:
+                out = target(window, pos, cache, taps=taps)
             if params.greedy:
-                a, bonus = greedy_accept(out.logits, cands)
+                a, bonus, cand_list = greedy_accept(out.logits, cands)
             else:
                 a, bonus = speculative_accept(process(out.logits, params), cands, q, gen)
-            accepted = cands[:a].tolist()
+                cand_list = cands.tolist()
             cache.commit(pos + a + 1)
             t_observe = self._clock()
-            drafter.observe([anchor] + accepted, pos, None if out.taps is None else out.taps[: a + 1])
+            if self.static:
+                drafter.observe_window([anchor] + cand_list, pos, out.taps, a)
+            else:
+                drafter.observe([anchor] + cand_list[:a], pos, None if out.taps is None else out.taps[: a + 1])
             t_end = self._clock()
             res.draft_s += (t_verify - t_draft) + (t_end - t_observe)
             res.verify_s += t_observe - t_verify
@@ -196,7 +207,7 @@ class Engine:
             for i in range(w - 1):
                 res.per_position_drafted[i] += 1
                 res.per_position_accepted[i] += int(i < a)
-            done = emit(accepted + [bonus])
+            done = emit(cand_list[:a] + [bonus])
             anchor = bonus
         res.decode_s = time.perf_counter() - t1
         return res

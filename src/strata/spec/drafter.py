@@ -36,6 +36,14 @@ class Drafter:
     def propose(self, anchor: int, pos: int, n: int) -> Proposal:
         raise NotImplementedError("the target-only drafter proposes nothing")
 
+    def propose_window(self, anchor: int, pos: int, n: int) -> Proposal:
+        """The static-shape variant used by Engine(static=True); the same proposals."""
+        return self.propose(anchor, pos, n)
+
+    def observe_window(self, window: list[int], start: int, taps: torch.Tensor | None, accepted: int) -> None:
+        """After a static verify of `window` at start: rows 0..accepted are committed (taps: every row)."""
+        self.observe(window[: accepted + 1], start, None if taps is None else taps[: accepted + 1])
+
 
 class NoDrafter(Drafter):
     pass
