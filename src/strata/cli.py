@@ -356,7 +356,7 @@ def cmd_gate(args) -> int:
     max_len = args.max_model_len or target.cfg.max_position_embeddings
     failures, summary = 0, {}
     records = []
-    for rec in gate(target, drafter, prompts, windows, args.max_new_tokens, stops, max_len):
+    for rec in gate(target, drafter, prompts, windows, args.max_new_tokens, stops, max_len, static=args.static):
         st = rec["dflash"].stats()
         records.append({"prompt": rec["prompt"], "window": rec["window"], "identical": rec["identical"],
                         "first_difference": rec["first_difference"], "tau": st["tau"],

@@ -146,7 +146,7 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "floor_ms_per_token": 1e3 * floor_s,
         "floor_tok_s": 1 / floor_s, "startup_s": startup or {},
     }
-    base_engine = Engine(target, max_len=max_len, static=static)
+    base_engine = Engine(target, max_len=max_len, static=static, pad_rows=window)
     base = timed_runs(base_engine, prompt, new_tokens, runs)
     base["ms_per_round"] = 1e3 / base["tok_s"] if base["tok_s"] else 0.0
     result["target_only"] = base

@@ -77,9 +77,16 @@ class Engine:
 
     def __init__(self, target: TargetDecoder, drafter: Drafter | None = None, window: int | None = None,
                  max_len: int | None = None, draft_sampling: str = "sample", profile: bool = False,
-                 static: bool = False):
+                 static: bool = False, pad_rows: int = 1):
         """static=True: fixed verify windows over a cache addressed by device-side positions (the shapes
-        CUDA graphs need; every round verifies W tokens, also the last). Prefill stays dynamic."""
+        CUDA graphs need; every round verifies W tokens, also the last). Prefill stays dynamic.
+
+        pad_rows: target-only decoding (static) in a window of this many rows, the anchor first and
+        padding after. A GEMM row's result does not depend on the other rows, but it can depend on the
+        number of rows: in bfloat16 a 1-row decode and a W-row verify round differently and greedy
+        choices at near-ties can flip. With pad_rows = W, target-only runs in the verify's shapes, so
+        DFlash output equals it token for token at any precision (on a GPU the extra rows are nearly
+        free: the weights are streamed once either way)."""
         if draft_sampling not in DRAFT_SAMPLING_MODES:
             raise StrataError(f"--draft-sampling: expected one of {', '.join(DRAFT_SAMPLING_MODES)}, "
                               f"got {draft_sampling!r}")
@@ -92,7 +99,8 @@ class Engine:
             raise StrataError(f"--spec {self.window}: must be 2..{self.drafter.max_window} for this drafter")
         self.max_len = max_len or target.cfg.max_position_embeddings
         self.static = static
-        self.cache = target.make_cache(self.max_len + (self.window if static else 0))
+        self.pad_rows = pad_rows if static and self.window == 1 else 1
+        self.cache = target.make_cache(self.max_len + (max(self.window, self.pad_rows) if static else 0))
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -183,16 +191,19 @@ class Engine:
                     cands = sample(q, gen)
             else:
                 cands = torch.empty(0, dtype=torch.long, device=dev)
-            window = torch.cat([torch.tensor([anchor], device=dev), cands])
+            window = torch.cat([torch.tensor([anchor], device=dev), cands,
+                                torch.zeros(self.pad_rows - 1, dtype=torch.long, device=dev)])
             t_verify = self._clock()
             if self.static:
-                out = target.forward_static(window, torch.arange(pos, pos + w, device=dev), cache, taps)
+                rows = window.shape[0]
+                out = target.forward_static(window, torch.arange(pos, pos + rows, device=dev), cache, taps)
             else:
                 out = target(window, pos, cache, taps=taps)
+            logits = out.logits[:w]  # padding rows, if any, only shaped the computation
             if params.greedy:
-                a, bonus, cand_list = greedy_accept(out.logits, cands)
+                a, bonus, cand_list = greedy_accept(logits, cands)
             else:
-                a, bonus = speculative_accept(process(out.logits, params), cands, q, gen)
+                a, bonus = speculative_accept(process(logits, params), cands, q, gen)
                 cand_list = cands.tolist()
             cache.commit(pos + a + 1)
             t_observe = self._clock()
