@@ -122,6 +122,7 @@ def test_bad_model_is_one_line_exit_2(tmp_path, qwen3_dir, how, needle):
     (["--prompt-ids", "1,999"], "outside the vocabulary"),
     (["--prompt", "hello"], "no tokenizer.json"),
     (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--prompt-ids", "1", "--max-model-len", "0"], "--max-model-len must be >= 2"),
 ])
 def test_bad_prompt_is_one_line_exit_2(qwen3_dir, args, needle):
     r = run_cli("generate", "--model", qwen3_dir, *args)

@@ -92,6 +92,8 @@ def load_target_and_tokenizer(args):
     from .tokenizer import Tokenizer
 
     resolve_demo(args)
+    if getattr(args, "max_model_len", None) is not None and args.max_model_len < 2:
+        raise StrataError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     if getattr(args, "no_dflash", False):
         args.dflash = None
     target = load_target(args.model, device=_device(args.device), dtype=_dtype(args))
