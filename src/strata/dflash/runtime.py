@@ -64,11 +64,9 @@ class DFlashDrafter(Drafter):
         self.cache.reset()
 
     @torch.inference_mode()
-    def observe(self, tokens: list[int], start: int, taps: torch.Tensor | None, trace=None) -> None:
+    def observe(self, tokens: list[int], start: int, taps: torch.Tensor | None) -> None:
         """Write context K/V of the committed positions start.. into each layer's own cells."""
         c = self.model.hidden_norm(self.model.fc(taps.to(self.target.dtype)))
-        if trace:
-            c = trace(-1, "fused", c)
         positions = torch.arange(start, start + c.shape[0], device=c.device)
         for j, layer in enumerate(self.model.layers):
             k, v = layer.self_attn.key_value(c, self.rope, positions)

@@ -134,7 +134,7 @@ def gate(target, drafter, prompts: list[list[int]], windows: list[int], max_new_
     """Target-only vs DFlash greedy for every prompt and W. Yields one dict per (prompt, W).
 
     static: both in the fixed-shape layout, target-only padded to W rows (see Engine's pad_rows)."""
-    base_engine = Engine(target, max_len=max_len)
+    base_engine = None if static else Engine(target, max_len=max_len)
     for i, prompt in enumerate(prompts):
         base = None if static else base_engine.generate(prompt, max_new_tokens, stop_ids)
         for w in windows:
