@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
-import struct
 
 import gguf
 import numpy as np
@@ -14,8 +12,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 from strata.dflash import contract as C
-from strata.dflash.artifact import load_artifact, write_gguf
-from strata.dflash.converter import convert_hf_to_gguf, export_gguf_to_hf
+from strata.dflash.artifact import load_artifact
+from strata.dflash.converter import convert_hf_to_gguf
 from strata.errors import ArtifactError
 
 from conftest import run_cli, write_hf_drafter

@@ -46,8 +46,8 @@ def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarra
     rows = np.arange(pos, pos + w)
     for j in range(cfg.num_layers):
         p = f"layers.{j}."
-        W = lambda name: weights[p + name]  # noqa: E731
-        bias = (lambda name: weights[p + name]) if cfg.attention_bias else (lambda name: 0.0)
+        W = lambda name, p=p: weights[p + name]  # noqa: E731
+        bias = (lambda name, p=p: weights[p + name]) if cfg.attention_bias else (lambda name: 0.0)
         begin, end = context_ranges[j]
         ctx_pos = np.arange(begin, end)
         ck = (fused[begin:end] @ W("self_attn.k_proj.weight").T + bias("self_attn.k_proj.bias")).reshape(-1, nkv, d)
