@@ -91,7 +91,7 @@ def test_biased_acceptance_rule_fails_the_same_test(small, monkeypatch):
 
     def accept_always(p, candidates, q, gen):
         n = candidates.shape[0]
-        return n, int(torch.multinomial(p[n], 1, generator=gen).item())
+        return torch.cat([torch.tensor([n]), torch.multinomial(p[n], 1, generator=gen), candidates])
 
     monkeypatch.setattr(decode_mod, "speculative_accept", accept_always)
     dist = exact_first_three(target, PARAMS)

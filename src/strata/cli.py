@@ -62,9 +62,29 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--static", action="store_true",
-                   help="fixed-shape verify/draft windows (the CUDA-graph layout; same tokens)")
+                   help="fixed-shape verify/draft windows (the CUDA-graph layout; the default on a GPU)")
+    p.add_argument("--eager", action="store_true",
+                   help="on a GPU: dynamic shapes without CUDA graphs (the CPU's default layout)")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="static layout without capturing CUDA graphs (the steps run eagerly)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="CUDA graphs without torch.compile's fused elementwise kernels")
+    p.add_argument("--attention", default="grouped", choices=["grouped", "sdpa"],
+                   help="attention of the static steps: two matmuls per K/V head, or PyTorch SDPA")
     p.add_argument("--draft-sampling", default="sample", choices=["sample", "argmax"],
                    help="sampled decoding: draw DFlash candidates from q, or take q's argmax (one-hot q)")
+
+
+def static_layout(args, target) -> bool:
+    """The fixed-shape (CUDA-graph) layout: asked for with --static, the default on a GPU."""
+    if args.static and args.eager:
+        raise StrataError("--static and --eager are mutually exclusive")
+    return args.static or (target.device.type == "cuda" and not args.eager)
+
+
+def engine_options(args, target) -> dict:
+    return dict(static=static_layout(args, target), graphs=not args.no_graphs, attention=args.attention,
+                compile=not args.no_compile)
 
 
 def sampling_params(args):
@@ -123,7 +143,7 @@ def build_engine(args, target):
     elif args.spec is not None:
         raise StrataError("--spec needs a drafter (--dflash or --prompt-lookup)")
     return Engine(target, drafter, window=args.spec, max_len=max_len, draft_sampling=args.draft_sampling,
-                  static=args.static)
+                  **engine_options(args, target))
 
 
 def stop_ids_for(args, target, tokenizer) -> set[int]:
@@ -358,7 +378,8 @@ def cmd_gate(args) -> int:
     max_len = args.max_model_len or target.cfg.max_position_embeddings
     failures, summary = 0, {}
     records = []
-    for rec in gate(target, drafter, prompts, windows, args.max_new_tokens, stops, max_len, static=args.static):
+    for rec in gate(target, drafter, prompts, windows, args.max_new_tokens, stops, max_len,
+                    **engine_options(args, target)):
         st = rec["dflash"].stats()
         records.append({"prompt": rec["prompt"], "window": rec["window"], "identical": rec["identical"],
                         "first_difference": rec["first_difference"], "tau": st["tau"],
@@ -459,9 +480,9 @@ def cmd_bench(args) -> int:
         if args.model:
             raise StrataError("give --model or --shape, not both")
         target = random_target(args.shape, device=device, dtype=_dtype(args))
-        label = args.shape
+        label, tokenizer = args.shape, None
     else:
-        target, _ = load_target_and_tokenizer(args)
+        target, tokenizer = load_target_and_tokenizer(args)
         label = "demo" if getattr(args, "using_demo", False) else Path(args.model).name
     sync(device)
     load_s = time.perf_counter() - t0
@@ -477,15 +498,22 @@ def cmd_bench(args) -> int:
     window = args.spec or (drafter.max_window if drafter else 8)
     if drafter is not None:
         check_window(window, drafter)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, target.cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise StrataError("--prompt needs a model with a tokenizer (random --shape weights have none)")
+        prompt = tokenizer.encode(args.prompt)
+        if not prompt:
+            raise StrataError("--prompt: the text encodes to no tokens")
+    else:
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, target.cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
     hf = [] if args.hf == "none" else args.hf.split(",")
     result = run_bench(target, drafter, prompt, args.new_tokens, window, runs=args.runs, hf_modes=tuple(hf),
-                       static=args.static,
+                       profile=args.profile, **engine_options(args, target),
                        startup={"load_target_s": load_s, "load_drafter_s": drafter_s})
     result["model"] = label
     result["drafter"] = (args.dflash or (f"random {args.drafter_layers}-layer" if args.drafter_layers else None))
-    result["command"] = "strata " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
+    result["command"] = "strata " + " ".join(sys.argv[1:])
     out = Path(args.out or f"bench/results/bench-{label}-{device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, result)
@@ -565,11 +593,13 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--shape", choices=["tiny", "qwen3-4b", "qwen3-8b"], help="random weights of a named shape")
     be.add_argument("--drafter-layers", type=int, help="a random DFlash drafter of this many layers")
     be.add_argument("--block-size", type=int, default=16, help="block size of the random drafter")
-    be.add_argument("--prompt-len", type=int, default=512)
+    be.add_argument("--prompt-len", type=int, default=512, help="random prompt tokens (without --prompt)")
+    be.add_argument("--prompt", help="a text prompt instead of random tokens (models with a tokenizer)")
     be.add_argument("--new-tokens", type=int, default=256)
     be.add_argument("--runs", type=int, default=3, help="timed runs per method (median reported)")
     be.add_argument("--hf", default="eager", help="transformers generate modes: eager,static or none")
     be.add_argument("--out", help="result JSON (a PNG plot is written beside it)")
+    be.add_argument("--profile", action="store_true", help="GPU: kernel time vs wall time of each captured step")
     be.set_defaults(func=cmd_bench)
 
     pa = sub.add_parser("parity", help="one proposal, runtime vs the NumPy reference, stage by stage")

@@ -54,7 +54,10 @@ def random_drafter(target, layers: int, block_size: int, seed: int = 0) -> DFlas
 
 
 def timed_runs(engine: Engine, prompt: list[int], new_tokens: int, runs: int) -> dict:
-    engine.generate(prompt, new_tokens)  # warm-up
+    t0 = time.perf_counter()
+    engine.generate(prompt, new_tokens)  # warm-up (captures the CUDA graphs on a GPU)
+    sync(engine.target.device)
+    warmup_s = time.perf_counter() - t0
     results = []
     for _ in range(runs):
         sync(engine.target.device)
@@ -65,7 +68,7 @@ def timed_runs(engine: Engine, prompt: list[int], new_tokens: int, runs: int) ->
     rounds = max(st["rounds"], 1)
     return {"tok_s": statistics.median(tok_s), "tok_s_runs": tok_s, "tau": st["tau"], "rounds": st["rounds"],
             "new_tokens": st["new_tokens"], "per_position_acceptance": st["per_position_acceptance"],
-            "ms_per_round": 1e3 * best.decode_s / rounds, "output_ids": best.output_ids}
+            "ms_per_round": 1e3 * best.decode_s / rounds, "output_ids": best.output_ids, "warmup_s": warmup_s}
 
 
 def round_split(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
@@ -128,8 +131,56 @@ def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], ru
     return out
 
 
+def graph_profile(engine: Engine, reps: int = 20) -> dict:
+    """Kernel time vs wall time of each captured step, replayed back to back: how far a step is from
+    its kernels' own time (launch gaps), and which kernels dominate."""
+    if not engine.graphs.graphs:
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for key, (graph, _) in engine.graphs.graphs.items():
+        name = "-".join(str(k) for k in key) if isinstance(key, tuple) else str(key)
+        graph.replay()
+        sync(engine.target.device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        sync(engine.target.device)
+        wall_ms = 1e3 * (time.perf_counter() - t0) / reps
+        entry = {"wall_ms": wall_ms}
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    graph.replay()
+                sync(engine.target.device)
+            kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
+                       and str(e.device_type).endswith("CUDA")]
+            total = sum(_device_us(e) for e in kernels) / reps
+            top = sorted(kernels, key=_device_us, reverse=True)[:8]
+            entry.update({"kernel_ms": total / 1e3, "kernels": sum(e.count for e in kernels) // reps,
+                          "gap_ms": max(0.0, wall_ms - total / 1e3),
+                          "top": [{"kernel": e.key[:80], "ms": _device_us(e) / reps / 1e3,
+                                   "count": e.count // reps} for e in top]})
+        except Exception as e:  # noqa: BLE001 - a profiler that cannot see graph kernels is reported
+            entry["profiler_error"] = f"{type(e).__name__}: {e}"[:200]
+        out[name] = entry
+    return out
+
+
+def _device_us(event) -> float:
+    for name in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
 def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, runs: int = 3,
-              hf_modes: tuple = ("eager",), startup: dict | None = None, static: bool = False) -> dict:
+              hf_modes: tuple = ("eager",), startup: dict | None = None, static: bool = False,
+              graphs: bool = True, attention: str = "grouped", compile: bool = True, profile: bool = False) -> dict:
+    """static: the fixed-shape layout (CUDA graphs on a GPU unless graphs=False). Target-only is
+    measured as a 1-row decode and, in the static layout, also padded to W rows: the identity
+    reference for DFlash in bfloat16 and the cost of a verify window."""
     device = target.device
     bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20))
     wbytes = weight_bytes(target)
@@ -143,39 +194,63 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
                   "kv_heads": target.cfg.num_kv_heads, "head_dim": target.cfg.head_dim,
                   "intermediate": target.cfg.intermediate_size, "vocab": target.cfg.vocab_size},
         "prompt_len": len(prompt), "new_tokens": new_tokens, "window": window, "runs": runs, "static": static,
+        "cuda_graphs": static and graphs and device.type == "cuda", "attention": attention,
+        "compiled_kernels": static and graphs and compile and device.type == "cuda",
         "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "floor_ms_per_token": 1e3 * floor_s,
-        "floor_tok_s": 1 / floor_s, "startup_s": startup or {},
+        "floor_tok_s": 1 / floor_s, "startup_s": dict(startup or {}),
     }
-    base_engine = Engine(target, max_len=max_len, static=static, pad_rows=window)
+    opts = dict(max_len=max_len, static=static, graphs=graphs, attention=attention, compile=compile)
+    base_engine = Engine(target, **opts)
     base = timed_runs(base_engine, prompt, new_tokens, runs)
+    result["startup_s"]["first_call_s"] = base["warmup_s"]
+    result["startup_s"]["capture_s"] = base_engine.graphs.capture_s
     base["ms_per_round"] = 1e3 / base["tok_s"] if base["tok_s"] else 0.0
     result["target_only"] = base
-    oracle_engine = Engine(target, OracleDrafter(prompt + base["output_ids"], window, device), window=window,
-                           max_len=max_len, static=static)
+    reference = base
+    engines = {"target_only": base_engine}
+    if static and window > 1:
+        padded_engine = Engine(target, pad_rows=window, **opts)
+        padded = timed_runs(padded_engine, prompt, new_tokens, runs)
+        padded["ms_per_round"] = 1e3 / padded["tok_s"] if padded["tok_s"] else 0.0
+        padded["identical_to_target_only"] = padded["output_ids"] == base["output_ids"]
+        result["target_only_padded"] = padded
+        reference = padded
+        engines["target_only_padded"] = padded_engine
+    oracle_engine = Engine(target, OracleDrafter(prompt + reference["output_ids"], window, device), window=window,
+                           **opts)
     result["dflash_oracle"] = timed_runs(oracle_engine, prompt, new_tokens, runs)
     result["dflash_oracle"]["split"] = round_split(oracle_engine, prompt, new_tokens)
     if drafter is not None:
-        engine = Engine(target, drafter, window=window, max_len=max_len, static=static)
+        engine = Engine(target, drafter, window=window, **opts)
         result["dflash"] = timed_runs(engine, prompt, new_tokens, runs)
         result["dflash"]["split"] = round_split(engine, prompt, new_tokens)
-        result["dflash"]["identical_to_target_only"] = result["dflash"]["output_ids"] == base["output_ids"]
-    result["dflash_oracle"]["identical_to_target_only"] = result["dflash_oracle"]["output_ids"] == base["output_ids"]
+        result["dflash"]["identical_to_target_only"] = result["dflash"]["output_ids"] == reference["output_ids"]
+        engines["dflash"] = engine
+    result["dflash_oracle"]["identical_to_target_only"] = \
+        result["dflash_oracle"]["output_ids"] == reference["output_ids"]
+    if profile and device.type == "cuda":
+        result["profile"] = {name: graph_profile(e) for name, e in engines.items()}
     if hf_modes:
         result["hf"] = hf_generate(target, prompt, new_tokens, list(hf_modes), max(1, runs // 2))
         for r in result["hf"].values():
             if isinstance(r, dict) and "output_ids" in r:
                 r["identical_to_strata"] = r["output_ids"] == base["output_ids"]
     t = result["target_only"]["tok_s"]
+    decode_ms = 1e3 / t if t else 0.0
     result["ratios"] = {
         "target_only_vs_floor": t / result["floor_tok_s"],
         "oracle_vs_target_only": result["dflash_oracle"]["tok_s"] / t if t else 0.0,
     }
+    if "target_only_padded" in result and decode_ms:
+        result["ratios"]["verify_window_vs_decode"] = result["target_only_padded"]["ms_per_round"] / decode_ms
     if drafter is not None:
         result["ratios"]["dflash_vs_target_only"] = result["dflash"]["tok_s"] / t if t else 0.0
+        if decode_ms:
+            result["ratios"]["draft_vs_decode"] = result["dflash"]["split"]["draft_ms"] / decode_ms
     for mode, r in (result.get("hf") or {}).items():
         if isinstance(r, dict) and "tok_s" in r:
             result["ratios"][f"target_only_vs_hf_{mode}"] = t / r["tok_s"]
-    for section in ("target_only", "dflash_oracle", "dflash"):
+    for section in ("target_only", "target_only_padded", "dflash_oracle", "dflash"):
         if section in result:
             result[section].pop("output_ids", None)
     for r in (result.get("hf") or {}).values():

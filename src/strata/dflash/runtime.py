@@ -13,7 +13,7 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..models.config import RopeConfig
 from ..models.decoder import TargetDecoder
-from ..models.layers import DecoderLayer, RMSNorm, RotaryTable
+from ..models.layers import ATTENTION, EAGER, DecoderLayer, Kernels, RMSNorm, RotaryTable
 from ..spec.drafter import Drafter, Proposal
 from .artifact import Artifact, check_against_target, load_artifact
 from .contract import DFlashConfig
@@ -36,6 +36,7 @@ class DFlashModel(nn.Module):
 
 class DFlashDrafter(Drafter):
     name = "dflash"
+    on_device = True
 
     def __init__(self, art: Artifact, target: TargetDecoder, window_cells: int = 32768, max_len: int | None = None):
         cfg = art.cfg
@@ -51,6 +52,8 @@ class DFlashDrafter(Drafter):
             model = DFlashModel(cfg)
         model.load_state_dict({k: v.to(target.dtype) for k, v in art.tensors.items()}, assign=True, strict=True)
         self.model = model.to(target.device).eval().requires_grad_(False)
+        for layer in self.model.layers:
+            layer.fuse_()
         self.max_len = max_len or target.cfg.max_position_embeddings
         self.rope = RotaryTable(cfg.head_dim, RopeConfig(cfg.rope_theta), self.max_len + cfg.block_size,
                                 target.device, target.dtype)
@@ -67,9 +70,9 @@ class DFlashDrafter(Drafter):
     def observe(self, tokens: list[int], start: int, taps: torch.Tensor | None) -> None:
         """Write context K/V of the committed positions start.. into each layer's own cells."""
         c = self.model.hidden_norm(self.model.fc(taps.to(self.target.dtype)))
-        positions = torch.arange(start, start + c.shape[0], device=c.device)
+        rope = self.rope.at(torch.arange(start, start + c.shape[0], device=c.device))
         for j, layer in enumerate(self.model.layers):
-            k, v = layer.self_attn.key_value(c, self.rope, positions)
+            k, v = layer.self_attn.key_value(c, rope)
             self.cache.write(j, start, k, v)
         self.cache.commit(start + c.shape[0])
 
@@ -105,7 +108,7 @@ class DFlashDrafter(Drafter):
         target = self.target
         block = torch.cat([torch.tensor([anchor], device=target.device), self.mask_token.expand(n)])
         x = self._block_input(block)
-        positions = torch.arange(pos, pos + n + 1, device=target.device)
+        rope = self.rope.at(torch.arange(pos, pos + n + 1, device=target.device))
         for j, layer in enumerate(self.model.layers):
             begin, end = self.context_range(j, pos)
 
@@ -114,47 +117,45 @@ class DFlashDrafter(Drafter):
                 return torch.cat([ck, k]), torch.cat([cv, v])
 
             layer_trace = (lambda stage, t, j=j: trace(j, stage, t)) if trace else None
-            x = layer(x, self.rope, positions, keys_fn, None, layer_trace)
+            x = layer(x, rope, keys_fn, None, layer_trace)
             if trace:
                 x = trace(j, "out", x)
         return self._head(x, trace)
 
     # -- static shapes (CUDA-graph friendly): positions are device tensors, every cell is addressed
 
-    def propose_window(self, anchor: int, pos: int, n: int) -> Proposal:
-        dev = self.target.device
-        return self.propose_static(torch.tensor([anchor], device=dev), torch.tensor([pos], device=dev), n)
-
-    def observe_window(self, window: list[int], start: int, taps: torch.Tensor | None, accepted: int) -> None:
-        self.observe_static(taps, torch.arange(start, start + taps.shape[0], device=taps.device))
-
     @torch.inference_mode()
-    def observe_static(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
+    def observe_static(self, taps: torch.Tensor, positions: torch.Tensor, kernels: Kernels = EAGER) -> None:
         """Context K/V of every row of a verify window at its position. Rows past the accepted prefix
         write cells no proposal reads (a block at p sees cells < p) until they are rewritten."""
-        c = self.model.hidden_norm(self.model.fc(taps.to(self.target.dtype)))
+        norm = self.model.hidden_norm
+        c = kernels.rms_norm(self.model.fc(taps.to(self.target.dtype)), norm.weight, norm.eps)
+        rope = self.rope.at(positions)
         for j, layer in enumerate(self.model.layers):
-            k, v = layer.self_attn.key_value(c, self.rope, positions)
+            k, v = layer.self_attn.key_value(c, rope)
             self.cache.k[j].index_copy_(0, positions, k)
             self.cache.v[j].index_copy_(0, positions, v)
 
     @torch.inference_mode()
-    def propose_static(self, anchor: torch.Tensor, pos: torch.Tensor, n: int) -> Proposal:
-        """anchor, pos: one-element device tensors. Keys: every cell (masked to the window before pos),
-        then the block's rows."""
+    def propose_static(self, anchor: torch.Tensor, pos: torch.Tensor, n: int, ctx_len: int | None = None,
+                       attention: str = "grouped", kernels: Kernels = EAGER) -> Proposal:
+        """anchor, pos: one-element device tensors. Keys: the first ctx_len context cells (all by
+        default; masked to the layer's window before pos), then the block's rows."""
         dev = self.target.device
+        ctx_len = min(ctx_len or self.cache.max_len, self.cache.max_len)
         x = self._block_input(torch.cat([anchor, self.mask_token.expand(n)]))
-        positions = pos + torch.arange(n + 1, device=dev)
-        cells = torch.arange(self.cache.max_len, device=dev)
+        rope = self.rope.at(pos + torch.arange(n + 1, device=dev))
+        cells = torch.arange(ctx_len, device=dev)
         own = torch.ones(n + 1, n + 1, dtype=torch.bool, device=dev)
+        attend_fn = ATTENTION[attention]
         for j, layer in enumerate(self.model.layers):
             visible = (cells < pos) & (cells >= pos - self.windows[j])
             mask = torch.cat([visible.expand(n + 1, -1), own], dim=1)
 
             def keys_fn(k, v, j=j):
-                return torch.cat([self.cache.k[j], k]), torch.cat([self.cache.v[j], v])
+                return torch.cat([self.cache.k[j, :ctx_len], k]), torch.cat([self.cache.v[j, :ctx_len], v])
 
-            x = layer(x, self.rope, positions, keys_fn, mask)
+            x = layer(x, rope, keys_fn, mask, attention=attend_fn, kernels=kernels)
         return self._head(x)
 
 

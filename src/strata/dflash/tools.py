@@ -130,19 +130,24 @@ def taps_check(target, tap_layers: list[int], seq: list[int], prefix: int, w: in
 
 
 def gate(target, drafter, prompts: list[list[int]], windows: list[int], max_new_tokens: int, stop_ids=frozenset(),
-         max_len: int | None = None, static: bool = False):
+         max_len: int | None = None, static: bool = False, **engine_opts):
     """Target-only vs DFlash greedy for every prompt and W. Yields one dict per (prompt, W).
 
-    static: both in the fixed-shape layout, target-only padded to W rows (see Engine's pad_rows)."""
-    base_engine = None if static else Engine(target, max_len=max_len)
+    static: both in the fixed-shape layout, target-only padded to W rows (see Engine's pad_rows);
+    engine_opts (graphs, attention) go to every Engine."""
+    opts = dict(max_len=max_len, static=static, **engine_opts)
+    base_engine = None if static else Engine(target, **opts)
+    engines = {}
     for i, prompt in enumerate(prompts):
         base = None if static else base_engine.generate(prompt, max_new_tokens, stop_ids)
         for w in windows:
+            if w not in engines:  # built once per W: on a GPU each holds its captured graphs
+                engines[w] = (Engine(target, pad_rows=w, **opts) if static else None,
+                              Engine(target, drafter, window=w, **opts))
+            padded, drafted = engines[w]
             if static:
-                base = Engine(target, max_len=max_len, static=True, pad_rows=w).generate(prompt, max_new_tokens,
-                                                                                         stop_ids)
-            res = Engine(target, drafter, window=w, max_len=max_len, static=static).generate(
-                prompt, max_new_tokens, stop_ids)
+                base = padded.generate(prompt, max_new_tokens, stop_ids)
+            res = drafted.generate(prompt, max_new_tokens, stop_ids)
             same = res.output_ids == base.output_ids
             first_diff = next((k for k, (a, b) in enumerate(zip(res.output_ids, base.output_ids)) if a != b),
                               None if same else min(len(res.output_ids), len(base.output_ids)))

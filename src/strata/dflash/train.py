@@ -89,14 +89,19 @@ def init_drafter(cfg: DFlashConfig, seed: int, device) -> DFlashModel:
 
 
 @torch.no_grad()
-def self_distill(target: TargetDecoder, corpus_ids: list[int], tc: TrainConfig, device, progress=True):
-    """Prompts cut from the corpus at seeded offsets; the target writes the continuations."""
+def self_distill(target: TargetDecoder, corpus_ids: list[int], tc: TrainConfig, device, progress=True,
+                 prompts: list[list[int]] | None = None):
+    """The target writes the continuations of `prompts` (each prompt_len tokens, when given), then of
+    prompts cut from the corpus at seeded offsets, num_sequences in all."""
     rng = random.Random(tc.seed)
     span = tc.prompt_len
     if len(corpus_ids) <= span + 1:
         raise StrataError(f"--data: the corpus has {len(corpus_ids)} tokens, fewer than --prompt-len {span} + 1")
-    starts = [rng.randrange(0, len(corpus_ids) - span) for _ in range(tc.num_sequences)]
-    prompts = torch.tensor([corpus_ids[s:s + span] for s in starts], device=device)
+    given = [list(p) for p in (prompts or [])][: tc.num_sequences]
+    if any(len(p) != span for p in given):
+        raise StrataError(f"self-distillation prompts must be --prompt-len {span} tokens long")
+    starts = [rng.randrange(0, len(corpus_ids) - span) for _ in range(tc.num_sequences - len(given))]
+    prompts = torch.tensor(given + [corpus_ids[s:s + span] for s in starts], device=device)
     gen = torch.Generator(device=device).manual_seed(tc.seed)
     out = []
     chunk = 256 if device != "cpu" else 32
@@ -142,9 +147,10 @@ def block_forward(model: DFlashModel, target: TargetDecoder, cfg: DFlashConfig, 
     block_id = torch.arange(k, device=dev).repeat_interleave(bs)
     own_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)
     mask = torch.cat([ctx_visible, own_block], dim=-1)
+    ctx_rope, row_rope = rope.at(ctx_pos), rope.at(flat_pos)
     for layer in model.layers:
-        ck, cv = layer.self_attn.key_value(c, rope, ctx_pos)
-        x = layer(x, rope, flat_pos, lambda kk, vv, ck=ck, cv=cv: (torch.cat([ck, kk], 1), torch.cat([cv, vv], 1)),
+        ck, cv = layer.self_attn.key_value(c, ctx_rope)
+        x = layer(x, row_rope, lambda kk, vv, ck=ck, cv=cv: (torch.cat([ck, kk], 1), torch.cat([cv, vv], 1)),
                   mask)
     logits = target.lm_head(model.norm(x)).view(b, k, bs, -1)[:, :, 1:]
     labels = tokens.gather(1, pos[..., 1:].reshape(b, -1)).view(b, k, bs - 1)

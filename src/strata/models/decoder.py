@@ -10,7 +10,7 @@ from torch import nn
 
 from ..kv_cache import KVCache
 from .config import ModelConfig, load_model_config
-from .layers import DecoderLayer, RMSNorm, RotaryTable
+from .layers import ATTENTION, EAGER, DecoderLayer, Kernels, RMSNorm, RotaryTable
 from .weights import check_and_convert, read_safetensors
 
 
@@ -65,6 +65,12 @@ class TargetDecoder(nn.Module):
         self.ensure_rope(max_len)
         return KVCache(cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype)
 
+    def fuse_(self) -> "TargetDecoder":
+        """Inference layout: fused q/k/v and gate/up matrices (see Attention.fuse_)."""
+        for layer in self.layers:
+            layer.fuse_()
+        return self
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head; also used by the drafter, whose head is the target's."""
         return self.lm_head(self.norm(h)).float()
@@ -82,7 +88,7 @@ class TargetDecoder(nn.Module):
         end = start + n
         if end > cache.max_len:
             raise ValueError(f"window ends at {end}, past the cache's {cache.max_len} cells")
-        positions = torch.arange(start, end, device=self.device)
+        rope = self.rope.at(torch.arange(start, end, device=self.device))
         mask = window_mask(start, n, self.device)
         x = self.embed_tokens(tokens)
         wanted = {l: i for i, l in enumerate(taps or [])}
@@ -92,7 +98,7 @@ class TargetDecoder(nn.Module):
                 cache.write(li, start, k, v)
                 return cache.read(li, end)
 
-            x = layer(x, self.rope, positions, keys_fn, mask)
+            x = layer(x, rope, keys_fn, mask)
             if li in wanted:
                 tapped[wanted[li]] = x
         if last_only:
@@ -102,13 +108,18 @@ class TargetDecoder(nn.Module):
 
     @torch.inference_mode()
     def forward_static(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                       taps: list[int] | None = None) -> ForwardOut:
+                       taps: list[int] | None = None, kv_len: int | None = None,
+                       attention: str = "grouped", kernels: Kernels = EAGER) -> ForwardOut:
         """The same window as `forward`, with shapes that do not depend on the position: the window's
         K/V are scattered into the cache at `positions` (a device tensor) and every query attends over
-        all cache cells through a mask built on the device. No host value is read, so the call can be
-        captured in a CUDA graph and replayed for any position."""
-        cells = torch.arange(cache.max_len, device=tokens.device)
+        the first `kv_len` cells (a length bucket, all cells by default) through a mask built on the
+        device. No host value is read, so the call can be captured in a CUDA graph and replayed for any
+        position below kv_len."""
+        kv_len = kv_len or cache.max_len
+        cells = torch.arange(kv_len, device=tokens.device)
         mask = cells.unsqueeze(0) <= positions.unsqueeze(1)
+        attend_fn = ATTENTION[attention]
+        rope = self.rope.at(positions)
         x = self.embed_tokens(tokens)
         wanted = {l: i for i, l in enumerate(taps or [])}
         tapped: list[torch.Tensor | None] = [None] * len(wanted)
@@ -116,9 +127,9 @@ class TargetDecoder(nn.Module):
             def keys_fn(k, v, li=li):
                 cache.k[li].index_copy_(0, positions, k)
                 cache.v[li].index_copy_(0, positions, v)
-                return cache.k[li], cache.v[li]
+                return cache.k[li, :kv_len], cache.v[li, :kv_len]
 
-            x = layer(x, self.rope, positions, keys_fn, mask)
+            x = layer(x, rope, keys_fn, mask, attention=attend_fn, kernels=kernels)
             if li in wanted:
                 tapped[wanted[li]] = x
         return ForwardOut(self.logits(x), torch.cat(tapped, dim=-1) if tapped else None)
@@ -129,13 +140,13 @@ class TargetDecoder(nn.Module):
         Returns (logits [B, T, V] or None, taps [B, T, n*H] or None)."""
         b, t = tokens.shape
         self.ensure_rope(t)
-        positions = torch.arange(t, device=tokens.device)
+        rope = self.rope.at(torch.arange(t, device=tokens.device))
         mask = window_mask(0, t, tokens.device)
         x = self.embed_tokens(tokens)
         wanted = {l: i for i, l in enumerate(taps or [])}
         tapped: list[torch.Tensor | None] = [None] * len(wanted)
         for li, layer in enumerate(self.layers):
-            x = layer(x, self.rope, positions, lambda k, v: (k, v), mask)
+            x = layer(x, rope, lambda k, v: (k, v), mask)
             if li in wanted:
                 tapped[wanted[li]] = x
         logits = self.lm_head(self.norm(x)) if with_logits else None
@@ -185,4 +196,4 @@ def load_target(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype =
     model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return model
+    return model.fuse_()

@@ -5,6 +5,8 @@ Everything works on one sequence at a time: activations are [tokens, features].
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,34 @@ def init_weights_(model: nn.Module, std: float = 0.02) -> nn.Module:
     return model
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, cast back, then scale (the Hugging Face order of rounding)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual add and the next norm: one fused group of elementwise work."""
+    x = x + residual
+    return x, rms_norm(x, weight, eps)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX (rotate-half) RoPE with the cos/sin rows of x's positions."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):
+    """Per-head q/k norm, then RoPE: q and k heads together when their projections are fused."""
+    return rotate(rms_norm(x, weight, eps), cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -29,10 +59,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryTable:
@@ -49,16 +76,23 @@ class RotaryTable:
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.max_positions = max_positions
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [..., T, heads, head_dim]; positions: [T] or [..., T] int64."""
-        cos = self.cos[positions].unsqueeze(-2)
-        sin = self.sin[positions].unsqueeze(-2)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def at(self, positions: torch.Tensor) -> "Rope":
+        """The rows of `positions` ([T] or [..., T] int64), gathered once for every layer of a pass."""
+        return Rope(self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+class Rope:
+    """cos/sin of one pass's positions, broadcast over heads: [..., T, 1, head_dim]."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., T, heads, head_dim]."""
+        return rotate(x, self.cos, self.sin)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, kernels=None) -> torch.Tensor:
     """Grouped-query attention. q: [..., T, H, D]; k, v: [..., S, Hkv, D]; mask: [..., T, S] bool
     (True = visible), or None for full visibility. Returns [..., T, H*D]."""
     *lead, t, h, d = q.shape
@@ -71,12 +105,74 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(-3, -2).reshape(*lead, t, h * d)
 
 
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """scores [Hkv, T, G, S] (the matmul's dtype) -> probabilities in that dtype, softmax in float32."""
+    t, s = mask.shape
+    x = scores.float().mul(scale).masked_fill(~mask.view(1, t, 1, s), float("-inf"))
+    return torch.softmax(x, dim=-1).to(scores.dtype)
+
+
+def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, kernels=None) -> torch.Tensor:
+    """The same attention for one sequence as two batched matmuls per K/V head: the query heads of a
+    group become extra rows, so no K/V is copied and no general kernel is chosen for a few queries
+    over a long cache. q: [T, H, D]; k, v: [S, Hkv, D]; mask: [T, S] bool. Returns [T, H*D]."""
+    t, h, d = q.shape
+    s, hk, _ = k.shape
+    g = h // hk
+    qg = q.reshape(t, hk, g, d).permute(1, 0, 2, 3).reshape(hk, t * g, d)
+    scores = torch.bmm(qg, k.permute(1, 2, 0)).view(hk, t, g, s)
+    probs = (kernels or EAGER).masked_softmax(scores, mask, d ** -0.5).view(hk, t * g, s)
+    out = torch.bmm(probs, v.permute(1, 0, 2))  # [Hkv, T*G, D]
+    return out.view(hk, t, g, d).permute(1, 0, 2, 3).reshape(t, h * d)
+
+
+class Kernels:
+    """The elementwise groups of a layer step. On a CUDA device `compile()` turns each into one fused
+    kernel with torch.compile (the decode step is otherwise hundreds of tiny kernels); the plain
+    functions above stay the reference and the CPU path."""
+
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    norm_rotate = staticmethod(norm_rotate)
+    silu_mul = staticmethod(silu_mul)
+    masked_softmax = staticmethod(masked_softmax)
+
+    def __init__(self, compiled: bool = False):
+        if compiled:
+            for name in ("rms_norm", "add_rms_norm", "norm_rotate", "silu_mul", "masked_softmax"):
+                setattr(self, name, _compiled_or_eager(getattr(Kernels, name)))
+
+
+def _compiled_or_eager(fn):
+    """fn through torch.compile; where compiling fails (no Triton, no compiler) it warns once and runs
+    eagerly. The first call happens outside any CUDA-graph capture (StepGraphs warms up first)."""
+    state = {"fn": torch.compile(fn, dynamic=False, fullgraph=True)}
+
+    def call(*args):
+        try:
+            return state["fn"](*args)
+        except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager path
+            if state["fn"] is fn:
+                raise
+            warnings.warn(f"torch.compile of {fn.__name__} failed ({type(e).__name__}: {e}); running it eagerly")
+            state["fn"] = fn
+            return fn(*args)
+
+    return call
+
+
+EAGER = Kernels()
+
+
+ATTENTION = {"sdpa": attend, "grouped": attend_grouped}
+
+
 class Attention(nn.Module):
     """Projections of one attention layer; the caller decides which keys a query sees."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool, qk_norm: bool):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
@@ -86,24 +182,65 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps)
         else:
             self.q_norm = self.k_norm = None
+        self.fused = None
 
-    def query(self, x: torch.Tensor, rope: RotaryTable, positions: torch.Tensor, trace=None) -> torch.Tensor:
-        q = self.q_proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
+    def fuse_(self) -> None:
+        """Inference: q/k/v projections become row blocks of one matrix (one GEMV streams them all) and
+        the q/k norm weights one [heads + kv_heads, head_dim] table. The parameters stay, as views."""
+        rows = [self.q_proj, self.k_proj, self.v_proj]
+        w = torch.cat([m.weight.detach() for m in rows])
+        b = torch.cat([m.bias.detach() for m in rows]) if self.q_proj.bias is not None else None
+        offset = 0
+        for m in rows:
+            n = m.weight.shape[0]
+            m.weight = nn.Parameter(w[offset:offset + n], requires_grad=False)
+            if b is not None:
+                m.bias = nn.Parameter(b[offset:offset + n], requires_grad=False)
+            offset += n
+        q = self.heads * self.head_dim
+        norm = None
+        if self.q_norm is not None:
+            norm = torch.cat([self.q_norm.weight.detach().expand(self.heads, -1),
+                              self.k_norm.weight.detach().expand(self.kv_heads, -1)])
+        self.fused = {"w": w, "b": b, "kv_w": w[q:], "kv_b": None if b is None else b[q:], "qk_norm": norm}
+
+    def qkv(self, x: torch.Tensor, rope: Rope, trace=None, kernels: Kernels = EAGER):
+        """Roped q [.., T, H, D], roped k and v [.., T, Hkv, D]."""
+        h, hk, d = self.heads, self.kv_heads, self.head_dim
+        lead = x.shape[:-1]
+        if self.fused is not None and not trace:
+            out = F.linear(x, self.fused["w"], self.fused["b"])
+            qk = out[..., : (h + hk) * d].view(*lead, h + hk, d)
+            if self.q_norm is not None:
+                qk = kernels.norm_rotate(qk, self.fused["qk_norm"], rope.cos, rope.sin, self.eps)
+            else:
+                qk = rope.apply(qk)
+            q, k = qk.split([h, hk], dim=-2)
+            return q, k, out[..., (h + hk) * d:].view(*lead, hk, d)
+        q = self.q_proj(x).view(*lead, h, d)
         if trace:
             q = trace("q_raw", q)
         if self.q_norm is not None:
             q = self.q_norm(q)
             if trace:
                 q = trace("q_normed", q)
-        q = rope.apply(q, positions)
-        return trace("q_roped", q) if trace else q
+        q = rope.apply(q)
+        if trace:
+            q = trace("q_roped", q)
+        k, v = self.key_value(x, rope, trace)
+        return q, k, v
 
-    def key_value(self, x: torch.Tensor, rope: RotaryTable, positions: torch.Tensor, trace=None):
-        k = self.k_proj(x).view(*x.shape[:-1], self.kv_heads, self.head_dim)
+    def key_value(self, x: torch.Tensor, rope: Rope, trace=None):
+        lead = x.shape[:-1]
+        if self.fused is not None and not trace:
+            k, v = F.linear(x, self.fused["kv_w"], self.fused["kv_b"]).view(*lead, 2, self.kv_heads,
+                                                                            self.head_dim).unbind(-3)
+        else:
+            k = self.k_proj(x).view(*lead, self.kv_heads, self.head_dim)
+            v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = self.v_proj(x).view(*x.shape[:-1], self.kv_heads, self.head_dim)
-        k = rope.apply(k, positions)
+        k = rope.apply(k)
         if trace:
             k, v = trace("k", k), trace("v", v)
         return k, v
@@ -115,8 +252,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fuse_(self) -> None:
+        """Inference: gate and up projections as row blocks of one matrix (parameters stay, as views)."""
+        w = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+        n = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
+        self.gate_up = w
+
+    def forward(self, x: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
+        if self.gate_up is not None:
+            return self.down_proj(kernels.silu_mul(F.linear(x, self.gate_up)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -130,24 +278,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(hidden, intermediate)
 
-    def forward(self, x, rope, positions, keys_fn, mask, trace=None):
+    def fuse_(self) -> None:
+        self.self_attn.fuse_()
+        self.mlp.fuse_()
+
+    def forward(self, x, rope: Rope, keys_fn, mask, trace=None, attention=attend, kernels: Kernels = EAGER):
         """keys_fn(k_new, v_new) -> (k_all, v_all) lets the caller splice in cached keys.
 
         trace(stage, tensor) -> tensor, when given, sees (and may replace) every intermediate: the
         parity tool records them and its self-test plants bugs through it."""
-        h = self.input_layernorm(x)
+        h = kernels.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         if trace:
             h = trace("attn_in", h)
-        q = self.self_attn.query(h, rope, positions, trace)
-        k, v = self.self_attn.key_value(h, rope, positions, trace)
+        q, k, v = self.self_attn.qkv(h, rope, trace, kernels)
         k_all, v_all = keys_fn(k, v)
-        a = attend(q, k_all, v_all, mask)
+        a = attention(q, k_all, v_all, mask, kernels)
         if trace:
             a = trace("attn", a)
-        x = x + self.self_attn.o_proj(a)
+        norm = self.post_attention_layernorm
         if trace:
-            x = trace("o_residual", x)
-        m = self.mlp(self.post_attention_layernorm(x))
+            x = trace("o_residual", x + self.self_attn.o_proj(a))
+            h = norm(x)
+        else:
+            x, h = kernels.add_rms_norm(x, self.self_attn.o_proj(a), norm.weight, norm.eps)
+        m = self.mlp(h, kernels)
         if trace:
             m = trace("mlp", m)
         return x + m

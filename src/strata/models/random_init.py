@@ -63,4 +63,4 @@ def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: 
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02))
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).fuse_()

@@ -26,6 +26,11 @@ class Drafter:
     max_window = 1
     #: HF layer ids whose residual stream the drafter wants from every target forward
     tap_layers: list[int] | None = None
+    #: True for drafters whose static-layout steps work on device buffers alone:
+    #: propose_static(anchor, pos, n, ctx_len, attention) -> Proposal and observe_static(taps, positions).
+    #: The engine captures those in CUDA graphs; the others are asked through propose_window and
+    #: observe_window with host values.
+    on_device = False
 
     def reset(self) -> None:
         """Forget the previous sequence."""

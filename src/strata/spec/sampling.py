@@ -58,5 +58,8 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One draw per row of [N, V] probabilities."""
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    """One draw per row of [N, V] probabilities, without a host synchronisation: the index of the
+    largest p_i / E_i with E_i ~ Exp(1) is distributed as p (an exponential race; zero-probability
+    entries never win)."""
+    race = torch.empty_like(probs).exponential_(generator=gen)
+    return (probs / race).argmax(-1)
