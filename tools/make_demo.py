@@ -2,7 +2,10 @@
 Python standard library's own source, and a DFlash drafter trained for it with `train-drafter`'s code.
 
 Deterministic given --seed and the Python version whose stdlib is read (recorded in demo_meta.json).
-A named set of modules is kept out of training for evaluation (HELD_OUT).
+A named set of modules is kept out of training for evaluation (HELD_OUT). Every DISTILL_EVERY-th of the
+other files is kept out of the target's training too: the drafter's self-distillation prompts come from
+them, so it learns how the target continues code it has never seen (the evaluation's regime) rather
+than how it replays text it memorised.
 
     python tools/make_demo.py OUT_DIR [--device cuda] [--target-steps N] [--drafter-steps N] [--quick]
 
@@ -37,6 +40,7 @@ HELD_OUT = ["json/", "csv.py", "textwrap.py", "heapq.py", "bisect.py", "fraction
             "shlex.py", "difflib.py", "pprint.py", "calendar.py", "colorsys.py", "graphlib.py", "string.py"]
 SKIP_DIRS = ("idlelib/", "lib2to3/", "tkinter/", "turtledemo/", "site-packages/", "ensurepip/",
              "__pycache__/", "config-", "pydoc_data/", "encodings/")
+DISTILL_EVERY = 8
 EOS = "<|endoftext|>"
 
 TARGET_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
@@ -45,8 +49,9 @@ TARGET_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num
                     torch_dtype="bfloat16")
 
 
-def stdlib_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files). The held-out modules' own tests are kept out of training too."""
+def stdlib_files(root: Path | None = None) -> tuple[list[Path], list[Path], list[Path]]:
+    """(target training files, held-out files, self-distillation files). The held-out modules' own tests
+    are kept out of everything too."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     their_tests = ["test/test_" + h.removesuffix(".py").removesuffix("/") for h in HELD_OUT]
     train, held = [], []
@@ -54,8 +59,12 @@ def stdlib_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
         rel = path.relative_to(root).as_posix()
         if any(part in rel for part in SKIP_DIRS) or any(rel.startswith(t) for t in their_tests):
             continue
-        (held if any(rel == h or rel.startswith(h) for h in HELD_OUT) else train).append(path)
-    return train, held
+        if any(rel == h or rel.startswith(h) for h in HELD_OUT):
+            held.append(path)
+        else:
+            train.append(path)
+    distill = train[DISTILL_EVERY - 1::DISTILL_EVERY]
+    return [p for i, p in enumerate(train) if (i + 1) % DISTILL_EVERY], held, distill
 
 
 def eval_prompts(paths, count=24, context_chars=300) -> list[str]:
@@ -69,6 +78,22 @@ def eval_prompts(paths, count=24, context_chars=300) -> list[str]:
             found.append(text[max(0, i - context_chars): end + 1])
     step = max(1, len(found) // count)
     return found[::step][:count]
+
+
+def def_prompts(tok, texts, length: int) -> list[list[int]]:
+    """The demo's use: code, then a `def` line to complete. Every def line of the texts, with the
+    `length` tokens that end with it."""
+    out = []
+    for text in texts:
+        for i in range(len(text)):
+            if text.startswith("\ndef ", i) or text.startswith("\n    def ", i):
+                end = text.find("\n", i + 1)
+                if end < 0:
+                    continue
+                ids = tok.encode(text[max(0, i - 4 * length * 4): end + 1], add_special_tokens=False).ids
+                if len(ids) >= length:
+                    out.append(ids[-length:])
+    return out
 
 
 def read(paths):
@@ -156,20 +181,39 @@ def train_target(out: Path, train_ids, held_ids, args, shape) -> dict:
     return {"log": log, "held_out_loss": best, "held_out_ppl": math.exp(best)}
 
 
+def quick_gate(out: Path, prompts: list[str], device: str) -> dict:
+    """`strata gate`'s measurement (float32, greedy, W = 8, 64 new tokens) straight after training."""
+    from tokenizers import Tokenizer
+
+    from strata.dflash.runtime import DFlashDrafter
+    from strata.dflash.artifact import load_artifact
+    from strata.dflash.tools import gate
+    from strata.models.decoder import load_target
+
+    target = load_target(out / "target", device=device, dtype=torch.float32)
+    drafter = DFlashDrafter(load_artifact(out / "drafter"), target)
+    tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
+    ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+    rows = list(gate(target, drafter, ids, [8], 64, max_len=1024))
+    accepted = sum(sum(r["dflash"].accept_lengths) for r in rows)
+    rounds = sum(len(r["dflash"].accept_lengths) for r in rows)
+    return {"tau": accepted / rounds, "identical": sum(r["identical"] for r in rows), "prompts": len(rows)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target-steps", type=int, default=4000)
+    ap.add_argument("--target-steps", type=int, default=1500)
     ap.add_argument("--target-batch", type=int, default=64)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--drafter-steps", type=int, default=4000)
-    ap.add_argument("--drafter-layers", type=int, default=2)
+    ap.add_argument("--drafter-steps", type=int, default=3500)
+    ap.add_argument("--drafter-layers", type=int, default=4)
     ap.add_argument("--drafter-batch", type=int, default=64)
     ap.add_argument("--drafter-lr", type=float, default=6e-4)
-    ap.add_argument("--num-sequences", type=int, default=8192)
+    ap.add_argument("--num-sequences", type=int, default=12288)
     ap.add_argument("--stdlib", help="the standard library folder to read (default: this Python's)")
     ap.add_argument("--quick", action="store_true", help="a tiny run to check the script on a CPU")
     args = ap.parse_args()
@@ -181,9 +225,9 @@ def main():
     out = Path(args.out)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    train_files, held_files = stdlib_files(args.stdlib)
+    train_files, held_files, distill_files = stdlib_files(args.stdlib)
     if args.quick:
-        train_files, held_files = train_files[:40], held_files[:4]
+        train_files, held_files, distill_files = train_files[:40], held_files[:4], distill_files[:6]
     train_texts, held_texts = read(train_files), read(held_files)
     t0 = time.time()
     tok = train_tokenizer(train_texts, shape["vocab_size"])
@@ -194,8 +238,10 @@ def main():
     (out / "target" / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.token_to_id(EOS)}))
     shape["eos_token_id"] = tok.token_to_id(EOS)
     train_ids, held_ids = encode_all(tok, train_texts), encode_all(tok, held_texts)
-    print(f"tokenizer: {time.time() - t0:.1f}s, train tokens {len(train_ids):,}, held-out tokens {len(held_ids):,}",
-          flush=True)
+    distill_texts = read(distill_files)
+    distill_ids = encode_all(tok, distill_texts)
+    print(f"tokenizer: {time.time() - t0:.1f}s, train tokens {len(train_ids):,}, held-out tokens {len(held_ids):,}, "
+          f"distillation tokens {len(distill_ids):,}", flush=True)
     target_info = train_target(out / "target", train_ids, held_ids, args, shape)
 
     from strata.models.decoder import load_target
@@ -205,12 +251,16 @@ def main():
     layers = target.cfg.num_layers
     taps = sorted({1, layers // 2, layers - 2}) if layers >= 4 else [0, layers - 1]
     tc = TrainConfig(layers=args.drafter_layers, block_size=8, taps=taps, steps=args.drafter_steps,
-                     batch_size=args.drafter_batch, lr=args.drafter_lr, prompt_len=64, gen_len=192, num_sequences=args.num_sequences,
+                     batch_size=args.drafter_batch, lr=args.drafter_lr, prompt_len=96, gen_len=160,
+                     num_sequences=args.num_sequences,
                      seed=args.seed, eval_every=max(1, args.drafter_steps // 10), save_every=10 ** 9)
-    corpus = train_ids.tolist()
+    corpus = distill_ids.tolist()
     t1 = time.time()
-    seqs = self_distill(target, corpus, tc, args.device, progress=False).cpu()
-    print(f"self-distillation: {len(seqs)} sequences in {time.time() - t1:.1f}s", flush=True)
+    starts = def_prompts(tok, distill_texts, tc.prompt_len)
+    random.Random(args.seed).shuffle(starts)
+    seqs = self_distill(target, corpus, tc, args.device, progress=False, prompts=starts[: tc.num_sequences // 2]).cpu()
+    print(f"self-distillation: {len(seqs)} sequences ({min(len(starts), tc.num_sequences // 2)} from def lines) in "
+          f"{time.time() - t1:.1f}s", flush=True)
     trainer = DrafterTrainer(target, tc, out / "drafter", args.device)
     trainer.set_data(seqs)
     history = trainer.fit(progress=False)
@@ -218,12 +268,17 @@ def main():
         print("drafter", h, flush=True)
     (out / "drafter" / "checkpoint.pt").unlink(missing_ok=True)
     (out / "drafter" / "distill.pt").unlink(missing_ok=True)
-    meta = {"python": sys.version.split()[0], "stdlib": args.stdlib or "this Python's", "torch": torch.__version__, "seed": args.seed,
-            "held_out_modules": HELD_OUT, "train_files": len(train_files), "held_out_files": len(held_files),
-            "train_tokens": len(train_ids), "held_out_tokens": len(held_ids), "target_shape": shape,
+    prompts = eval_prompts(held_files)
+    gate_tau = quick_gate(out, prompts, args.device)
+    print(f"gate on the held-out prompts (float32, W=8, 64 tokens): {gate_tau}", flush=True)
+    meta = {"python": sys.version.split()[0], "stdlib": args.stdlib or "this Python's", "torch": torch.__version__,
+            "seed": args.seed, "held_out_modules": HELD_OUT, "train_files": len(train_files),
+            "held_out_files": len(held_files), "distill_files": len(distill_files), "distill_every": DISTILL_EVERY,
+            "train_tokens": len(train_ids), "held_out_tokens": len(held_ids), "distill_tokens": len(distill_ids),
+            "gate": gate_tau, "target_shape": shape,
             "target": target_info, "drafter_taps": taps, "drafter_layers": args.drafter_layers,
             "drafter_log": history, "args": vars(args), "seconds": round(time.time() - t0, 1)}
-    (out / "eval_prompts.json").write_text(json.dumps(eval_prompts(held_files), indent=1))
+    (out / "eval_prompts.json").write_text(json.dumps(prompts, indent=1))
     (out / "demo_meta.json").write_text(json.dumps(meta, indent=2))
     print(f"done in {time.time() - t0:.1f}s", flush=True)
 
