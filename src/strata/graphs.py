@@ -44,6 +44,3 @@ class StepGraphs:
         graph, out = entry
         graph.replay()
         return out
-
-    def clear(self) -> None:
-        self.graphs.clear()

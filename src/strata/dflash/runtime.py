@@ -69,12 +69,17 @@ class DFlashDrafter(Drafter):
     @torch.inference_mode()
     def observe(self, tokens: list[int], start: int, taps: torch.Tensor | None) -> None:
         """Write context K/V of the committed positions start.. into each layer's own cells."""
-        c = self.model.hidden_norm(self.model.fc(taps.to(self.target.dtype)))
+        c = self._context(taps)
         rope = self.rope.at(torch.arange(start, start + c.shape[0], device=c.device))
         for j, layer in enumerate(self.model.layers):
             k, v = layer.self_attn.key_value(c, rope)
             self.cache.write(j, start, k, v)
         self.cache.commit(start + c.shape[0])
+
+    def _context(self, taps: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
+        """Fused target taps -> the drafter's context features (fc, then hidden_norm)."""
+        norm = self.model.hidden_norm
+        return kernels.rms_norm(self.model.fc(taps.to(self.target.dtype)), norm.weight, norm.eps)
 
     def context_range(self, layer: int, pos: int) -> tuple[int, int]:
         """Context cells [begin, end) a block at position pos attends to in this layer."""
@@ -128,8 +133,7 @@ class DFlashDrafter(Drafter):
     def observe_static(self, taps: torch.Tensor, positions: torch.Tensor, kernels: Kernels = EAGER) -> None:
         """Context K/V of every row of a verify window at its position. Rows past the accepted prefix
         write cells no proposal reads (a block at p sees cells < p) until they are rewritten."""
-        norm = self.model.hidden_norm
-        c = kernels.rms_norm(self.model.fc(taps.to(self.target.dtype)), norm.weight, norm.eps)
+        c = self._context(taps, kernels)
         rope = self.rope.at(positions)
         for j, layer in enumerate(self.model.layers):
             k, v = layer.self_attn.key_value(c, rope)

@@ -127,9 +127,9 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 class Kernels:
-    """The elementwise groups of a layer step. On a CUDA device `compile()` turns each into one fused
-    kernel with torch.compile (the decode step is otherwise hundreds of tiny kernels); the plain
-    functions above stay the reference and the CPU path."""
+    """The elementwise groups of a layer step. `Kernels(compiled=True)` (see compiled_kernels) turns
+    each into one fused kernel with torch.compile, for the CUDA-graph path (the decode step is
+    otherwise hundreds of tiny kernels); the plain functions above stay the reference and the CPU path."""
 
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
@@ -162,9 +162,33 @@ def _compiled_or_eager(fn):
 
 
 EAGER = Kernels()
+_COMPILED: Kernels | None = None
+
+
+def compiled_kernels() -> Kernels:
+    """The one compiled set, shared by every engine of the process."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = Kernels(compiled=True)
+    return _COMPILED
 
 
 ATTENTION = {"sdpa": attend, "grouped": attend_grouped}
+
+
+def stack_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One matrix (and bias) holding the linears' weights as row blocks; each linear's parameters
+    become views into it, so one GEMV streams them all and state dicts keep their names."""
+    w = torch.cat([m.weight.detach() for m in linears])
+    b = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    offset = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(w[offset:offset + n], requires_grad=False)
+        if b is not None:
+            m.bias = nn.Parameter(b[offset:offset + n], requires_grad=False)
+        offset += n
+    return w, b
 
 
 class Attention(nn.Module):
@@ -187,16 +211,7 @@ class Attention(nn.Module):
     def fuse_(self) -> None:
         """Inference: q/k/v projections become row blocks of one matrix (one GEMV streams them all) and
         the q/k norm weights one [heads + kv_heads, head_dim] table. The parameters stay, as views."""
-        rows = [self.q_proj, self.k_proj, self.v_proj]
-        w = torch.cat([m.weight.detach() for m in rows])
-        b = torch.cat([m.bias.detach() for m in rows]) if self.q_proj.bias is not None else None
-        offset = 0
-        for m in rows:
-            n = m.weight.shape[0]
-            m.weight = nn.Parameter(w[offset:offset + n], requires_grad=False)
-            if b is not None:
-                m.bias = nn.Parameter(b[offset:offset + n], requires_grad=False)
-            offset += n
+        w, b = stack_rows([self.q_proj, self.k_proj, self.v_proj])
         q = self.heads * self.head_dim
         norm = None
         if self.q_norm is not None:
@@ -256,11 +271,7 @@ class MLP(nn.Module):
 
     def fuse_(self) -> None:
         """Inference: gate and up projections as row blocks of one matrix (parameters stay, as views)."""
-        w = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
-        n = self.gate_proj.weight.shape[0]
-        self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
-        self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
-        self.gate_up = w
+        self.gate_up, _ = stack_rows([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         if self.gate_up is not None:

@@ -13,7 +13,7 @@ import torch
 from ..errors import StrataError
 from ..graphs import StepGraphs
 from ..models.decoder import TargetDecoder
-from ..models.layers import ATTENTION, EAGER, Kernels
+from ..models.layers import ATTENTION, EAGER, compiled_kernels
 from .drafter import Drafter, NoDrafter
 from .sampling import SamplingParams, process, sample
 from .verify import greedy_accept, speculative_accept
@@ -116,7 +116,7 @@ class Engine:
         self.rows = max(self.window, self.pad_rows)
         self.cache = target.make_cache(self.max_len + (self.rows if static else 0))
         self.graphs = StepGraphs(target.device, enabled=graphs and static)
-        self.kernels = Kernels(compiled=True) if self.graphs.enabled and compile else EAGER
+        self.kernels = compiled_kernels() if self.graphs.enabled and compile else EAGER
         if static:
             dev = target.device
             self.anchor_buf = torch.zeros(1, dtype=torch.long, device=dev)
@@ -156,8 +156,6 @@ class Engine:
         if self.static and drafter.on_device:
             proposal = self.graphs.run(("draft", bucket), lambda: drafter.propose_static(
                 self.anchor_buf, self.pos_buf, n, bucket, self.attention, self.kernels))
-        elif self.static:
-            proposal = drafter.propose_window(anchor, pos, n)
         else:
             proposal = drafter.propose(anchor, pos, n)
         if not params.greedy and self.draft_sampling == "sample" and proposal.logits is not None:
@@ -204,8 +202,6 @@ class Engine:
         marks.append(self._clock())
         if self.static and drafter.on_device:
             self.graphs.run(("observe", kv_len), lambda: drafter.observe_static(out.taps, positions, self.kernels))
-        elif self.static:
-            drafter.observe_window([anchor] + values[2:], pos, out.taps, a)
         else:
             drafter.observe([anchor] + values[2:2 + a], pos, None if out.taps is None else out.taps[: a + 1])
         if self.static:

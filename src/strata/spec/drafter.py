@@ -28,8 +28,8 @@ class Drafter:
     tap_layers: list[int] | None = None
     #: True for drafters whose static-layout steps work on device buffers alone:
     #: propose_static(anchor, pos, n, ctx_len, attention) -> Proposal and observe_static(taps, positions).
-    #: The engine captures those in CUDA graphs; the others are asked through propose_window and
-    #: observe_window with host values.
+    #: The engine captures those in CUDA graphs; the others are asked through propose and observe
+    #: with host values in either layout.
     on_device = False
 
     def reset(self) -> None:
@@ -40,14 +40,6 @@ class Drafter:
 
     def propose(self, anchor: int, pos: int, n: int) -> Proposal:
         raise NotImplementedError("the target-only drafter proposes nothing")
-
-    def propose_window(self, anchor: int, pos: int, n: int) -> Proposal:
-        """The static-shape variant used by Engine(static=True); the same proposals."""
-        return self.propose(anchor, pos, n)
-
-    def observe_window(self, window: list[int], start: int, taps: torch.Tensor | None, accepted: int) -> None:
-        """After a static verify of `window` at start: rows 0..accepted are committed (taps: every row)."""
-        self.observe(window[: accepted + 1], start, None if taps is None else taps[: accepted + 1])
 
 
 class NoDrafter(Drafter):
