@@ -5,9 +5,12 @@ Deterministic given --seed and the Python version whose stdlib is read (recorded
 A named set of modules is kept out of training for evaluation (HELD_OUT). Every DISTILL_EVERY-th of the
 other files is kept out of the target's training too: the drafter's self-distillation prompts come from
 them, so it learns how the target continues code it has never seen (the evaluation's regime) rather
-than how it replays text it memorised.
+than how it replays text it memorised. The target's own training files join that pool with every name
+they define renamed (`rename_identifiers`): eight times the code, none of it verbatim what the target saw.
 
-    python tools/make_demo.py OUT_DIR [--device cuda] [--target-steps N] [--drafter-steps N] [--quick]
+    python tools/make_demo.py OUT_DIR [--device cuda] [--target DIR] [--target-steps N] [--drafter-steps N] [--quick]
+
+--target reuses a trained demo target (the shipped drafter was made on the shipped target this way).
 
 OUT_DIR receives target/ (Hugging Face folder with tokenizer), drafter/ (reference HF format) and
 demo_meta.json. `strata convert-dflash OUT_DIR/drafter src/strata/demo/drafter.gguf` makes the artifact
@@ -16,12 +19,20 @@ that ships."""
 from __future__ import annotations
 
 import argparse
+import ast
+import builtins
+import io
 import json
+import keyword
 import math
 import random
+import re
+import shutil
 import sys
 import sysconfig
 import time
+import tokenize
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,15 +96,70 @@ def def_prompts(tok, texts, length: int) -> list[list[int]]:
     `length` tokens that end with it."""
     out = []
     for text in texts:
-        for i in range(len(text)):
-            if text.startswith("\ndef ", i) or text.startswith("\n    def ", i):
-                end = text.find("\n", i + 1)
-                if end < 0:
-                    continue
-                ids = tok.encode(text[max(0, i - 4 * length * 4): end + 1], add_special_tokens=False).ids
-                if len(ids) >= length:
-                    out.append(ids[-length:])
+        for m in re.finditer(r"\n(?:    )?def [^\n]*\n", text):
+            ids = tok.encode(text[max(0, m.start() - 16 * length): m.end()], add_special_tokens=False).ids
+            if len(ids) >= length:
+                out.append(ids[-length:])
     return out
+
+
+KEEP_NAMES = set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins)) | {"self", "cls"}
+
+
+def defined_names(text: str) -> set[str]:
+    """Names the file itself binds (functions, classes, arguments, assignment targets, stored attributes):
+    the ones a rename keeps consistent, while the library API the file uses stays as it is."""
+    out = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        tree = ast.parse(text)
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, ast.arg):
+            out.add(n.arg)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+            out.add(n.attr)
+    return {x for x in out if x not in KEEP_NAMES and not x.startswith("__")}
+
+
+def rename_identifiers(text: str, pool: list[str], rng: random.Random) -> str | None:
+    """The file with each name it defines replaced, consistently, by another name from the corpus: code the
+    target has not memorised, in the style it knows. None when the file does not parse."""
+    try:
+        own = sorted(defined_names(text))
+        toks = [t for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.NAME]
+    except (SyntaxError, ValueError, tokenize.TokenError):
+        return None
+    mapping = dict(zip(own, rng.sample(pool, len(own)))) if len(own) <= len(pool) else {}
+    line_start = [0]
+    for line in text.splitlines(keepends=True):
+        line_start.append(line_start[-1] + len(line))
+    out, last = [], 0
+    for t in toks:
+        if t.string in mapping:
+            a, b = line_start[t.start[0] - 1] + t.start[1], line_start[t.end[0] - 1] + t.end[1]
+            out += [text[last:a], mapping[t.string]]
+            last = b
+    out.append(text[last:])
+    return "".join(out)
+
+
+def renamed_copies(texts: list[str], seed: int) -> list[str]:
+    """One renamed copy of every file that parses; the new names are drawn from the names the corpus defines
+    at least twice."""
+    counts: dict[str, int] = {}
+    for text in texts:
+        try:
+            for name in defined_names(text):
+                counts[name] = counts.get(name, 0) + 1
+        except (SyntaxError, ValueError):
+            continue
+    pool = sorted(n for n, k in counts.items() if k >= 2 and n.isascii())
+    rng = random.Random(seed)
+    return [r for r in (rename_identifiers(t, pool, rng) for t in texts) if r is not None]
 
 
 def read(paths):
@@ -209,11 +275,15 @@ def main():
     ap.add_argument("--target-batch", type=int, default=64)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--drafter-steps", type=int, default=3500)
-    ap.add_argument("--drafter-layers", type=int, default=4)
+    ap.add_argument("--drafter-steps", type=int, default=6000)
+    ap.add_argument("--drafter-layers", type=int, default=7)
     ap.add_argument("--drafter-batch", type=int, default=64)
     ap.add_argument("--drafter-lr", type=float, default=6e-4)
-    ap.add_argument("--num-sequences", type=int, default=12288)
+    ap.add_argument("--num-sequences", type=int, default=49152)
+    ap.add_argument("--renamed", action=argparse.BooleanOptionalAction, default=True,
+                    help="also distil on the target's training files with the names they define renamed")
+    ap.add_argument("--target", dest="reuse_target", metavar="DIR",
+                    help="reuse this demo target (and its tokenizer) instead of training one")
     ap.add_argument("--stdlib", help="the standard library folder to read (default: this Python's)")
     ap.add_argument("--quick", action="store_true", help="a tiny run to check the script on a CPU")
     args = ap.parse_args()
@@ -230,19 +300,36 @@ def main():
         train_files, held_files, distill_files = train_files[:40], held_files[:4], distill_files[:6]
     train_texts, held_texts = read(train_files), read(held_files)
     t0 = time.time()
-    tok = train_tokenizer(train_texts, shape["vocab_size"])
-    (out / "target").mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "target" / "tokenizer.json"))
-    (out / "target" / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "model_max_length": 2048},
-                                                                     indent=2))
-    (out / "target" / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.token_to_id(EOS)}))
+    if args.reuse_target:
+        from tokenizers import Tokenizer
+
+        shutil.copytree(args.reuse_target, out / "target", dirs_exist_ok=True)
+        tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_texts, shape["vocab_size"])
+        (out / "target").mkdir(parents=True, exist_ok=True)
+        tok.save(str(out / "target" / "tokenizer.json"))
+        (out / "target" / "tokenizer_config.json").write_text(
+            json.dumps({"eos_token": EOS, "model_max_length": 2048}, indent=2))
+        (out / "target" / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.token_to_id(EOS)}))
     shape["eos_token_id"] = tok.token_to_id(EOS)
     train_ids, held_ids = encode_all(tok, train_texts), encode_all(tok, held_texts)
     distill_texts = read(distill_files)
+    if args.renamed:
+        distill_texts += renamed_copies(train_texts, args.seed)
     distill_ids = encode_all(tok, distill_texts)
     print(f"tokenizer: {time.time() - t0:.1f}s, train tokens {len(train_ids):,}, held-out tokens {len(held_ids):,}, "
           f"distillation tokens {len(distill_ids):,}", flush=True)
-    target_info = train_target(out / "target", train_ids, held_ids, args, shape)
+    if args.reuse_target:
+        from strata.models.decoder import load_target
+
+        reused = load_target(out / "target", device=args.device, dtype=torch.float32)
+        target_info = {"reused": str(args.reuse_target),
+                       "held_out_loss": eval_loss(reused, held_ids, args.seq_len, args.device)}
+        target_info["held_out_ppl"] = math.exp(target_info["held_out_loss"])
+        del reused
+    else:
+        target_info = train_target(out / "target", train_ids, held_ids, args, shape)
 
     from strata.models.decoder import load_target
 

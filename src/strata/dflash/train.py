@@ -104,19 +104,15 @@ def self_distill(target: TargetDecoder, corpus_ids: list[int], tc: TrainConfig, 
     prompts = torch.tensor(given + [corpus_ids[s:s + span] for s in starts], device=device)
     gen = torch.Generator(device=device).manual_seed(tc.seed)
     out = []
-    chunk = 256 if device != "cpu" else 32
+    chunk = 1024 if device != "cpu" else 32
+    def pick(logits):
+        if tc.temperature > 0:
+            return torch.multinomial(torch.softmax(logits / tc.temperature, -1), 1, generator=gen)
+        return logits.argmax(-1, keepdim=True)
+
     for i in tqdm(range(0, len(prompts), chunk), desc="self-distill", disable=not progress, leave=False):
-        seq = prompts[i:i + chunk]
-        for _ in range(tc.gen_len):
-            with _autocast(device):
-                logits, _ = target.forward_batch(seq)
-            last = logits[:, -1].float()
-            if tc.temperature > 0:
-                nxt = torch.multinomial(torch.softmax(last / tc.temperature, -1), 1, generator=gen)
-            else:
-                nxt = last.argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt], dim=1)
-        out.append(seq)
+        with _autocast(device):
+            out.append(target.continue_batch(prompts[i:i + chunk], tc.gen_len, pick))
     return torch.cat(out)
 
 
@@ -176,21 +172,37 @@ class DrafterTrainer:
         g = gamma_for(bs)
         self.weights = torch.tensor([math.exp(-(r - 1) / g) for r in range(1, bs)], device=device)
         self.history: list[dict] = []
+        self.on_cuda = str(device).startswith("cuda")
+        self.cache_taps = self.on_cuda
 
     # -- data
     def set_data(self, sequences: torch.Tensor):
         n_hold = max(1, int(len(sequences) * self.tc.held_out))
         self.train_seqs, self.held_seqs = sequences[n_hold:], sequences[:n_hold]
+        self.train_taps = self._tap_table(self.train_seqs)
+
+    def _tap_table(self, seqs: torch.Tensor) -> torch.Tensor | None:
+        """On CUDA, the frozen target's features of every training sequence, computed once (bf16) when they
+        take at most a third of the free memory: each step then skips the target's forward."""
+        if not self.cache_taps:
+            return None
+        width = len(self.cfg.target_layer_ids) * self.target.cfg.hidden_size
+        if self.on_cuda and seqs.numel() * width * 2 > torch.cuda.mem_get_info(self.device)[0] // 3:
+            return None
+        table = torch.empty(*seqs.shape, width, dtype=torch.bfloat16, device=self.device)
+        for i in range(0, len(seqs), self.tc.batch_size):
+            table[i:i + self.tc.batch_size] = self.taps_of(seqs[i:i + self.tc.batch_size].to(self.device))
+        return table
 
     def taps_of(self, tokens):
         with torch.no_grad(), _autocast(self.device):
             _, taps = self.target.forward_batch(tokens, self.cfg.target_layer_ids, with_logits=False)
         return taps.float()
 
-    def loss_on(self, tokens, anchors):
+    def loss_on(self, tokens, anchors, taps=None):
         with _autocast(self.device):
             logits, labels = block_forward(self.model, self.target, self.cfg, self.rope, tokens,
-                                           self.taps_of(tokens), anchors)
+                                           self.taps_of(tokens) if taps is None else taps.float(), anchors)
         ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
         loss = (ce * self.weights).sum() / (self.weights.sum() * labels.shape[0] * labels.shape[1])
         return loss, logits, labels
@@ -208,7 +220,8 @@ class DrafterTrainer:
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, tc.steps, tc.lr, tc.warmup)
         self.model.train()
-        loss, _, _ = self.loss_on(tokens, anchors)
+        taps = None if self.train_taps is None else self.train_taps[idx.to(self.device)]
+        loss, _, _ = self.loss_on(tokens, anchors, taps)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip)
@@ -277,6 +290,7 @@ class DrafterTrainer:
                 est = self.evaluate()
                 est["train_loss"] = loss
                 self.history.append(est)
+                self.export()
             bar.set_postfix(loss=f"{loss:.3f}", tau=f"{est.get('tau_estimate', float('nan')):.2f}")
             if self.step % self.tc.save_every == 0:
                 self.save_checkpoint()

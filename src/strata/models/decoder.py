@@ -153,6 +153,36 @@ class TargetDecoder(nn.Module):
         return logits, (torch.cat(tapped, dim=-1) if tapped else None)
 
 
+    @torch.no_grad()
+    def continue_batch(self, prompts: torch.Tensor, new_tokens: int, pick) -> torch.Tensor:
+        """Extend every row of prompts [B, P] by new_tokens, each chosen by pick(logits [B, V]) -> [B, 1],
+        over a per-batch K/V cache (self-distillation data: the same tokens as re-running forward_batch on
+        the growing rows, at a fraction of the cost)."""
+        b, p = prompts.shape
+        total = p + new_tokens
+        self.ensure_rope(total)
+        bufs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.layers)
+        rows, window, start = [prompts], prompts, 0
+        for _ in range(new_tokens):
+            end = start + window.shape[1]
+            rope = self.rope.at(torch.arange(start, end, device=prompts.device))
+            mask = window_mask(start, window.shape[1], prompts.device)
+            x = self.embed_tokens(window)
+            for li, layer in enumerate(self.layers):
+                def keys_fn(k, v, li=li, start=start, end=end):
+                    if bufs[li] is None:
+                        bufs[li] = (k.new_empty(b, total, *k.shape[2:]), v.new_empty(b, total, *v.shape[2:]))
+                    kb, vb = bufs[li]
+                    kb[:, start:end], vb[:, start:end] = k, v
+                    return kb[:, :end], vb[:, :end]
+
+                x = layer(x, rope, keys_fn, mask)
+            window = pick(self.logits(x[:, -1]))
+            rows.append(window)
+            start = end
+        return torch.cat(rows, dim=1)
+
+
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
     h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
