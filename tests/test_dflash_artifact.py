@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import struct
 
 import gguf
 import numpy as np
@@ -293,3 +295,22 @@ def test_truncated_or_flipped_file_is_artifact_error_or_valid(tmp_path_factory, 
         assert str(e).startswith(str(path))
     else:
         assert len(art.tensors) == 14
+
+
+@pytest.mark.parametrize("key, field, value, message", [
+    # an array length the file cannot hold: gguf's reader would build a view per claimed item
+    ("dflash.target_layers", "count", 2 ** 62, "'dflash.target_layers' claims 4611686018427387904 items"),
+    # a layer count that would size the tensor table
+    ("dflash.block_count", "value", 2 ** 25 + 1, "num_layers 33554433 is not a drafter's"),
+])
+def test_corrupt_counts_are_refused_before_allocation(tmp_path, valid_gguf, key, field, value, message):
+    blob = bytearray(valid_gguf)
+    at = blob.index(key.encode()) + len(key)  # then: u32 type, then the value (arrays: u32 item type, u64 count)
+    if field == "count":
+        blob[at + 8: at + 16] = struct.pack("<Q", value)
+    else:
+        blob[at + 4: at + 8] = struct.pack("<I", value)
+    path = tmp_path / "c.gguf"
+    path.write_bytes(bytes(blob))
+    with pytest.raises(ArtifactError, match=re.escape(f"{path}: ") + ".*" + re.escape(message)):
+        load_artifact(path)

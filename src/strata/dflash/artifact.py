@@ -316,12 +316,76 @@ def config_from_gguf(kv: dict, where: str, fc_in: int | None) -> C.DFlashConfig:
     return cfg
 
 
+# Smallest encoded size of one GGUF metadata value of each type (strings: their u64 length).
+_GGUF_VALUE_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 8: 8, 9: 12, 10: 8, 11: 8, 12: 8}
+
+
+def check_gguf_counts(path: Path) -> None:
+    """Walk the GGUF header and refuse any count or length that the rest of the file cannot hold,
+    before gguf's reader builds per-element views (a corrupt array length would exhaust memory)."""
+    import struct
+
+    where = str(path)
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+
+        def take(n: int, what: str) -> bytes:
+            if n > size - f.tell():
+                raise ArtifactError(f"{where}: {what} at byte {f.tell()} runs past the end of the file "
+                                    f"({size} bytes)")
+            return f.read(n)
+
+        def u32(what):
+            return struct.unpack("<I", take(4, what))[0]
+
+        def u64(what):
+            return struct.unpack("<Q", take(8, what))[0]
+
+        def value(vtype: int, what: str) -> None:
+            if vtype == 8:
+                take(u64(what + " length"), what)
+            elif vtype == 9:
+                item, count = u32(what + " item type"), u64(what + " count")
+                if item not in _GGUF_VALUE_SIZE:
+                    raise ArtifactError(f"{where}: {what} has unknown item type {item}")
+                if count * _GGUF_VALUE_SIZE[item] > size - f.tell():
+                    raise ArtifactError(f"{where}: {what} claims {count} items, more than the file holds")
+                if item in (8, 9):
+                    for _ in range(count):
+                        value(item, what)
+                else:
+                    take(count * _GGUF_VALUE_SIZE[item], what)
+            elif vtype in _GGUF_VALUE_SIZE:
+                take(_GGUF_VALUE_SIZE[vtype], what)
+            else:
+                raise ArtifactError(f"{where}: {what} has unknown value type {vtype}")
+
+        if take(4, "magic") != b"GGUF":
+            raise ArtifactError(f"{where}: not a GGUF file (bad magic)")
+        u32("version")
+        n_tensors, n_kv = u64("tensor count"), u64("metadata count")
+        if n_kv * 16 > size or n_tensors * 24 > size:
+            raise ArtifactError(f"{where}: header claims {n_tensors} tensors and {n_kv} metadata keys, "
+                                f"more than {size} bytes can hold")
+        for i in range(n_kv):
+            key = take(u64(f"metadata key {i} length"), f"metadata key {i}").decode("utf-8", "replace")
+            value(u32(f"metadata '{key}' type"), f"metadata '{key}'")
+        for i in range(n_tensors):
+            name = take(u64(f"tensor {i} name length"), f"tensor {i} name").decode("utf-8", "replace")
+            dims = u32(f"tensor '{name}' dimension count")
+            if dims > 4:
+                raise ArtifactError(f"{where}: tensor '{name}' has {dims} dimensions, at most 4 allowed")
+            take(8 * dims + 12, f"tensor '{name}' info")
+
+
 def read_gguf(path: Path) -> Artifact:
     import gguf
 
     where = str(path)
     if not path.is_file():
         raise ArtifactError(f"{where}: no such file")
+    check_gguf_counts(path)
     try:
         reader = gguf.GGUFReader(str(path))
         kv = {name: _field_value(f) for name, f in reader.fields.items()}

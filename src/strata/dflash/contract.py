@@ -97,6 +97,8 @@ def default_target_layers(n: int, num_target_layers: int) -> list[int]:
     return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
 
 
+MAX_LAYERS = 1024  # a drafter is a few layers; a corrupt count must not size the tensor table
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -132,6 +134,8 @@ class DFlashConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ArtifactError(f"{where}: {name} must be a positive integer, got {v!r}")
+        if self.num_layers > MAX_LAYERS:
+            raise ArtifactError(f"{where}: num_layers {self.num_layers} is not a drafter's (at most {MAX_LAYERS})")
         if self.num_heads % self.num_kv_heads:
             raise ArtifactError(f"{where}: head count {self.num_heads} is not a multiple of kv head count "
                                 f"{self.num_kv_heads}")
