@@ -37,6 +37,15 @@ def test_compiled_kernels_match_the_plain_functions():
             for a, b in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
                 assert a.shape == b.shape, name
                 assert (a - b).abs().max() <= 1e-5, name
+        k_cache, v_cache = torch.zeros(10, 2, 16), torch.zeros(10, 2, 16)
+        caches = []
+        for fns in (EAGER, compiled):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            q = fns.norm_rotate_store(qk, qk[:, 4:], head_w, cos, sin, 1e-6, 4, kc, vc, torch.tensor([7, 8, 9]))
+            caches.append((q, kc, vc))
+        for a, b in zip(*caches):
+            assert (a - b).abs().max() <= 1e-5
+        assert caches[0][1][:7].eq(0).all() and caches[0][1][7:].ne(0).all()
     fallbacks = [str(w.message)[:200] for w in seen if "torch.compile of" in str(w.message)]
     assert not fallbacks, fallbacks  # a compile failure falls back to eager with this warning
     assert torch.isfinite(EAGER.masked_softmax(scores, mask, 0.25)).all()

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..kv_cache import KVCache
 from .config import ModelConfig, load_model_config
-from .layers import ATTENTION, EAGER, DecoderLayer, Kernels, RMSNorm, RotaryTable
+from .layers import ATTENTION, EAGER, CacheSlot, DecoderLayer, Kernels, RMSNorm, RotaryTable
 from .weights import check_and_convert, read_safetensors
 
 
@@ -124,12 +124,8 @@ class TargetDecoder(nn.Module):
         wanted = {l: i for i, l in enumerate(taps or [])}
         tapped: list[torch.Tensor | None] = [None] * len(wanted)
         for li, layer in enumerate(self.layers):
-            def keys_fn(k, v, li=li):
-                cache.k[li].index_copy_(0, positions, k)
-                cache.v[li].index_copy_(0, positions, v)
-                return cache.k[li, :kv_len], cache.v[li, :kv_len]
-
-            x = layer(x, rope, keys_fn, mask, attention=attend_fn, kernels=kernels)
+            slot = CacheSlot(cache.k[li], cache.v[li], positions, kv_len)
+            x = layer(x, rope, slot, mask, attention=attend_fn, kernels=kernels)
             if li in wanted:
                 tapped[wanted[li]] = x
         return ForwardOut(self.logits(x), torch.cat(tapped, dim=-1) if tapped else None)

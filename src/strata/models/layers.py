@@ -47,6 +47,17 @@ def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     return rotate(rms_norm(x, weight, eps), cos, sin)
 
 
+def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      eps: float, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+    """norm_rotate of a fused q/k, with the new keys and values scattered straight into the cache rows
+    of `positions`: compiled, the step's cache writes ride in the same kernel group. Returns q."""
+    q, k = norm_rotate(qk, weight, cos, sin, eps).split([heads, qk.shape[-2] - heads], dim=-2)
+    k_cache.index_copy_(0, positions, k)
+    v_cache.index_copy_(0, positions, v)
+    return q
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -134,12 +145,13 @@ class Kernels:
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     norm_rotate = staticmethod(norm_rotate)
+    norm_rotate_store = staticmethod(norm_rotate_store)
     silu_mul = staticmethod(silu_mul)
     masked_softmax = staticmethod(masked_softmax)
 
     def __init__(self, compiled: bool = False):
         if compiled:
-            for name in ("rms_norm", "add_rms_norm", "norm_rotate", "silu_mul", "masked_softmax"):
+            for name in ("rms_norm", "add_rms_norm", "norm_rotate", "norm_rotate_store", "silu_mul", "masked_softmax"):
                 setattr(self, name, _compiled_or_eager(getattr(Kernels, name)))
 
 
@@ -174,6 +186,23 @@ def compiled_kernels() -> Kernels:
 
 
 ATTENTION = {"sdpa": attend, "grouped": attend_grouped}
+
+
+class CacheSlot:
+    """keys_fn of a static step: one layer's preallocated K/V ([cells, Hkv, D]), the window's positions
+    (a device tensor) and the cells its queries read. Called with the new K/V it stores them and
+    returns the readable cells; a fused layer stores them itself (norm_rotate_store) and only reads."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_len: int):
+        self.k, self.v, self.positions, self.kv_len = k, v, positions, kv_len
+
+    def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
+        self.k.index_copy_(0, self.positions, k_new)
+        self.v.index_copy_(0, self.positions, v_new)
+        return self.read()
+
+    def read(self):
+        return self.k[: self.kv_len], self.v[: self.kv_len]
 
 
 def stack_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -245,6 +274,16 @@ class Attention(nn.Module):
         k, v = self.key_value(x, rope, trace)
         return q, k, v
 
+    def q_storing(self, x: torch.Tensor, rope: Rope, slot: CacheSlot, kernels: Kernels = EAGER) -> torch.Tensor:
+        """Fused layers with q/k norm: roped q [T, H, D], the window's K/V written into the slot."""
+        h, hk, d = self.heads, self.kv_heads, self.head_dim
+        lead = x.shape[:-1]
+        out = F.linear(x, self.fused["w"], self.fused["b"])
+        qk = out[..., : (h + hk) * d].view(*lead, h + hk, d)
+        v = out[..., (h + hk) * d:].view(*lead, hk, d)
+        return kernels.norm_rotate_store(qk, v, self.fused["qk_norm"], rope.cos, rope.sin, self.eps, h,
+                                         slot.k, slot.v, slot.positions)
+
     def key_value(self, x: torch.Tensor, rope: Rope, trace=None):
         lead = x.shape[:-1]
         if self.fused is not None and not trace:
@@ -301,8 +340,13 @@ class DecoderLayer(nn.Module):
         h = kernels.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         if trace:
             h = trace("attn_in", h)
-        q, k, v = self.self_attn.qkv(h, rope, trace, kernels)
-        k_all, v_all = keys_fn(k, v)
+        attn = self.self_attn
+        if isinstance(keys_fn, CacheSlot) and attn.fused is not None and attn.q_norm is not None and not trace:
+            q = attn.q_storing(h, rope, keys_fn, kernels)
+            k_all, v_all = keys_fn.read()
+        else:
+            q, k, v = attn.qkv(h, rope, trace, kernels)
+            k_all, v_all = keys_fn(k, v)
         a = attention(q, k_all, v_all, mask, kernels)
         if trace:
             a = trace("attn", a)
