@@ -45,6 +45,33 @@ def test_matches_transformers(tmp_path, case):
     assert res.output_ids == hf_ids
 
 
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_static_path_matches_transformers(tmp_path, case):
+    """The layout CUDA graphs capture (cache writes at device positions, deferred residual adds, fused
+    groups) gives the reference's logits and taps, prefill then one decode step, and leaves the same cache."""
+    from strata.models.layers import Kernels
+
+    path, hf = write_hf_model(tmp_path, seed=7, **case)
+    model = load_target(path)
+    prompt = torch.randint(0, hf.config.vocab_size, (41,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(prompt[None], output_hidden_states=True)
+    taps = list(range(hf.config.num_hidden_layers - 1))
+    h = hf.config.hidden_size
+    cache, dyn = model.make_cache(64), model.make_cache(64)
+    model(prompt, 0, dyn)
+    kernels = Kernels(compiled=False)
+    pre = model.forward_static(prompt[:40], torch.arange(40), cache, taps, kv_len=64, kernels=kernels)
+    step = model.forward_static(prompt[40:], torch.tensor([40]), cache, taps, kv_len=64, kernels=kernels)
+    logits = torch.cat([pre.logits, step.logits])
+    feats = torch.cat([pre.taps, step.taps])
+    assert (logits - ref.logits[0]).abs().max().item() <= 1e-4
+    for i, layer in enumerate(taps):
+        assert (feats[:, i * h:(i + 1) * h] - ref.hidden_states[layer + 1][0]).abs().max().item() <= 1e-4
+    assert (cache.k[:, :41] - dyn.k[:, :41]).abs().max().item() <= 1e-5
+    assert (cache.v[:, :41] - dyn.v[:, :41]).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_windows_over_cache_match_one_prefill(tmp_path, family):
     path, _ = write_hf_model(tmp_path, family, seed=11)

@@ -123,12 +123,14 @@ class TargetDecoder(nn.Module):
         x = self.embed_tokens(tokens)
         wanted = {l: i for i, l in enumerate(taps or [])}
         tapped: list[torch.Tensor | None] = [None] * len(wanted)
+        pending = None
         for li, layer in enumerate(self.layers):
             slot = CacheSlot(cache.k[li], cache.v[li], positions, kv_len)
-            x = layer(x, rope, slot, mask, attention=attend_fn, kernels=kernels)
+            x, pending = layer(x, rope, slot, mask, attention=attend_fn, kernels=kernels, pending=pending, defer=True)
             if li in wanted:
-                tapped[wanted[li]] = x
-        return ForwardOut(self.logits(x), torch.cat(tapped, dim=-1) if tapped else None)
+                tapped[wanted[li]] = x + pending
+        _, h = kernels.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
+        return ForwardOut(self.lm_head(h).float(), torch.cat(tapped, dim=-1) if tapped else None)
 
     def forward_batch(self, tokens: torch.Tensor, taps: list[int] | None = None, with_logits: bool = True):
         """Causal forward of a batch [B, T] without a cache (training and batched data generation).

@@ -332,12 +332,19 @@ class DecoderLayer(nn.Module):
         self.self_attn.fuse_()
         self.mlp.fuse_()
 
-    def forward(self, x, rope: Rope, keys_fn, mask, trace=None, attention=attend, kernels: Kernels = EAGER):
+    def forward(self, x, rope: Rope, keys_fn, mask, trace=None, attention=attend, kernels: Kernels = EAGER,
+                pending: torch.Tensor | None = None, defer: bool = False):
         """keys_fn(k_new, v_new) -> (k_all, v_all) lets the caller splice in cached keys.
 
         trace(stage, tensor) -> tensor, when given, sees (and may replace) every intermediate: the
-        parity tool records them and its self-test plants bugs through it."""
-        h = kernels.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
+        parity tool records them and its self-test plants bugs through it. With defer the layer returns
+        (x, mlp_out) unsummed and the next layer takes mlp_out as `pending`, adding it inside its
+        input norm's kernel group."""
+        norm = self.input_layernorm
+        if pending is None:
+            h = kernels.rms_norm(x, norm.weight, norm.eps)
+        else:
+            x, h = kernels.add_rms_norm(x, pending, norm.weight, norm.eps)
         if trace:
             h = trace("attn_in", h)
         attn = self.self_attn
@@ -359,4 +366,4 @@ class DecoderLayer(nn.Module):
         m = self.mlp(h, kernels)
         if trace:
             m = trace("mlp", m)
-        return x + m
+        return (x, m) if defer else x + m
