@@ -125,15 +125,15 @@ def defined_names(text: str) -> set[str]:
     return {x for x in out if x not in KEEP_NAMES and not x.startswith("__")}
 
 
-def rename_identifiers(text: str, pool: list[str], rng: random.Random) -> str | None:
-    """The file with each name it defines replaced, consistently, by another name from the corpus: code the
-    target has not memorised, in the style it knows. None when the file does not parse."""
+def rename_identifiers(text: str, own: set[str], pool: list[str], rng: random.Random) -> str | None:
+    """The file with each name it defines (`own`) replaced, consistently, by another name from the corpus:
+    code the target has not memorised, in the style it knows. None when the file does not tokenize."""
     try:
-        own = sorted(defined_names(text))
         toks = [t for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.NAME]
     except (SyntaxError, ValueError, tokenize.TokenError):
         return None
-    mapping = dict(zip(own, rng.sample(pool, len(own)))) if len(own) <= len(pool) else {}
+    names = sorted(own)
+    mapping = dict(zip(names, rng.sample(pool, len(names)))) if len(names) <= len(pool) else {}
     line_start = [0]
     for line in text.splitlines(keepends=True):
         line_start.append(line_start[-1] + len(line))
@@ -150,16 +150,18 @@ def rename_identifiers(text: str, pool: list[str], rng: random.Random) -> str | 
 def renamed_copies(texts: list[str], seed: int) -> list[str]:
     """One renamed copy of every file that parses; the new names are drawn from the names the corpus defines
     at least twice."""
-    counts: dict[str, int] = {}
+    parsed, counts = [], {}
     for text in texts:
         try:
-            for name in defined_names(text):
-                counts[name] = counts.get(name, 0) + 1
+            own = defined_names(text)
         except (SyntaxError, ValueError):
             continue
+        parsed.append((text, own))
+        for name in own:
+            counts[name] = counts.get(name, 0) + 1
     pool = sorted(n for n, k in counts.items() if k >= 2 and n.isascii())
     rng = random.Random(seed)
-    return [r for r in (rename_identifiers(t, pool, rng) for t in texts) if r is not None]
+    return [r for r in (rename_identifiers(t, own, pool, rng) for t, own in parsed) if r is not None]
 
 
 def read(paths):

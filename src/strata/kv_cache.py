@@ -23,6 +23,11 @@ class KVCache:
         self.k[layer, start:end] = k
         self.v[layer, start:end] = v
 
+    def scatter(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rows of k/v at the cells named by a device tensor (no host value read: graph-safe)."""
+        self.k[layer].index_copy_(0, positions, k)
+        self.v[layer].index_copy_(0, positions, v)
+
     def read(self, layer: int, end: int, begin: int = 0):
         return self.k[layer, begin:end], self.v[layer, begin:end]
 

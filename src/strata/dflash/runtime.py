@@ -137,8 +137,7 @@ class DFlashDrafter(Drafter):
         rope = self.rope.at(positions)
         for j, layer in enumerate(self.model.layers):
             k, v = layer.self_attn.key_value(c, rope)
-            self.cache.k[j].index_copy_(0, positions, k)
-            self.cache.v[j].index_copy_(0, positions, v)
+            self.cache.scatter(j, positions, k, v)
 
     @torch.inference_mode()
     def propose_static(self, anchor: torch.Tensor, pos: torch.Tensor, n: int, ctx_len: int | None = None,

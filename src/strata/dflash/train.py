@@ -105,6 +105,7 @@ def self_distill(target: TargetDecoder, corpus_ids: list[int], tc: TrainConfig, 
     gen = torch.Generator(device=device).manual_seed(tc.seed)
     out = []
     chunk = 1024 if device != "cpu" else 32
+
     def pick(logits):
         if tc.temperature > 0:
             return torch.multinomial(torch.softmax(logits / tc.temperature, -1), 1, generator=gen)
@@ -172,8 +173,7 @@ class DrafterTrainer:
         g = gamma_for(bs)
         self.weights = torch.tensor([math.exp(-(r - 1) / g) for r in range(1, bs)], device=device)
         self.history: list[dict] = []
-        self.on_cuda = str(device).startswith("cuda")
-        self.cache_taps = self.on_cuda
+        self.cache_taps = str(device).startswith("cuda")
 
     # -- data
     def set_data(self, sequences: torch.Tensor):
@@ -187,7 +187,7 @@ class DrafterTrainer:
         if not self.cache_taps:
             return None
         width = len(self.cfg.target_layer_ids) * self.target.cfg.hidden_size
-        if self.on_cuda and seqs.numel() * width * 2 > torch.cuda.mem_get_info(self.device)[0] // 3:
+        if str(self.device).startswith("cuda") and seqs.numel() * width * 2 > torch.cuda.mem_get_info(self.device)[0] // 3:
             return None
         table = torch.empty(*seqs.shape, width, dtype=torch.bfloat16, device=self.device)
         for i in range(0, len(seqs), self.tc.batch_size):

@@ -125,7 +125,7 @@ class TargetDecoder(nn.Module):
         tapped: list[torch.Tensor | None] = [None] * len(wanted)
         pending = None
         for li, layer in enumerate(self.layers):
-            slot = CacheSlot(cache.k[li], cache.v[li], positions, kv_len)
+            slot = CacheSlot(cache, li, positions, kv_len)
             x, pending = layer(x, rope, slot, mask, attention=attend_fn, kernels=kernels, pending=pending, defer=True)
             if li in wanted:
                 tapped[wanted[li]] = x + pending

@@ -189,16 +189,16 @@ ATTENTION = {"sdpa": attend, "grouped": attend_grouped}
 
 
 class CacheSlot:
-    """keys_fn of a static step: one layer's preallocated K/V ([cells, Hkv, D]), the window's positions
-    (a device tensor) and the cells its queries read. Called with the new K/V it stores them and
-    returns the readable cells; a fused layer stores them itself (norm_rotate_store) and only reads."""
+    """keys_fn of a static step: one layer of a preallocated cache, the window's positions (a device
+    tensor) and the cells its queries read. Called with the new K/V it stores them and returns the
+    readable cells; a fused layer stores them itself (norm_rotate_store) and only reads."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_len: int):
-        self.k, self.v, self.positions, self.kv_len = k, v, positions, kv_len
+    def __init__(self, cache, layer: int, positions: torch.Tensor, kv_len: int):
+        self.cache, self.layer, self.positions, self.kv_len = cache, layer, positions, kv_len
+        self.k, self.v = cache.k[layer], cache.v[layer]
 
     def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
-        self.k.index_copy_(0, self.positions, k_new)
-        self.v.index_copy_(0, self.positions, v_new)
+        self.cache.scatter(self.layer, self.positions, k_new, v_new)
         return self.read()
 
     def read(self):
@@ -253,14 +253,13 @@ class Attention(nn.Module):
         h, hk, d = self.heads, self.kv_heads, self.head_dim
         lead = x.shape[:-1]
         if self.fused is not None and not trace:
-            out = F.linear(x, self.fused["w"], self.fused["b"])
-            qk = out[..., : (h + hk) * d].view(*lead, h + hk, d)
+            qk, v = self._fused_qk_v(x)
             if self.q_norm is not None:
                 qk = kernels.norm_rotate(qk, self.fused["qk_norm"], rope.cos, rope.sin, self.eps)
             else:
                 qk = rope.apply(qk)
             q, k = qk.split([h, hk], dim=-2)
-            return q, k, out[..., (h + hk) * d:].view(*lead, hk, d)
+            return q, k, v
         q = self.q_proj(x).view(*lead, h, d)
         if trace:
             q = trace("q_raw", q)
@@ -274,14 +273,17 @@ class Attention(nn.Module):
         k, v = self.key_value(x, rope, trace)
         return q, k, v
 
+    def _fused_qk_v(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One GEMV over the fused q/k/v rows: q and k heads together [.., T, H + Hkv, D], v [.., T, Hkv, D]."""
+        hk, d = self.kv_heads, self.head_dim
+        out = F.linear(x, self.fused["w"], self.fused["b"])
+        qk_width = (self.heads + hk) * d
+        return out[..., :qk_width].view(*x.shape[:-1], -1, d), out[..., qk_width:].view(*x.shape[:-1], hk, d)
+
     def q_storing(self, x: torch.Tensor, rope: Rope, slot: CacheSlot, kernels: Kernels = EAGER) -> torch.Tensor:
         """Fused layers with q/k norm: roped q [T, H, D], the window's K/V written into the slot."""
-        h, hk, d = self.heads, self.kv_heads, self.head_dim
-        lead = x.shape[:-1]
-        out = F.linear(x, self.fused["w"], self.fused["b"])
-        qk = out[..., : (h + hk) * d].view(*lead, h + hk, d)
-        v = out[..., (h + hk) * d:].view(*lead, hk, d)
-        return kernels.norm_rotate_store(qk, v, self.fused["qk_norm"], rope.cos, rope.sin, self.eps, h,
+        qk, v = self._fused_qk_v(x)
+        return kernels.norm_rotate_store(qk, v, self.fused["qk_norm"], rope.cos, rope.sin, self.eps, self.heads,
                                          slot.k, slot.v, slot.positions)
 
     def key_value(self, x: torch.Tensor, rope: Rope, trace=None):
