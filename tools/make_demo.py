@@ -277,11 +277,11 @@ def main():
     ap.add_argument("--target-batch", type=int, default=64)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--drafter-steps", type=int, default=6000)
+    ap.add_argument("--drafter-steps", type=int, default=7000)
     ap.add_argument("--drafter-layers", type=int, default=7)
     ap.add_argument("--drafter-batch", type=int, default=64)
     ap.add_argument("--drafter-lr", type=float, default=6e-4)
-    ap.add_argument("--num-sequences", type=int, default=49152)
+    ap.add_argument("--num-sequences", type=int, default=73728)
     ap.add_argument("--renamed", action=argparse.BooleanOptionalAction, default=True,
                     help="also distil on the target's training files with the names they define renamed")
     ap.add_argument("--target", dest="reuse_target", metavar="DIR",
