@@ -275,3 +275,33 @@ def test_grouped_attention_static_steps(pair):
 
 def test_length_buckets():
     assert [Engine.bucket(n) for n in (1, 256, 257, 600, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
+
+
+def test_static_drafter_steps_with_compiled_kernels(pair):
+    """The GPU path's drafter steps on the CPU: the compiled kernel groups (context K/V stored by the
+    key-side norm/RoPE group, the block's K/V written into its own cells) propose what the dynamic
+    observe + propose do, and leave the same context cells."""
+    import warnings
+
+    from strata.kv_cache import KVCache
+    from strata.models.layers import EAGER, compiled_kernels
+
+    _, drafter_dir, target, prompts, _ = pair
+    ids = torch.tensor(prompts[60][:40])
+    cfg = target.cfg
+    taps = target(ids, 0, KVCache(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, "cpu", torch.float32),
+                  taps=[0, 2]).taps
+    dyn = load_drafter(drafter_dir, target, max_len=256)
+    dyn.observe(ids.tolist(), 0, taps)
+    want = dyn.propose(11, 40, 7)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for kernels in (EAGER, compiled_kernels()):
+            sta = load_drafter(drafter_dir, target, max_len=256)
+            sta.observe_static(taps, torch.arange(40), kernels)
+            got = sta.propose_static(torch.tensor([11]), torch.tensor([40]), 7, 64, "grouped", kernels)
+            assert got.tokens.tolist() == want.tokens.tolist()
+            assert (got.logits - want.logits).abs().max() <= 1e-4
+            assert (sta.cache.k[:, :40] - dyn.cache.k[:, :40]).abs().max() <= 1e-5
+            assert (sta.cache.v[:, :40] - dyn.cache.v[:, :40]).abs().max() <= 1e-5
+    assert not [str(w.message) for w in seen if "torch.compile of" in str(w.message)]

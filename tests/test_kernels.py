@@ -46,6 +46,16 @@ def test_compiled_kernels_match_the_plain_functions():
         for a, b in zip(*caches):
             assert (a - b).abs().max() <= 1e-5
         assert caches[0][1][:7].eq(0).all() and caches[0][1][7:].ne(0).all()
+        k, v = qk[:, 4:], qk[:, :2]
+        stored = []
+        for fns in (EAGER, compiled):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            fns.norm_rotate_store_kv(k, v, head_w[0], cos, sin, 1e-6, kc, vc, torch.tensor([2, 5, 6]))
+            stored.append((kc, vc))
+        want_k = EAGER.norm_rotate(k, head_w[0], cos, sin, 1e-6)
+        for kc, vc in stored:
+            assert (kc[[2, 5, 6]] - want_k).abs().max() <= 1e-5 and vc[[2, 5, 6]].equal(v)
+            assert kc[[0, 1, 3, 4, 7, 8, 9]].eq(0).all() and vc[[0, 1, 3, 4, 7, 8, 9]].eq(0).all()
     fallbacks = [str(w.message)[:200] for w in seen if "torch.compile of" in str(w.message)]
     assert not fallbacks, fallbacks  # a compile failure falls back to eager with this warning
     assert torch.isfinite(EAGER.masked_softmax(scores, mask, 0.25)).all()

@@ -13,7 +13,7 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..models.config import RopeConfig
 from ..models.decoder import TargetDecoder
-from ..models.layers import ATTENTION, EAGER, DecoderLayer, Kernels, RMSNorm, RotaryTable
+from ..models.layers import ATTENTION, EAGER, CacheSlot, DecoderLayer, Kernels, RMSNorm, RotaryTable
 from ..spec.drafter import Drafter, Proposal
 from .artifact import Artifact, check_against_target, load_artifact
 from .contract import DFlashConfig
@@ -91,10 +91,13 @@ class DFlashDrafter(Drafter):
             x = x * self.cfg.input_embedding_scale
         return x
 
-    def _head(self, x: torch.Tensor, trace=None) -> Proposal:
-        """Final norm, the target's LM head, the optional multiplier and softcap; rows 1.. are candidates."""
+    def _head(self, x: torch.Tensor, trace=None, pending: torch.Tensor | None = None,
+              kernels: Kernels = EAGER) -> Proposal:
+        """Final norm (adding the last layer's deferred MLP output), the target's LM head, the optional
+        multiplier and softcap; rows 1.. are candidates."""
         cfg = self.cfg
-        h = self.model.norm(x)
+        norm = self.model.norm
+        h = norm(x) if pending is None else kernels.add_rms_norm(x, pending, norm.weight, norm.eps)[1]
         if trace:
             h = trace(-1, "final_norm", h)
         logits = self.target.lm_head(h).float()
@@ -136,30 +139,30 @@ class DFlashDrafter(Drafter):
         c = self._context(taps, kernels)
         rope = self.rope.at(positions)
         for j, layer in enumerate(self.model.layers):
-            k, v = layer.self_attn.key_value(c, rope)
-            self.cache.scatter(j, positions, k, v)
+            layer.self_attn.store_key_value(c, rope, CacheSlot(self.cache, j, positions, 0), kernels)
 
     @torch.inference_mode()
     def propose_static(self, anchor: torch.Tensor, pos: torch.Tensor, n: int, ctx_len: int | None = None,
                        attention: str = "grouped", kernels: Kernels = EAGER) -> Proposal:
-        """anchor, pos: one-element device tensors. Keys: the first ctx_len context cells (all by
-        default; masked to the layer's window before pos), then the block's rows."""
+        """anchor, pos: one-element device tensors; ctx_len: the cells read, at least pos + n + 1.
+
+        The block's own K/V go into its cells pos..pos+n of the drafter's cache, which hold no context
+        yet (the next observe rewrites every cell a later block reads), so each layer attends over one
+        slice of the cache: the context cells before pos inside the layer's window, and the block."""
         dev = self.target.device
         ctx_len = min(ctx_len or self.cache.max_len, self.cache.max_len)
+        positions = pos + torch.arange(n + 1, device=dev)
         x = self._block_input(torch.cat([anchor, self.mask_token.expand(n)]))
-        rope = self.rope.at(pos + torch.arange(n + 1, device=dev))
+        rope = self.rope.at(positions)
         cells = torch.arange(ctx_len, device=dev)
-        own = torch.ones(n + 1, n + 1, dtype=torch.bool, device=dev)
+        own = (cells >= pos) & (cells <= pos + n)
+        masks = {w: (((cells < pos) & (cells >= pos - w)) | own).expand(n + 1, -1) for w in set(self.windows)}
         attend_fn = ATTENTION[attention]
+        pending = None
         for j, layer in enumerate(self.model.layers):
-            visible = (cells < pos) & (cells >= pos - self.windows[j])
-            mask = torch.cat([visible.expand(n + 1, -1), own], dim=1)
-
-            def keys_fn(k, v, j=j):
-                return torch.cat([self.cache.k[j, :ctx_len], k]), torch.cat([self.cache.v[j, :ctx_len], v])
-
-            x = layer(x, rope, keys_fn, mask, attention=attend_fn, kernels=kernels)
-        return self._head(x)
+            x, pending = layer(x, rope, CacheSlot(self.cache, j, positions, ctx_len), masks[self.windows[j]],
+                               attention=attend_fn, kernels=kernels, pending=pending, defer=True)
+        return self._head(x, pending=pending, kernels=kernels)
 
 
 def load_drafter(path: str | Path, target: TargetDecoder, window_cells: int = 32768,

@@ -58,6 +58,14 @@ def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, c
     return q
 
 
+def norm_rotate_store_kv(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         positions: torch.Tensor) -> None:
+    """The key side alone (a drafter's context K/V): k norm, RoPE and both cache writes in one group."""
+    k_cache.index_copy_(0, positions, norm_rotate(k, weight, cos, sin, eps))
+    v_cache.index_copy_(0, positions, v)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -146,12 +154,14 @@ class Kernels:
     add_rms_norm = staticmethod(add_rms_norm)
     norm_rotate = staticmethod(norm_rotate)
     norm_rotate_store = staticmethod(norm_rotate_store)
+    norm_rotate_store_kv = staticmethod(norm_rotate_store_kv)
     silu_mul = staticmethod(silu_mul)
     masked_softmax = staticmethod(masked_softmax)
 
     def __init__(self, compiled: bool = False):
         if compiled:
-            for name in ("rms_norm", "add_rms_norm", "norm_rotate", "norm_rotate_store", "silu_mul", "masked_softmax"):
+            for name in ("rms_norm", "add_rms_norm", "norm_rotate", "norm_rotate_store", "norm_rotate_store_kv",
+                         "silu_mul", "masked_softmax"):
                 setattr(self, name, _compiled_or_eager(getattr(Kernels, name)))
 
 
@@ -287,19 +297,30 @@ class Attention(nn.Module):
                                          slot.k, slot.v, slot.positions)
 
     def key_value(self, x: torch.Tensor, rope: Rope, trace=None):
-        lead = x.shape[:-1]
-        if self.fused is not None and not trace:
-            k, v = F.linear(x, self.fused["kv_w"], self.fused["kv_b"]).view(*lead, 2, self.kv_heads,
-                                                                            self.head_dim).unbind(-3)
-        else:
-            k = self.k_proj(x).view(*lead, self.kv_heads, self.head_dim)
-            v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        k, v = self._raw_key_value(x, trace)
         if self.k_norm is not None:
             k = self.k_norm(k)
         k = rope.apply(k)
         if trace:
             k, v = trace("k", k), trace("v", v)
         return k, v
+
+    def _raw_key_value(self, x: torch.Tensor, trace=None) -> tuple[torch.Tensor, torch.Tensor]:
+        lead = x.shape[:-1]
+        if self.fused is not None and not trace:
+            return F.linear(x, self.fused["kv_w"], self.fused["kv_b"]).view(*lead, 2, self.kv_heads,
+                                                                           self.head_dim).unbind(-3)
+        return (self.k_proj(x).view(*lead, self.kv_heads, self.head_dim),
+                self.v_proj(x).view(*lead, self.kv_heads, self.head_dim))
+
+    def store_key_value(self, x: torch.Tensor, rope: Rope, slot: CacheSlot, kernels: Kernels = EAGER) -> None:
+        """K/V of x written into the slot's positions (no queries): a drafter's context features."""
+        if self.k_norm is None:
+            slot(*self.key_value(x, rope))
+            return
+        k, v = self._raw_key_value(x)
+        kernels.norm_rotate_store_kv(k, v, self.k_norm.weight, rope.cos, rope.sin, self.eps, slot.k, slot.v,
+                                     slot.positions)
 
 
 class MLP(nn.Module):
