@@ -157,7 +157,7 @@ def graph_profile(engine: Engine, reps: int = 20) -> dict:
             kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
                        and str(e.device_type).endswith("CUDA")]
             total = sum(_device_us(e) for e in kernels) / reps
-            top = sorted(kernels, key=_device_us, reverse=True)[:8]
+            top = sorted(kernels, key=_device_us, reverse=True)[:16]
             entry.update({"kernel_ms": total / 1e3, "kernels": sum(e.count for e in kernels) // reps,
                           "gap_ms": max(0.0, wall_ms - total / 1e3),
                           "top": [{"kernel": e.key[:80], "ms": _device_us(e) / reps / 1e3,
