@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, aligned_cells
 from ..models.config import RopeConfig
 from ..models.decoder import TargetDecoder
 from ..models.layers import ATTENTION, EAGER, CacheSlot, DecoderLayer, Kernels, RMSNorm, RotaryTable
@@ -57,8 +57,8 @@ class DFlashDrafter(Drafter):
         self.max_len = max_len or target.cfg.max_position_embeddings
         self.rope = RotaryTable(cfg.head_dim, RopeConfig(cfg.rope_theta), self.max_len + cfg.block_size,
                                 target.device, target.dtype)
-        self.cache = KVCache(cfg.num_layers, self.max_len + cfg.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             target.device, target.dtype)
+        self.cache = KVCache(cfg.num_layers, aligned_cells(self.max_len + cfg.block_size), cfg.num_kv_heads,
+                             cfg.head_dim, target.device, target.dtype)
         types = cfg.layer_types or ["full_attention"] * cfg.num_layers
         self.windows = [cfg.sliding_window if t == "sliding_attention" else window_cells for t in types]
         self.mask_token = torch.tensor([cfg.mask_token_id], device=target.device)

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import StrataError
 from ..graphs import StepGraphs
+from ..kv_cache import aligned_cells
 from ..models.decoder import TargetDecoder
 from ..models.layers import ATTENTION, EAGER, compiled_kernels
 from .drafter import Drafter, NoDrafter
@@ -114,7 +115,7 @@ class Engine:
         self.attention = attention
         self.pad_rows = pad_rows if static and self.window == 1 else 1
         self.rows = max(self.window, self.pad_rows)
-        self.cache = target.make_cache(self.max_len + (self.rows if static else 0))
+        self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if static else self.max_len)
         self.graphs = StepGraphs(target.device, enabled=graphs and static)
         self.kernels = compiled_kernels() if self.graphs.enabled and compile else EAGER
         if static:
