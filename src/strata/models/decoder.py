@@ -150,7 +150,6 @@ class TargetDecoder(nn.Module):
         logits = self.lm_head(self.norm(x)) if with_logits else None
         return logits, (torch.cat(tapped, dim=-1) if tapped else None)
 
-
     @torch.no_grad()
     def continue_batch(self, prompts: torch.Tensor, new_tokens: int, pick) -> torch.Tensor:
         """Extend every row of prompts [B, P] by new_tokens, each chosen by pick(logits [B, V]) -> [B, 1],

@@ -27,7 +27,8 @@ class Drafter:
     #: HF layer ids whose residual stream the drafter wants from every target forward
     tap_layers: list[int] | None = None
     #: True for drafters whose static-layout steps work on device buffers alone:
-    #: propose_static(anchor, pos, n, ctx_len, attention) -> Proposal and observe_static(taps, positions).
+    #: propose_static(anchor, pos, n, ctx_len, attention, kernels) -> Proposal, where ctx_len covers
+    #: pos + n + 1 cells, and observe_static(taps, positions, kernels).
     #: The engine captures those in CUDA graphs; the others are asked through propose and observe
     #: with host values in either layout.
     on_device = False
