@@ -69,6 +69,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="static layout without capturing CUDA graphs (the steps run eagerly)")
     p.add_argument("--no-compile", action="store_true",
                    help="CUDA graphs without torch.compile's fused elementwise kernels")
+    p.add_argument("--no-triton", action="store_true",
+                   help="CUDA graphs with torch.compile's kernels only, not Strata's Triton GEMV/attention kernels")
     p.add_argument("--attention", default="grouped", choices=["grouped", "sdpa"],
                    help="attention of the static steps: two matmuls per K/V head, or PyTorch SDPA")
     p.add_argument("--draft-sampling", default="sample", choices=["sample", "argmax"],
@@ -84,7 +86,7 @@ def static_layout(args, target) -> bool:
 
 def engine_options(args, target) -> dict:
     return dict(static=static_layout(args, target), graphs=not args.no_graphs, attention=args.attention,
-                compile=not args.no_compile)
+                compile=not args.no_compile, triton=not args.no_triton)
 
 
 def sampling_params(args):

@@ -13,6 +13,7 @@ import torch
 from ..dflash.artifact import Artifact
 from ..dflash.runtime import DFlashDrafter
 from ..dflash.train import TrainConfig, drafter_config_for, init_drafter
+from ..models.layers import TritonKernels
 from ..spec.decode import Engine
 from ..spec.drafter import OracleDrafter
 
@@ -177,10 +178,12 @@ def _device_us(event) -> float:
 
 def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, runs: int = 3,
               hf_modes: tuple = ("eager",), startup: dict | None = None, static: bool = False,
-              graphs: bool = True, attention: str = "grouped", compile: bool = True, profile: bool = False) -> dict:
+              graphs: bool = True, attention: str = "grouped", compile: bool = True, triton: bool = True,
+              profile: bool = False) -> dict:
     """static: the fixed-shape layout (CUDA graphs on a GPU unless graphs=False). Target-only is
     measured as a 1-row decode and, in the static layout, also padded to W rows: the identity
-    reference for DFlash in bfloat16 and the cost of a verify window."""
+    reference for DFlash in bfloat16 and the cost of a verify window. When Strata's Triton kernels are in
+    use, target-only is also measured with torch.compile's kernels alone, in the same run."""
     device = target.device
     bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20))
     wbytes = weight_bytes(target)
@@ -199,8 +202,9 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "floor_ms_per_token": 1e3 * floor_s,
         "floor_tok_s": 1 / floor_s, "startup_s": dict(startup or {}),
     }
-    opts = dict(max_len=max_len, static=static, graphs=graphs, attention=attention, compile=compile)
+    opts = dict(max_len=max_len, static=static, graphs=graphs, attention=attention, compile=compile, triton=triton)
     base_engine = Engine(target, **opts)
+    result["triton_kernels"] = isinstance(base_engine.kernels, TritonKernels)
     base = timed_runs(base_engine, prompt, new_tokens, runs)
     result["startup_s"]["first_call_s"] = base["warmup_s"]
     result["startup_s"]["capture_s"] = base_engine.graphs.capture_s
@@ -208,6 +212,10 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
     result["target_only"] = base
     reference = base
     engines = {"target_only": base_engine}
+    if result["triton_kernels"]:
+        plain = timed_runs(Engine(target, **{**opts, "triton": False}), prompt, new_tokens, runs)
+        plain["identical_to_target_only"] = plain.pop("output_ids") == base["output_ids"]
+        result["target_only_without_triton"] = plain
     if static and window > 1:
         padded_engine = Engine(target, pad_rows=window, **opts)
         padded = timed_runs(padded_engine, prompt, new_tokens, runs)
@@ -241,6 +249,8 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         "target_only_vs_floor": t / result["floor_tok_s"],
         "oracle_vs_target_only": result["dflash_oracle"]["tok_s"] / t if t else 0.0,
     }
+    if "target_only_without_triton" in result and result["target_only_without_triton"]["tok_s"]:
+        result["ratios"]["triton_vs_compiled_only"] = t / result["target_only_without_triton"]["tok_s"]
     if "target_only_padded" in result and decode_ms:
         result["ratios"]["verify_window_vs_decode"] = result["target_only_padded"]["ms_per_round"] / decode_ms
     if drafter is not None:

@@ -130,7 +130,7 @@ class TargetDecoder(nn.Module):
             if li in wanted:
                 tapped[wanted[li]] = x + pending
         _, h = kernels.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
-        return ForwardOut(self.lm_head(h).float(), torch.cat(tapped, dim=-1) if tapped else None)
+        return ForwardOut(kernels.linear(h, self.lm_head.weight).float(), torch.cat(tapped, dim=-1) if tapped else None)
 
     def forward_batch(self, tokens: torch.Tensor, taps: list[int] | None = None, with_logits: bool = True):
         """Causal forward of a batch [B, T] without a cache (training and batched data generation).

@@ -146,9 +146,11 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 class Kernels:
-    """The elementwise groups of a layer step. `Kernels(compiled=True)` (see compiled_kernels) turns
-    each into one fused kernel with torch.compile, for the CUDA-graph path (the decode step is
-    otherwise hundreds of tiny kernels); the plain functions above stay the reference and the CPU path."""
+    """The projections and elementwise groups of a layer step. `Kernels(compiled=True)` (see
+    compiled_kernels) turns each elementwise group into one fused kernel with torch.compile, for the
+    CUDA-graph path (the decode step is otherwise hundreds of tiny kernels); TritonKernels replaces
+    the single-row GEMVs, attention and the q/k group with kernels of its own. The plain functions
+    above stay the reference and the CPU path."""
 
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
@@ -157,12 +159,55 @@ class Kernels:
     norm_rotate_store_kv = staticmethod(norm_rotate_store_kv)
     silu_mul = staticmethod(silu_mul)
     masked_softmax = staticmethod(masked_softmax)
+    linear = staticmethod(F.linear)
 
     def __init__(self, compiled: bool = False):
         if compiled:
             for name in ("rms_norm", "add_rms_norm", "norm_rotate", "norm_rotate_store", "norm_rotate_store_kv",
                          "silu_mul", "masked_softmax"):
                 setattr(self, name, _compiled_or_eager(getattr(Kernels, name)))
+
+    def gate_up_silu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
+        return self.silu_mul(self.linear(x, gate_up))
+
+    def attend_grouped(self, q, k, v, mask):
+        return attend_grouped(q, k, v, mask, self)
+
+
+class TritonKernels(Kernels):
+    """The compiled set, with Strata's Triton kernels (models/triton_kernels.py) where their shapes
+    allow: GEMVs of one row (the 1-token decode), attention and the fused q/k norm + RoPE + cache
+    write. Other shapes (a verify window's GEMMs) keep cuBLAS. compiled=False leaves the other groups
+    eager (the tests' interpreter runs)."""
+
+    def __init__(self, compiled: bool = True):
+        super().__init__(compiled=compiled)
+        from . import triton_kernels
+
+        self._tk = triton_kernels
+
+    @staticmethod
+    def _one_row(x: torch.Tensor, w: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and w.stride(1) == 1
+
+    def linear(self, x, w, b=None):
+        return self._tk.gemv(x, w, b) if self._one_row(x, w) else F.linear(x, w, b)
+
+    def gate_up_silu(self, x, gate_up):
+        return self._tk.gemv(x, gate_up, glu=True) if self._one_row(x, gate_up) else super().gate_up_silu(x, gate_up)
+
+    def attend_grouped(self, q, k, v, mask):
+        d = q.shape[-1]
+        if q.dim() == 3 and d >= 16 and d & (d - 1) == 0 and k.stride(-1) == 1 and v.stride() == k.stride():
+            return self._tk.attention(q, k, v, mask)
+        return super().attend_grouped(q, k, v, mask)
+
+    def norm_rotate_store(self, qk, v, weight, cos, sin, eps, heads, k_cache, v_cache, positions):
+        d = qk.shape[-1]
+        if qk.stride(-2) == d and v.stride(-2) == d and d & (d - 1) == 0 and k_cache.stride() == v_cache.stride():
+            return self._tk.norm_rotate_store(qk, v, weight, cos, sin, eps, heads, k_cache, v_cache, positions)
+        return super().norm_rotate_store(qk, v, weight, cos, sin, eps, heads, k_cache, v_cache, positions)
 
 
 def _compiled_or_eager(fn):
@@ -184,18 +229,22 @@ def _compiled_or_eager(fn):
 
 
 EAGER = Kernels()
-_COMPILED: Kernels | None = None
+_SHARED: dict[str, Kernels] = {}
 
 
-def compiled_kernels() -> Kernels:
-    """The one compiled set, shared by every engine of the process."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = Kernels(compiled=True)
-    return _COMPILED
+def compiled_kernels(triton: bool = False) -> Kernels:
+    """The one compiled set (with Strata's Triton kernels or without), shared by every engine of the process."""
+    key = "triton" if triton else "compiled"
+    if key not in _SHARED:
+        _SHARED[key] = TritonKernels() if triton else Kernels(compiled=True)
+    return _SHARED[key]
 
 
-ATTENTION = {"sdpa": attend, "grouped": attend_grouped}
+def _attend_grouped(q, k, v, mask, kernels=None):
+    return (kernels or EAGER).attend_grouped(q, k, v, mask)
+
+
+ATTENTION = {"sdpa": attend, "grouped": _attend_grouped}
 
 
 class CacheSlot:
@@ -263,7 +312,7 @@ class Attention(nn.Module):
         h, hk, d = self.heads, self.kv_heads, self.head_dim
         lead = x.shape[:-1]
         if self.fused is not None and not trace:
-            qk, v = self._fused_qk_v(x)
+            qk, v = self._fused_qk_v(x, kernels)
             if self.q_norm is not None:
                 qk = kernels.norm_rotate(qk, self.fused["qk_norm"], rope.cos, rope.sin, self.eps)
             else:
@@ -283,16 +332,16 @@ class Attention(nn.Module):
         k, v = self.key_value(x, rope, trace)
         return q, k, v
 
-    def _fused_qk_v(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fused_qk_v(self, x: torch.Tensor, kernels: Kernels = EAGER) -> tuple[torch.Tensor, torch.Tensor]:
         """One GEMV over the fused q/k/v rows: q and k heads together [.., T, H + Hkv, D], v [.., T, Hkv, D]."""
         hk, d = self.kv_heads, self.head_dim
-        out = F.linear(x, self.fused["w"], self.fused["b"])
+        out = kernels.linear(x, self.fused["w"], self.fused["b"])
         qk_width = (self.heads + hk) * d
         return out[..., :qk_width].view(*x.shape[:-1], -1, d), out[..., qk_width:].view(*x.shape[:-1], hk, d)
 
     def q_storing(self, x: torch.Tensor, rope: Rope, slot: CacheSlot, kernels: Kernels = EAGER) -> torch.Tensor:
         """Fused layers with q/k norm: roped q [T, H, D], the window's K/V written into the slot."""
-        qk, v = self._fused_qk_v(x)
+        qk, v = self._fused_qk_v(x, kernels)
         return kernels.norm_rotate_store(qk, v, self.fused["qk_norm"], rope.cos, rope.sin, self.eps, self.heads,
                                          slot.k, slot.v, slot.positions)
 
@@ -337,7 +386,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.down_proj(kernels.silu_mul(F.linear(x, self.gate_up)))
+            return kernels.linear(kernels.gate_up_silu(x, self.gate_up), self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -385,7 +434,8 @@ class DecoderLayer(nn.Module):
             x = trace("o_residual", x + self.self_attn.o_proj(a))
             h = norm(x)
         else:
-            x, h = kernels.add_rms_norm(x, self.self_attn.o_proj(a), norm.weight, norm.eps)
+            o = self.self_attn.o_proj
+            x, h = kernels.add_rms_norm(x, kernels.linear(a, o.weight, o.bias), norm.weight, norm.eps)
         m = self.mlp(h, kernels)
         if trace:
             m = trace("mlp", m)

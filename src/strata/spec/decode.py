@@ -14,6 +14,7 @@ from ..errors import StrataError
 from ..graphs import StepGraphs
 from ..kv_cache import aligned_cells
 from ..models.decoder import TargetDecoder
+from ..models import triton_kernels
 from ..models.layers import ATTENTION, EAGER, compiled_kernels
 from .drafter import Drafter, NoDrafter
 from .sampling import SamplingParams, process, sample
@@ -81,7 +82,7 @@ class Engine:
     def __init__(self, target: TargetDecoder, drafter: Drafter | None = None, window: int | None = None,
                  max_len: int | None = None, draft_sampling: str = "sample", profile: bool = False,
                  static: bool = False, pad_rows: int = 1, graphs: bool = True, attention: str = "grouped",
-                 compile: bool = True):
+                 compile: bool = True, triton: bool = True):
         """static=True: fixed verify windows over a cache addressed by device-side positions (every round
         verifies W tokens, also the last), attending over a power-of-two bucket of cells. On a CUDA
         device the draft, verify and observe steps are then captured in CUDA graphs (graphs=False runs
@@ -97,7 +98,9 @@ class Engine:
         attention: "grouped" (two matmuls per K/V head; 1.4x faster decode than SDPA on the H200 for
         an 8B shape) or "sdpa" (PyTorch's scaled_dot_product_attention) for the static steps.
         compile: with CUDA graphs, the elementwise groups of each layer (norms, q/k norm + RoPE,
-        SiLU-gate, masked softmax) become fused kernels through torch.compile."""
+        SiLU-gate, masked softmax) become fused kernels through torch.compile.
+        triton: with compile, Strata's Triton kernels also take the 1-row GEMVs, attention and the q/k
+        group (models/triton_kernels.py), where Triton is installed."""
         if draft_sampling not in DRAFT_SAMPLING_MODES:
             raise StrataError(f"--draft-sampling: expected one of {', '.join(DRAFT_SAMPLING_MODES)}, "
                               f"got {draft_sampling!r}")
@@ -117,7 +120,9 @@ class Engine:
         self.rows = max(self.window, self.pad_rows)
         self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if static else self.max_len)
         self.graphs = StepGraphs(target.device, enabled=graphs and static)
-        self.kernels = compiled_kernels() if self.graphs.enabled and compile else EAGER
+        self.kernels = EAGER
+        if self.graphs.enabled and compile:
+            self.kernels = compiled_kernels(triton=triton and triton_kernels.available(target.device))
         if static:
             dev = target.device
             self.anchor_buf = torch.zeros(1, dtype=torch.long, device=dev)

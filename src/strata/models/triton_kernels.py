@@ -1,0 +1,243 @@
+"""Triton kernels for the CUDA decode step, where cuBLAS and torch.compile leave time on the table.
+
+A 1-token decode step of an 8B model is weight streaming plus ~15 small kernels per layer. On the H200
+cuBLAS splits the smaller GEMVs over K (a second reduction kernel, and ~75% of copy bandwidth),
+attention is two batched matmuls around a softmax, and inductor splits the q/k norm + RoPE + cache
+write into three kernels. The kernels here do each of those in one launch:
+
+- `gemv`: y = W x for a single row, no split-K; with `glu` the gate and up rows of a stacked
+  gate/up matrix are read side by side and silu(gate) * up is written directly.
+- `attention`: grouped-query attention of a few query rows over a cache in two launches (per K/V
+  head and chunk of cells an online-softmax partial, then their combination), any visibility mask.
+- `norm_rotate_store`: per-head q/k RMSNorm and NeoX RoPE, q written out, k and v stored at their
+  positions in the cache.
+
+They follow the rounding of the torch functions in layers.py (which stay the reference and the CPU
+path) up to accumulation order. Triton is imported when a kernel is first built, so with
+TRITON_INTERPRET=1 the tests run these very kernels on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def available(device: torch.device) -> bool:
+    """Triton kernels can run on this device's tensors (a CUDA GPU, or the interpreter)."""
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
+                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rmask = rows < N
+        cols = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + cols
+            kmask = kk < K
+            x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            wmask = rmask[:, None] & kmask[None, :]
+            w = tl.load(w_ptr + rows[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0,
+                        eviction_policy="evict_first")
+            acc += w.to(tl.float32) * x[None, :]
+            if GLU:
+                u = tl.load(w_ptr + (rows[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0,
+                            eviction_policy="evict_first")
+                acc_up += u.to(tl.float32) * x[None, :]
+        out_ty = y_ptr.dtype.element_ty
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        if GLU:
+            gate = y.to(out_ty).to(tl.float32)
+            up = tl.sum(acc_up, axis=1).to(out_ty).to(tl.float32)
+            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
+        tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
+
+    @triton.jit
+    def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
+                                 stride_mask, chunk, scale, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
+                                 D: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr):
+        kvh = tl.program_id(0)
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        r = tl.arange(0, R)
+        t = r // G
+        rvalid = r < T * G
+        d = tl.arange(0, D)
+        head = kvh * G + r % G
+        q = tl.load(q_ptr + (t * (HK * G) + head)[:, None] * D + d[None, :], mask=rvalid[:, None], other=0.0)
+        m_i = tl.full([R], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([R], dtype=tl.float32)
+        acc = tl.zeros([R, D], dtype=tl.float32)
+        start = split * chunk
+        for s0 in range(start, start + chunk, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            smask = s < S
+            kv_off = s[:, None].to(tl.int64) * stride_cell + kvh * D + d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=smask[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            vis = tl.load(mask_ptr + t[:, None] * stride_mask + s[None, :], mask=rvalid[:, None] & smask[None, :],
+                          other=0)
+            scores = tl.where(vis != 0, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_ref)
+            p = tl.exp(scores - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv_off, mask=smask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+        part = (kvh * splits + split) * R + r
+        tl.store(m_ptr + part, m_i)
+        tl.store(l_ptr + part, l_i)
+        tl.store(o_ptr + part[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, splits, T: tl.constexpr, G: tl.constexpr,
+                                 HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+        kvh = tl.program_id(0)
+        r = tl.arange(0, R)
+        rvalid = r < T * G
+        d = tl.arange(0, D)
+        m_run = tl.full([R], float("-inf"), dtype=tl.float32)
+        l_run = tl.zeros([R], dtype=tl.float32)
+        acc = tl.zeros([R, D], dtype=tl.float32)
+        for split in range(0, splits):
+            part = (kvh * splits + split) * R + r
+            m_s = tl.load(m_ptr + part)
+            m_new = tl.maximum(m_run, m_s)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a_run = tl.exp(m_run - m_ref)
+            a_s = tl.exp(m_s - m_ref)
+            l_run = l_run * a_run + tl.load(l_ptr + part) * a_s
+            acc = acc * a_run[:, None] + tl.load(o_ptr + part[:, None] * D + d[None, :]) * a_s[:, None]
+            m_run = m_new
+        out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+        t = r // G
+        head = kvh * G + r % G
+        tl.store(out_ptr + (t * (HK * G) + head)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=rvalid[:, None])
+
+    @triton.jit
+    def norm_rotate_store_kernel(qk_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
+                                 v_cache_ptr, eps, stride_qk, stride_v, stride_cell, H: tl.constexpr, HK: tl.constexpr,
+                                 HALF: tl.constexpr):
+        t = tl.program_id(0)
+        head = tl.program_id(1)
+        D: tl.constexpr = 2 * HALF
+        i = tl.arange(0, HALF)
+        src = qk_ptr + t * stride_qk + head * D
+        x1 = tl.load(src + i).to(tl.float32)
+        x2 = tl.load(src + HALF + i).to(tl.float32)
+        ty = qk_ptr.dtype.element_ty
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        n1 = (x1 * inv).to(ty).to(tl.float32) * tl.load(w_ptr + head * D + i).to(tl.float32)
+        n2 = (x2 * inv).to(ty).to(tl.float32) * tl.load(w_ptr + head * D + HALF + i).to(tl.float32)
+        n1 = n1.to(ty).to(tl.float32)
+        n2 = n2.to(ty).to(tl.float32)
+        cos1 = tl.load(cos_ptr + t * D + i).to(tl.float32)
+        cos2 = tl.load(cos_ptr + t * D + HALF + i).to(tl.float32)
+        sin1 = tl.load(sin_ptr + t * D + i).to(tl.float32)
+        sin2 = tl.load(sin_ptr + t * D + HALF + i).to(tl.float32)
+        r1 = (n1 * cos1 - n2 * sin1).to(ty)
+        r2 = (n2 * cos2 + n1 * sin2).to(ty)
+        if head < H:
+            dst = q_out_ptr + (t * H + head) * D
+            tl.store(dst + i, r1)
+            tl.store(dst + HALF + i, r2)
+        else:
+            cell = tl.load(pos_ptr + t).to(tl.int64) * stride_cell + (head - H) * D
+            tl.store(k_cache_ptr + cell + i, r1)
+            tl.store(k_cache_ptr + cell + HALF + i, r2)
+            vsrc = v_ptr + t * stride_v + (head - H) * D
+            tl.store(v_cache_ptr + cell + i, tl.load(vsrc + i))
+            tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
+
+    return {"gemv": gemv_kernel, "attention_partial": attention_partial_kernel,
+            "attention_combine": attention_combine_kernel, "norm_rotate_store": norm_rotate_store_kernel}
+
+
+#: (BLOCK_N, BLOCK_K, num_warps) of the GEMV by the matrix's rows; tuned on the H200 (bench/results).
+GEMV_CONFIGS = [(16384, (8, 512, 4)), (0, (4, 512, 4))]
+
+
+def gemv_config(n: int) -> tuple[int, int, int]:
+    return next(cfg for min_rows, cfg in GEMV_CONFIGS if n >= min_rows)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] @ w[N, K]^T (+ b) -> [1, N]; with glu, w stacks gate and up rows ([2I, K]) and the result
+    is silu(gate) * up [1, I]."""
+    n_total, k = w.shape
+    n = n_total // 2 if glu else n_total
+    y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
+    block_n, block_k, warps = config or gemv_config(n_total)
+    _build()["gemv"][(triton_cdiv(n, block_n),)](
+        x, w, b if b is not None else w, y, n, k, w.stride(0), HAS_BIAS=b is not None, GLU=glu,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return y
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+ATTENTION_BLOCK = 64
+ATTENTION_TARGET_SPLITS = 16
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """attend_grouped's contract: q [T, H, D]; k, v [S, Hkv, D] (rows of a cache layer); mask [T, S]
+    bool (True = visible). Returns [T, H*D]. Every query must see at least one cell."""
+    t, h, d = q.shape
+    s, hk, _ = k.shape
+    g = h // hk
+    rows = max(16, 1 << (t * g - 1).bit_length())
+    blocks = triton_cdiv(s, ATTENTION_BLOCK)
+    chunk = ATTENTION_BLOCK * triton_cdiv(blocks, ATTENTION_TARGET_SPLITS)
+    splits = triton_cdiv(s, chunk)
+    kernels = _build()
+    o = torch.empty(hk, splits, rows, d, device=q.device, dtype=torch.float32)
+    m = torch.empty(hk, splits, rows, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    q = q.contiguous()
+    kernels["attention_partial"][(hk, splits)](
+        q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
+        BLOCK_S=ATTENTION_BLOCK, num_warps=4)
+    out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
+    kernels["attention_combine"][(hk,)](o, m, l, out, splits, T=t, G=g, HK=hk, D=d, R=rows, num_warps=4)
+    return out
+
+
+def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      eps: float, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+    """layers.norm_rotate_store in one launch: qk [T, H + Hkv, D], v [T, Hkv, D], weight [H + Hkv, D],
+    cos/sin [T, 1, D]; k_cache/v_cache [cells, Hkv, D]. qk and v may be row slices of one projection
+    output (heads contiguous within a row). Returns q [T, H, D]."""
+    t, heads_total, d = qk.shape
+    assert qk.stride(-1) == 1 and qk.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
+    q = torch.empty(t, heads, d, device=qk.device, dtype=qk.dtype)
+    _build()["norm_rotate_store"][(t, heads_total)](
+        qk, v, weight.contiguous(), cos.contiguous(), sin.contiguous(), positions, q,
+        k_cache, v_cache, eps, qk.stride(0), v.stride(0), k_cache.stride(0), H=heads, HK=heads_total - heads, HALF=d // 2, num_warps=1)
+    return q

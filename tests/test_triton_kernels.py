@@ -1,0 +1,109 @@
+"""Strata's Triton kernels, run by Triton's interpreter on the CPU (the GPU runs the same source), against
+the torch functions they replace. float32 and float16: the interpreter has no bfloat16 arithmetic."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first built, in this worker
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from strata.models import triton_kernels as tk  # noqa: E402
+from strata.models.layers import EAGER, TritonKernels, attend_grouped, norm_rotate_store, silu_mul  # noqa: E402
+from strata.models.random_init import random_target  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype) -> float:
+    """Largest error relative to the reference's scale."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-6)
+    assert err <= TOL[dtype], err
+    return err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_matches_linear_with_ragged_blocks(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 200, generator=gen).to(dtype)
+    w = torch.randn(52, 200, generator=gen).to(dtype)  # 52 rows, 200 columns: no block divides either
+    b = torch.randn(52, generator=gen).to(dtype)
+    config = (8, 64, 2)
+    close(tk.gemv(x, w, config=config), F.linear(x, w), dtype)
+    close(tk.gemv(x, w, b, config=config), F.linear(x, w, b), dtype)
+    close(tk.gemv(x, w, glu=True, config=config), silu_mul(F.linear(x, w)), dtype)
+    # the default configurations too, and a weight that is a row block of a larger matrix (a view)
+    big = torch.randn(80, 200, generator=gen).to(dtype)
+    close(tk.gemv(x, big[16:68]), F.linear(x, big[16:68]), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_matches_grouped_matmuls(dtype, monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    t, h, hk, d, cells = 3, 8, 2, 16, 300
+    q = torch.randn(t, h, d, generator=gen).to(dtype)
+    cache_k = torch.randn(cells + 20, hk, d, generator=gen).to(dtype)
+    cache_v = torch.randn(cells + 20, hk, d, generator=gen).to(dtype)
+    k, v = cache_k[:cells], cache_v[:cells]  # the first cells of a longer cache, as a static step reads them
+    # causal rows ending early: the later splits see nothing and must not disturb the combination
+    causal = torch.arange(cells).unsqueeze(0) <= torch.tensor([[40], [41], [42]])
+    # a drafter's block mask: one row broadcast to every query (stride 0), a window of cells
+    cells_idx = torch.arange(cells)
+    block = ((cells_idx >= 100) & (cells_idx < 250)).unsqueeze(0).expand(t, -1)
+    for splits in (16, 2):
+        monkeypatch.setattr(tk, "ATTENTION_TARGET_SPLITS", splits)
+        for mask in (causal, block):
+            close(tk.attention(q, k, v, mask), attend_grouped(q, k, v, mask), dtype)
+    one = tk.attention(q[:1], k, v, causal[:1])  # the 1-token decode
+    close(one, attend_grouped(q[:1], k, v, causal[:1]), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_rotate_store_writes_q_and_the_cache_cells(dtype):
+    gen = torch.Generator().manual_seed(3)
+    t, h, hk, d = 3, 4, 2, 16
+    proj = torch.randn(t, (h + 2 * hk) * d, generator=gen).to(dtype)  # one fused q/k/v projection
+    qk, v = proj[:, :(h + hk) * d].view(t, h + hk, d), proj[:, (h + hk) * d:].view(t, hk, d)
+    weight = (torch.rand(h + hk, d, generator=gen) + 0.5).to(dtype)
+    angle = torch.randn(t, 1, d // 2, generator=gen)
+    cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
+    positions = torch.tensor([5, 9, 7])
+    results = []
+    for fn in (tk.norm_rotate_store, norm_rotate_store):
+        kc, vc = torch.zeros(12, hk, d, dtype=dtype), torch.zeros(12, hk, d, dtype=dtype)
+        results.append((fn(qk, v, weight, cos, sin, 1e-6, h, kc, vc, positions), kc, vc))
+    (q, kc, vc), (q_ref, kc_ref, vc_ref) = results
+    close(q, q_ref, dtype)
+    close(kc, kc_ref, dtype)
+    assert vc.equal(vc_ref)
+    untouched = [i for i in range(12) if i not in positions.tolist()]
+    assert kc[untouched].eq(0).all() and vc[untouched].eq(0).all()
+
+
+def test_static_forward_with_triton_kernels_matches_the_eager_one():
+    """The target's static step (1-token decode and a 4-row verify window) with the Triton kernels in
+    place of cuBLAS GEMVs, grouped attention and the q/k group: same logits, same cache."""
+    target = random_target("tiny", seed=4)
+    kernels = TritonKernels(compiled=False)
+    prompt = torch.randint(0, target.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
+    caches = []
+    for fns in (EAGER, kernels):
+        cache = target.make_cache(64)
+        target(prompt, 0, cache)
+        steps = []
+        for tokens in (torch.tensor([17]), torch.tensor([3, 99, 250, 7])):
+            positions = torch.arange(len(tokens)) + 9 + len(steps)
+            steps.append(target.forward_static(tokens, positions, cache, taps=[1, 2], kv_len=64,
+                                               kernels=fns))
+        caches.append((steps, cache))
+    (want, want_cache), (got, got_cache) = caches
+    for a, b in zip(want, got):
+        close(b.logits, a.logits, torch.float32)
+        close(b.taps, a.taps, torch.float32)
+        assert b.logits.argmax(-1).equal(a.logits.argmax(-1))
+    close(got_cache.k, want_cache.k, torch.float32)
+    close(got_cache.v, want_cache.v, torch.float32)
