@@ -11,6 +11,7 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["TRITON_INTERPRET"] = "1"  # Strata's Triton kernels run in Triton's interpreter on the CPU
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 

@@ -279,12 +279,12 @@ def test_length_buckets():
 
 def test_static_drafter_steps_with_compiled_kernels(pair):
     """The GPU path's drafter steps on the CPU: the compiled kernel groups (context K/V stored by the
-    key-side norm/RoPE group, the block's K/V written into its own cells) propose what the dynamic
-    observe + propose do, and leave the same context cells."""
+    key-side norm/RoPE group, the block's K/V written into its own cells), and the Triton kernels
+    (interpreted), propose what the dynamic observe + propose do, and leave the same context cells."""
     import warnings
 
     from strata.kv_cache import KVCache
-    from strata.models.layers import EAGER, compiled_kernels
+    from strata.models.layers import EAGER, TritonKernels, compiled_kernels
 
     _, drafter_dir, target, prompts, _ = pair
     ids = torch.tensor(prompts[60][:40])
@@ -296,7 +296,7 @@ def test_static_drafter_steps_with_compiled_kernels(pair):
     want = dyn.propose(11, 40, 7)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        for kernels in (EAGER, compiled_kernels()):
+        for kernels in (EAGER, compiled_kernels(), TritonKernels(compiled=False)):
             sta = load_drafter(drafter_dir, target, max_len=256)
             sta.observe_static(taps, torch.arange(40), kernels)
             got = sta.propose_static(torch.tensor([11]), torch.tensor([40]), 7, 64, "grouped", kernels)

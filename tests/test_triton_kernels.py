@@ -1,19 +1,16 @@
-"""Strata's Triton kernels, run by Triton's interpreter on the CPU (the GPU runs the same source), against
-the torch functions they replace. float32 and float16: the interpreter has no bfloat16 arithmetic."""
+"""Strata's Triton kernels, run by Triton's interpreter on the CPU (conftest sets TRITON_INTERPRET; the GPU
+runs the same source), against the torch functions they replace. float32 and float16: the interpreter has
+no bfloat16 arithmetic."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first built, in this worker
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from strata.models import triton_kernels as tk  # noqa: E402
-from strata.models.layers import EAGER, TritonKernels, attend_grouped, norm_rotate_store, silu_mul  # noqa: E402
-from strata.models.random_init import random_target  # noqa: E402
+from strata.models import triton_kernels as tk
+from strata.models.layers import EAGER, TritonKernels, attend_grouped, norm_rotate_store, silu_mul
+from strata.models.random_init import random_target
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
@@ -39,6 +36,21 @@ def test_gemv_matches_linear_with_ragged_blocks(dtype):
     # the default configurations too, and a weight that is a row block of a larger matrix (a view)
     big = torch.randn(80, 200, generator=gen).to(dtype)
     close(tk.gemv(x, big[16:68]), F.linear(x, big[16:68]), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_skinny_gemm_matches_linear_for_a_few_rows(dtype):
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(52, 200, generator=gen).to(dtype)
+    b = torch.randn(52, generator=gen).to(dtype)
+    config = (16, 64, 2, 2)
+    for rows in (2, 5, 16):
+        x = torch.randn(rows, 200, generator=gen).to(dtype)
+        close(tk.skinny(x, w, config=config), F.linear(x, w), dtype)
+        close(tk.skinny(x, w, b, config=config), F.linear(x, w, b), dtype)
+        close(tk.skinny(x, w, glu=True, config=config), silu_mul(F.linear(x, w)), dtype)
+    x = torch.randn(8, 200, generator=gen).to(dtype)
+    close(tk.skinny(x, w), F.linear(x, w), dtype)  # the default configuration
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -84,11 +96,17 @@ def test_norm_rotate_store_writes_q_and_the_cache_cells(dtype):
     assert kc[untouched].eq(0).all() and vc[untouched].eq(0).all()
 
 
-def test_static_forward_with_triton_kernels_matches_the_eager_one():
+def test_static_forward_with_triton_kernels_matches_the_eager_one(monkeypatch):
     """The target's static step (1-token decode and a 4-row verify window) with the Triton kernels in
-    place of cuBLAS GEMVs, grouped attention and the q/k group: same logits, same cache."""
+    place of cuBLAS projections, grouped attention and the q/k group: same logits, same cache."""
     target = random_target("tiny", seed=4)
     kernels = TritonKernels(compiled=False)
+    calls = {"gemv": 0, "skinny": 0, "attention": 0, "norm_rotate_store": 0}
+    for name in calls:
+        def counted(*args, fn=getattr(tk, name), name=name, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+        monkeypatch.setattr(tk, name, counted)
     prompt = torch.randint(0, target.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
     caches = []
     for fns in (EAGER, kernels):
@@ -107,3 +125,15 @@ def test_static_forward_with_triton_kernels_matches_the_eager_one():
         assert b.logits.argmax(-1).equal(a.logits.argmax(-1))
     close(got_cache.k, want_cache.k, torch.float32)
     close(got_cache.v, want_cache.v, torch.float32)
+    layers = target.cfg.num_layers
+    # qkv, o, gate/up, down per layer and the LM head: by the GEMV in the decode, the skinny GEMM in the window
+    assert calls == {"gemv": 4 * layers + 1, "skinny": 4 * layers + 1, "attention": 2 * layers,
+                     "norm_rotate_store": 2 * layers}
+
+
+def test_compiled_triton_set_keeps_its_own_kernels():
+    """The compiled set fuses the remaining groups with torch.compile without shadowing the Triton ones."""
+    kernels = TritonKernels(compiled=True)
+    for name in ("norm_rotate_store", "linear", "gate_up_silu", "attend_grouped"):
+        assert getattr(kernels, name).__func__ is getattr(TritonKernels, name), name
+    assert kernels.add_rms_norm is not EAGER.add_rms_norm

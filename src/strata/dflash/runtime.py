@@ -79,7 +79,8 @@ class DFlashDrafter(Drafter):
     def _context(self, taps: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         """Fused target taps -> the drafter's context features (fc, then hidden_norm)."""
         norm = self.model.hidden_norm
-        return kernels.rms_norm(self.model.fc(taps.to(self.target.dtype)), norm.weight, norm.eps)
+        fc = self.model.fc
+        return kernels.rms_norm(kernels.linear(taps.to(self.target.dtype), fc.weight, fc.bias), norm.weight, norm.eps)
 
     def context_range(self, layer: int, pos: int) -> tuple[int, int]:
         """Context cells [begin, end) a block at position pos attends to in this layer."""
@@ -100,7 +101,7 @@ class DFlashDrafter(Drafter):
         h = norm(x) if pending is None else kernels.add_rms_norm(x, pending, norm.weight, norm.eps)[1]
         if trace:
             h = trace(-1, "final_norm", h)
-        logits = self.target.lm_head(h).float()
+        logits = kernels.linear(h, self.target.lm_head.weight).float()
         if cfg.output_multiplier is not None:
             logits = logits * cfg.output_multiplier
         if cfg.final_logit_softcapping is not None:

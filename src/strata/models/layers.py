@@ -165,7 +165,8 @@ class Kernels:
         if compiled:
             for name in ("rms_norm", "add_rms_norm", "norm_rotate", "norm_rotate_store", "norm_rotate_store_kv",
                          "silu_mul", "masked_softmax"):
-                setattr(self, name, _compiled_or_eager(getattr(Kernels, name)))
+                if getattr(type(self), name) is getattr(Kernels, name):  # a subclass's own kernel stays
+                    setattr(self, name, _compiled_or_eager(getattr(Kernels, name)))
 
     def gate_up_silu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
@@ -177,8 +178,8 @@ class Kernels:
 
 class TritonKernels(Kernels):
     """The compiled set, with Strata's Triton kernels (models/triton_kernels.py) where their shapes
-    allow: GEMVs of one row (the 1-token decode), attention and the fused q/k norm + RoPE + cache
-    write. Other shapes (a verify window's GEMMs) keep cuBLAS. compiled=False leaves the other groups
+    allow: projections of up to 16 rows (the 1-token decode, a verify window, a drafter block),
+    attention and the fused q/k norm + RoPE + cache write. Larger shapes keep cuBLAS. compiled=False leaves the other groups
     eager (the tests' interpreter runs)."""
 
     def __init__(self, compiled: bool = True):
@@ -187,15 +188,21 @@ class TritonKernels(Kernels):
 
         self._tk = triton_kernels
 
-    @staticmethod
-    def _one_row(x: torch.Tensor, w: torch.Tensor) -> bool:
-        return x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and w.stride(1) == 1
+    def _projection(self, x: torch.Tensor, w: torch.Tensor):
+        """The Triton kernel for x @ w^T, or None where cuBLAS keeps it."""
+        if x.dim() != 2 or x.stride(1) != 1 or w.stride(1) != 1:
+            return None
+        if x.shape[0] == 1:
+            return self._tk.gemv
+        return self._tk.skinny if x.shape[0] <= self._tk.SKINNY_MAX_ROWS else None
 
     def linear(self, x, w, b=None):
-        return self._tk.gemv(x, w, b) if self._one_row(x, w) else F.linear(x, w, b)
+        fn = self._projection(x, w)
+        return fn(x, w, b) if fn else F.linear(x, w, b)
 
     def gate_up_silu(self, x, gate_up):
-        return self._tk.gemv(x, gate_up, glu=True) if self._one_row(x, gate_up) else super().gate_up_silu(x, gate_up)
+        fn = self._projection(x, gate_up)
+        return fn(x, gate_up, glu=True) if fn else super().gate_up_silu(x, gate_up)
 
     def attend_grouped(self, q, k, v, mask):
         d = q.shape[-1]
@@ -354,11 +361,11 @@ class Attention(nn.Module):
             k, v = trace("k", k), trace("v", v)
         return k, v
 
-    def _raw_key_value(self, x: torch.Tensor, trace=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _raw_key_value(self, x: torch.Tensor, trace=None, kernels: Kernels = EAGER) -> tuple[torch.Tensor, torch.Tensor]:
         lead = x.shape[:-1]
         if self.fused is not None and not trace:
-            return F.linear(x, self.fused["kv_w"], self.fused["kv_b"]).view(*lead, 2, self.kv_heads,
-                                                                           self.head_dim).unbind(-3)
+            return kernels.linear(x, self.fused["kv_w"], self.fused["kv_b"]).view(*lead, 2, self.kv_heads,
+                                                                                 self.head_dim).unbind(-3)
         return (self.k_proj(x).view(*lead, self.kv_heads, self.head_dim),
                 self.v_proj(x).view(*lead, self.kv_heads, self.head_dim))
 
@@ -367,7 +374,7 @@ class Attention(nn.Module):
         if self.k_norm is None:
             slot(*self.key_value(x, rope))
             return
-        k, v = self._raw_key_value(x)
+        k, v = self._raw_key_value(x, kernels=kernels)
         kernels.norm_rotate_store_kv(k, v, self.k_norm.weight, rope.cos, rope.sin, self.eps, slot.k, slot.v,
                                      slot.positions)
 

@@ -7,8 +7,10 @@ write into three kernels. The kernels here do each of those in one launch:
 
 - `gemv`: y = W x for a single row, no split-K; with `glu` the gate and up rows of a stacked
   gate/up matrix are read side by side and silu(gate) * up is written directly.
+- `skinny`: the same for a few rows (a verify window, a drafter block) on tensor cores.
 - `attention`: grouped-query attention of a few query rows over a cache in two launches (per K/V
-  head and chunk of cells an online-softmax partial, then their combination), any visibility mask.
+  head and chunk of cells an online-softmax partial, then per query row their combination), any
+  visibility mask.
 - `norm_rotate_store`: per-head q/k RMSNorm and NeoX RoPE, q written out, k and v stored at their
   positions in the cache.
 
@@ -72,9 +74,42 @@ def _build():
         tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
 
     @triton.jit
+    def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
+                      HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """y [M, N] = x [M, K] @ W^T for a few rows: each weight tile is streamed once, on tensor cores."""
+        cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        nmask = cols < N
+        m = tl.arange(0, BLOCK_M)
+        mmask = m < M
+        kr = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + kr
+            kmask = kk < K
+            x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wmask = kmask[:, None] & nmask[None, :]
+            w = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=wmask, other=0.0,
+                        eviction_policy="evict_first")
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            if GLU:
+                u = tl.load(w_ptr + (cols[None, :] + N) * stride_w + kk[:, None], mask=wmask, other=0.0,
+                            eviction_policy="evict_first")
+                acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
+        out_ty = y_ptr.dtype.element_ty
+        y = acc
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            gate = y.to(out_ty).to(tl.float32)
+            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
+        tl.store(y_ptr + m[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
     def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
                                  stride_mask, chunk, scale, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
-                                 D: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr):
+                                 D: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
         kvh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -93,7 +128,7 @@ def _build():
             smask = s < S
             kv_off = s[:, None].to(tl.int64) * stride_cell + kvh * D + d[None, :]
             k = tl.load(k_ptr + kv_off, mask=smask[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
             vis = tl.load(mask_ptr + t[:, None] * stride_mask + s[None, :], mask=rvalid[:, None] & smask[None, :],
                           other=0)
             scores = tl.where(vis != 0, scores, float("-inf"))
@@ -103,7 +138,7 @@ def _build():
             p = tl.exp(scores - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + kv_off, mask=smask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
         part = (kvh * splits + split) * R + r
         tl.store(m_ptr + part, m_i)
@@ -111,30 +146,24 @@ def _build():
         tl.store(o_ptr + part[:, None] * D + d[None, :], acc)
 
     @triton.jit
-    def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, splits, T: tl.constexpr, G: tl.constexpr,
-                                 HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+    def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, splits, G: tl.constexpr, HK: tl.constexpr,
+                                 D: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr):
+        """One query row of one K/V head per program: all its partials loaded at once."""
         kvh = tl.program_id(0)
-        r = tl.arange(0, R)
-        rvalid = r < T * G
+        r = tl.program_id(1)
+        sp = tl.arange(0, SPLITS)
+        valid = sp < splits
         d = tl.arange(0, D)
-        m_run = tl.full([R], float("-inf"), dtype=tl.float32)
-        l_run = tl.zeros([R], dtype=tl.float32)
-        acc = tl.zeros([R, D], dtype=tl.float32)
-        for split in range(0, splits):
-            part = (kvh * splits + split) * R + r
-            m_s = tl.load(m_ptr + part)
-            m_new = tl.maximum(m_run, m_s)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a_run = tl.exp(m_run - m_ref)
-            a_s = tl.exp(m_s - m_ref)
-            l_run = l_run * a_run + tl.load(l_ptr + part) * a_s
-            acc = acc * a_run[:, None] + tl.load(o_ptr + part[:, None] * D + d[None, :]) * a_s[:, None]
-            m_run = m_new
-        out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+        part = (kvh * splits + sp) * R + r
+        m_s = tl.load(m_ptr + part, mask=valid, other=float("-inf"))
+        m_max = tl.max(m_s, axis=0)
+        scale = tl.where(valid, tl.exp(m_s - m_max), 0.0)
+        l_sum = tl.sum(tl.load(l_ptr + part, mask=valid, other=0.0) * scale, axis=0)
+        o = tl.load(o_ptr + part[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        out = tl.sum(o * scale[:, None], axis=0) / l_sum
         t = r // G
         head = kvh * G + r % G
-        tl.store(out_ptr + (t * (HK * G) + head)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=rvalid[:, None])
+        tl.store(out_ptr + (t * (HK * G) + head) * D + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def norm_rotate_store_kernel(qk_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
@@ -171,16 +200,15 @@ def _build():
             tl.store(v_cache_ptr + cell + i, tl.load(vsrc + i))
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
-    return {"gemv": gemv_kernel, "attention_partial": attention_partial_kernel,
+    return {"gemv": gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
             "attention_combine": attention_combine_kernel, "norm_rotate_store": norm_rotate_store_kernel}
 
 
-#: (BLOCK_N, BLOCK_K, num_warps) of the GEMV by the matrix's rows; tuned on the H200 (bench/results).
-GEMV_CONFIGS = [(16384, (8, 512, 4)), (0, (4, 512, 4))]
-
-
-def gemv_config(n: int) -> tuple[int, int, int]:
-    return next(cfg for min_rows, cfg in GEMV_CONFIGS if n >= min_rows)
+#: (BLOCK_N, BLOCK_K, num_warps) of the GEMV, plain and gate/up; swept on the H200 over 2..16 rows,
+#: 256..1024 columns and 2..8 warps for the 8B shape's five matrices (bench/results/triton-gemv-h200.json):
+#: two rows a program (thousands of programs) was at or near the best for all of them.
+GEMV_CONFIG = (2, 512, 2)
+GEMV_GLU_CONFIG = (2, 512, 4)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False,
@@ -190,11 +218,37 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: b
     n_total, k = w.shape
     n = n_total // 2 if glu else n_total
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    block_n, block_k, warps = config or gemv_config(n_total)
+    block_n, block_k, warps = config or (GEMV_GLU_CONFIG if glu else GEMV_CONFIG)
     _build()["gemv"][(triton_cdiv(n, block_n),)](
         x, w, b if b is not None else w, y, n, k, w.stride(0), HAS_BIAS=b is not None, GLU=glu,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y
+
+
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row GEMM (a verify window, a drafter block).
+SKINNY_CONFIG = (64, 256, 4, 4)
+SKINNY_MAX_ROWS = 16
+
+
+def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False,
+           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T (+ b) -> [M, N] for 1 <= M <= 16 rows (glu as in gemv), where cuBLAS would split K
+    and reduce in a second kernel."""
+    rows, k = x.shape
+    n_total = w.shape[0]
+    n = n_total // 2 if glu else n_total
+    y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    block_n, block_k, warps, stages = config or SKINNY_CONFIG
+    _build()["skinny"][(triton_cdiv(n, block_n),)](
+        x, w, b if b is not None else w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=b is not None, GLU=glu, BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=_precision(x), num_warps=warps, num_stages=stages)
+    return y
+
+
+def _precision(x: torch.Tensor) -> str:
+    """float32 models keep full-precision dots (Triton's default would round their inputs to TF32)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -222,9 +276,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q = q.contiguous()
     kernels["attention_partial"][(hk, splits)](
         q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
-        BLOCK_S=ATTENTION_BLOCK, num_warps=4)
+        BLOCK_S=ATTENTION_BLOCK, PRECISION=_precision(q), num_warps=4)
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
-    kernels["attention_combine"][(hk,)](o, m, l, out, splits, T=t, G=g, HK=hk, D=d, R=rows, num_warps=4)
+    kernels["attention_combine"][(hk, t * g)](o, m, l, out, splits, G=g, HK=hk, D=d, R=rows,
+                                              SPLITS=max(2, 1 << (splits - 1).bit_length()), num_warps=2)
     return out
 
 
