@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from strata.models import triton_kernels as tk
-from strata.models.layers import EAGER, TritonKernels, attend_grouped, norm_rotate_store, silu_mul
+from strata.models.layers import (
+    EAGER,
+    TritonKernels,
+    attend_grouped,
+    norm_rotate_store,
+    silu_mul,
+)
 from strata.models.random_init import random_target
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
@@ -102,11 +108,16 @@ def test_static_forward_with_triton_kernels_matches_the_eager_one(monkeypatch):
     target = random_target("tiny", seed=4)
     kernels = TritonKernels(compiled=False)
     calls = {"gemv": 0, "skinny": 0, "attention": 0, "norm_rotate_store": 0}
-    for name in calls:
-        def counted(*args, fn=getattr(tk, name), name=name, **kw):
+    def counting(name):
+        fn = getattr(tk, name)
+
+        def counted(*args, **kw):
             calls[name] += 1
             return fn(*args, **kw)
-        monkeypatch.setattr(tk, name, counted)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(tk, name, counting(name))
     prompt = torch.randint(0, target.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
     caches = []
     for fns in (EAGER, kernels):

@@ -205,8 +205,9 @@ class TritonKernels(Kernels):
         return fn(x, gate_up, glu=True) if fn else super().gate_up_silu(x, gate_up)
 
     def attend_grouped(self, q, k, v, mask):
-        d = q.shape[-1]
-        if q.dim() == 3 and d >= 16 and d & (d - 1) == 0 and k.stride(-1) == 1 and v.stride() == k.stride():
+        t, h, d = q.shape
+        if (d >= 16 and d & (d - 1) == 0 and k.stride(-1) == 1 and k.stride(-2) == d and v.stride() == k.stride()
+                and t * h // k.shape[-2] <= self._tk.ATTENTION_MAX_ROWS and mask.stride(-1) == 1):
             return self._tk.attention(q, k, v, mask)
         return super().attend_grouped(q, k, v, mask)
 

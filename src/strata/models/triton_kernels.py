@@ -204,9 +204,10 @@ def _build():
             "attention_combine": attention_combine_kernel, "norm_rotate_store": norm_rotate_store_kernel}
 
 
-#: (BLOCK_N, BLOCK_K, num_warps) of the GEMV, plain and gate/up; swept on the H200 over 2..16 rows,
-#: 256..1024 columns and 2..8 warps for the 8B shape's five matrices (bench/results/triton-gemv-h200.json):
-#: two rows a program (thousands of programs) was at or near the best for all of them.
+#: (BLOCK_N, BLOCK_K, num_warps) of the GEMV, plain and gate/up; swept on the H200 over 2..16 output rows
+#: and 256..1024 columns a program and 2..8 warps, for the 8B shape's five matrices
+#: (bench/results/triton-gemv-h200.json): two rows a program (thousands of programs) was at or near the
+#: best for all of them.
 GEMV_CONFIG = (2, 512, 2)
 GEMV_GLU_CONFIG = (2, 512, 4)
 
@@ -219,13 +220,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: b
     n = n_total // 2 if glu else n_total
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
     block_n, block_k, warps = config or (GEMV_GLU_CONFIG if glu else GEMV_CONFIG)
-    _build()["gemv"][(triton_cdiv(n, block_n),)](
+    _build()["gemv"][(_cdiv(n, block_n),)](
         x, w, b if b is not None else w, y, n, k, w.stride(0), HAS_BIAS=b is not None, GLU=glu,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y
 
 
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row GEMM (a verify window, a drafter block).
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row GEMM (a verify window, a drafter block): the
+#: least total time over the 8B shape's projections at 8 rows on the H200 (bench/results/triton-skinny-h200.json).
 SKINNY_CONFIG = (64, 256, 4, 4)
 SKINNY_MAX_ROWS = 16
 
@@ -239,7 +241,7 @@ def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu:
     n = n_total // 2 if glu else n_total
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     block_n, block_k, warps, stages = config or SKINNY_CONFIG
-    _build()["skinny"][(triton_cdiv(n, block_n),)](
+    _build()["skinny"][(_cdiv(n, block_n),)](
         x, w, b if b is not None else w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=b is not None, GLU=glu, BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION=_precision(x), num_warps=warps, num_stages=stages)
@@ -251,12 +253,13 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 ATTENTION_BLOCK = 64
 ATTENTION_TARGET_SPLITS = 16
+ATTENTION_MAX_ROWS = 64  # query rows (window rows x heads of a group) one program holds
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -266,9 +269,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     s, hk, _ = k.shape
     g = h // hk
     rows = max(16, 1 << (t * g - 1).bit_length())
-    blocks = triton_cdiv(s, ATTENTION_BLOCK)
-    chunk = ATTENTION_BLOCK * triton_cdiv(blocks, ATTENTION_TARGET_SPLITS)
-    splits = triton_cdiv(s, chunk)
+    blocks = _cdiv(s, ATTENTION_BLOCK)
+    chunk = ATTENTION_BLOCK * _cdiv(blocks, ATTENTION_TARGET_SPLITS)
+    splits = _cdiv(s, chunk)
     kernels = _build()
     o = torch.empty(hk, splits, rows, d, device=q.device, dtype=torch.float32)
     m = torch.empty(hk, splits, rows, device=q.device, dtype=torch.float32)
@@ -293,6 +296,6 @@ def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, c
     assert qk.stride(-1) == 1 and qk.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
     q = torch.empty(t, heads, d, device=qk.device, dtype=qk.dtype)
     _build()["norm_rotate_store"][(t, heads_total)](
-        qk, v, weight.contiguous(), cos.contiguous(), sin.contiguous(), positions, q,
-        k_cache, v_cache, eps, qk.stride(0), v.stride(0), k_cache.stride(0), H=heads, HK=heads_total - heads, HALF=d // 2, num_warps=1)
+        qk, v, weight.contiguous(), cos.contiguous(), sin.contiguous(), positions, q, k_cache, v_cache, eps,
+        qk.stride(0), v.stride(0), k_cache.stride(0), H=heads, HK=heads_total - heads, HALF=d // 2, num_warps=1)
     return q

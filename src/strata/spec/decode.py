@@ -99,7 +99,7 @@ class Engine:
         an 8B shape) or "sdpa" (PyTorch's scaled_dot_product_attention) for the static steps.
         compile: with CUDA graphs, the elementwise groups of each layer (norms, q/k norm + RoPE,
         SiLU-gate, masked softmax) become fused kernels through torch.compile.
-        triton: with compile, Strata's Triton kernels also take the 1-row GEMVs, attention and the q/k
+        triton: with compile, Strata's Triton kernels also take projections of <= 16 rows, attention and the q/k
         group (models/triton_kernels.py), where Triton is installed."""
         if draft_sampling not in DRAFT_SAMPLING_MODES:
             raise StrataError(f"--draft-sampling: expected one of {', '.join(DRAFT_SAMPLING_MODES)}, "
