@@ -4,6 +4,8 @@ no bfloat16 arithmetic."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,3 +150,26 @@ def test_compiled_triton_set_keeps_its_own_kernels():
     for name in ("norm_rotate_store", "linear", "gate_up_silu", "attend_grouped"):
         assert getattr(kernels, name).__func__ is getattr(TritonKernels, name), name
     assert kernels.add_rms_norm is not EAGER.add_rms_norm
+
+
+def test_a_failing_triton_kernel_leaves_the_torch_path_with_one_warning(monkeypatch):
+    def broken(*args, **kw):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(tk, "gemv", broken)
+    monkeypatch.setattr(tk, "attention", broken)
+    kernels = TritonKernels(compiled=False)
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(1, 32, generator=gen), torch.randn(24, 32, generator=gen)
+    q, k, v = (torch.randn(2, 4, 16, generator=gen), torch.randn(9, 2, 16, generator=gen),
+               torch.randn(9, 2, 16, generator=gen))
+    mask = torch.arange(9).unsqueeze(0) <= torch.tensor([[6], [7]])
+    with pytest.warns(UserWarning, match="Triton kernel gemv failed"):
+        assert kernels.linear(x, w).equal(F.linear(x, w))
+    with pytest.warns(UserWarning, match="Triton kernel attention failed"):
+        assert kernels.attend_grouped(q, k, v, mask).equal(attend_grouped(q, k, v, mask))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once failed, the torch path is taken without trying again
+        assert kernels.gate_up_silu(x, w).equal(silu_mul(F.linear(x, w)))
+        assert kernels.attend_grouped(q, k, v, mask).equal(attend_grouped(q, k, v, mask))
+    close(kernels.linear(x.repeat(3, 1), w), F.linear(x.repeat(3, 1), w), torch.float32)  # skinny still runs

@@ -179,43 +179,67 @@ class Kernels:
 class TritonKernels(Kernels):
     """The compiled set, with Strata's Triton kernels (models/triton_kernels.py) where their shapes
     allow: projections of up to 16 rows (the 1-token decode, a verify window, a drafter block),
-    attention and the fused q/k norm + RoPE + cache write. Larger shapes keep cuBLAS. compiled=False leaves the other groups
-    eager (the tests' interpreter runs)."""
+    attention and the fused q/k norm + RoPE + cache write. Larger shapes keep cuBLAS. A kernel that
+    fails to build or launch (an older GPU, a Triton that rejects it) warns once and leaves its torch
+    path. compiled=False leaves the other groups eager (the tests' interpreter runs)."""
 
     def __init__(self, compiled: bool = True):
         super().__init__(compiled=compiled)
         from . import triton_kernels
 
         self._tk = triton_kernels
+        self._failed: set[str] = set()
 
-    def _projection(self, x: torch.Tensor, w: torch.Tensor):
+    def _either(self, name: str, fast, slow):
+        """fast() unless the kernel `name` already failed here; slow() after a failure. The first call of
+        each step happens outside CUDA-graph capture (StepGraphs warms up first), so a failure shows there."""
+        if name not in self._failed:
+            try:
+                return fast()
+            except Exception as e:  # noqa: BLE001 - any Triton failure leaves the torch path
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                warnings.warn(f"Triton kernel {name} failed ({type(e).__name__}: {e}); using the torch path")
+                self._failed.add(name)
+        return slow()
+
+    def _projection(self, x: torch.Tensor, w: torch.Tensor) -> str | None:
         """The Triton kernel for x @ w^T, or None where cuBLAS keeps it."""
         if x.dim() != 2 or x.stride(1) != 1 or w.stride(1) != 1:
             return None
         if x.shape[0] == 1:
-            return self._tk.gemv
-        return self._tk.skinny if x.shape[0] <= self._tk.SKINNY_MAX_ROWS else None
+            return "gemv"
+        return "skinny" if x.shape[0] <= self._tk.SKINNY_MAX_ROWS else None
 
     def linear(self, x, w, b=None):
-        fn = self._projection(x, w)
-        return fn(x, w, b) if fn else F.linear(x, w, b)
+        name = self._projection(x, w)
+        if name is None:
+            return F.linear(x, w, b)
+        return self._either(name, lambda: getattr(self._tk, name)(x, w, b), lambda: F.linear(x, w, b))
 
     def gate_up_silu(self, x, gate_up):
-        fn = self._projection(x, gate_up)
-        return fn(x, gate_up, glu=True) if fn else super().gate_up_silu(x, gate_up)
+        name = self._projection(x, gate_up)
+        slow = lambda: super(TritonKernels, self).gate_up_silu(x, gate_up)
+        if name is None:
+            return slow()
+        return self._either(name, lambda: getattr(self._tk, name)(x, gate_up, glu=True), slow)
 
     def attend_grouped(self, q, k, v, mask):
         t, h, d = q.shape
+        slow = lambda: super(TritonKernels, self).attend_grouped(q, k, v, mask)
         if (d >= 16 and d & (d - 1) == 0 and k.stride(-1) == 1 and k.stride(-2) == d and v.stride() == k.stride()
                 and t * h // k.shape[-2] <= self._tk.ATTENTION_MAX_ROWS and mask.stride(-1) == 1):
-            return self._tk.attention(q, k, v, mask)
-        return super().attend_grouped(q, k, v, mask)
+            return self._either("attention", lambda: self._tk.attention(q, k, v, mask), slow)
+        return slow()
 
     def norm_rotate_store(self, qk, v, weight, cos, sin, eps, heads, k_cache, v_cache, positions):
+        args = (qk, v, weight, cos, sin, eps, heads, k_cache, v_cache, positions)
+        slow = lambda: super(TritonKernels, self).norm_rotate_store(*args)
         d = qk.shape[-1]
-        if qk.stride(-2) == d and v.stride(-2) == d and d & (d - 1) == 0 and k_cache.stride() == v_cache.stride():
-            return self._tk.norm_rotate_store(qk, v, weight, cos, sin, eps, heads, k_cache, v_cache, positions)
-        return super().norm_rotate_store(qk, v, weight, cos, sin, eps, heads, k_cache, v_cache, positions)
+        if (qk.stride(-1) == 1 and qk.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
+                and d & (d - 1) == 0 and k_cache.stride() == v_cache.stride()):
+            return self._either("norm_rotate_store", lambda: self._tk.norm_rotate_store(*args), slow)
+        return slow()
 
 
 def _compiled_or_eager(fn):
