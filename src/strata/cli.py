@@ -525,6 +525,9 @@ def cmd_bench(args) -> int:
           f"{result['weight_bytes'] / 1e6:.1f} MB weights)", file=sys.stderr)
     print(f"target-only {t['tok_s']:.1f} tok/s ({result['ratios']['target_only_vs_floor']:.2f} of floor)",
           file=sys.stderr)
+    if "target_only_without_triton" in result:
+        print(f"target-only without Strata's Triton kernels {result['target_only_without_triton']['tok_s']:.1f} tok/s "
+              f"(the kernels: x{result['ratios']['triton_vs_compiled_only']:.2f})", file=sys.stderr)
     o = result["dflash_oracle"]
     print(f"DFlash oracle W={window}: {o['tok_s']:.1f} tok/s, tau {o['tau']:.2f}, "
           f"x{result['ratios']['oracle_vs_target_only']:.2f}; round: draft {o['split']['draft_ms']:.2f} ms, "
