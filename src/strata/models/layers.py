@@ -149,7 +149,7 @@ class Kernels:
     """The projections and elementwise groups of a layer step. `Kernels(compiled=True)` (see
     compiled_kernels) turns each elementwise group into one fused kernel with torch.compile, for the
     CUDA-graph path (the decode step is otherwise hundreds of tiny kernels); TritonKernels replaces
-    the single-row GEMVs, attention and the q/k group with kernels of its own. The plain functions
+    the few-row projections, attention and the q/k group with kernels of its own. The plain functions
     above stay the reference and the CPU path."""
 
     rms_norm = staticmethod(rms_norm)
