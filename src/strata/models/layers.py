@@ -203,41 +203,29 @@ class TritonKernels(Kernels):
                 self._failed.add(name)
         return slow()
 
-    def _projection(self, x: torch.Tensor, w: torch.Tensor) -> str | None:
-        """The Triton kernel for x @ w^T, or None where cuBLAS keeps it."""
-        if x.dim() != 2 or x.stride(1) != 1 or w.stride(1) != 1:
-            return None
-        if x.shape[0] == 1:
-            return "gemv"
-        return "skinny" if x.shape[0] <= self._tk.SKINNY_MAX_ROWS else None
-
     def linear(self, x, w, b=None):
-        name = self._projection(x, w)
+        name = self._tk.projection_kernel(x, w)
         if name is None:
             return F.linear(x, w, b)
         return self._either(name, lambda: getattr(self._tk, name)(x, w, b), lambda: F.linear(x, w, b))
 
     def gate_up_silu(self, x, gate_up):
-        name = self._projection(x, gate_up)
+        name = self._tk.projection_kernel(x, gate_up)
         slow = lambda: super(TritonKernels, self).gate_up_silu(x, gate_up)
         if name is None:
             return slow()
         return self._either(name, lambda: getattr(self._tk, name)(x, gate_up, glu=True), slow)
 
     def attend_grouped(self, q, k, v, mask):
-        t, h, d = q.shape
         slow = lambda: super(TritonKernels, self).attend_grouped(q, k, v, mask)
-        if (d >= 16 and d & (d - 1) == 0 and k.stride(-1) == 1 and k.stride(-2) == d and v.stride() == k.stride()
-                and t * h // k.shape[-2] <= self._tk.ATTENTION_MAX_ROWS and mask.stride(-1) == 1):
+        if self._tk.attention_fits(q, k, v, mask):
             return self._either("attention", lambda: self._tk.attention(q, k, v, mask), slow)
         return slow()
 
     def norm_rotate_store(self, qk, v, weight, cos, sin, eps, heads, k_cache, v_cache, positions):
         args = (qk, v, weight, cos, sin, eps, heads, k_cache, v_cache, positions)
         slow = lambda: super(TritonKernels, self).norm_rotate_store(*args)
-        d = qk.shape[-1]
-        if (qk.stride(-1) == 1 and qk.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
-                and d & (d - 1) == 0 and k_cache.stride() == v_cache.stride()):
+        if self._tk.norm_rotate_store_fits(qk, v, k_cache, v_cache):
             return self._either("norm_rotate_store", lambda: self._tk.norm_rotate_store(*args), slow)
         return slow()
 

@@ -204,6 +204,16 @@ def _build():
             "attention_combine": attention_combine_kernel, "norm_rotate_store": norm_rotate_store_kernel}
 
 
+def projection_kernel(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """The name of the kernel for x @ w^T ("gemv" for one row, "skinny" for up to SKINNY_MAX_ROWS), or
+    None for other shapes and layouts."""
+    if x.dim() != 2 or x.stride(1) != 1 or w.stride(1) != 1:
+        return None
+    if x.shape[0] == 1:
+        return "gemv"
+    return "skinny" if x.shape[0] <= SKINNY_MAX_ROWS else None
+
+
 #: (BLOCK_N, BLOCK_K, num_warps) of the GEMV, plain and gate/up; swept on the H200 over 2..16 output rows
 #: and 256..1024 columns a program and 2..8 warps, for the 8B shape's five matrices
 #: (bench/results/triton-gemv-h200.json): two rows a program (thousands of programs) was at or near the
@@ -262,6 +272,14 @@ ATTENTION_TARGET_SPLITS = 16
 ATTENTION_MAX_ROWS = 64  # query rows (window rows x heads of a group) one program holds
 
 
+def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
+    """attention's layout: a power-of-two head dim, plain cache rows shared by k and v, contiguous mask
+    rows, and a group's query rows within ATTENTION_MAX_ROWS."""
+    t, h, d = q.shape
+    return (d >= 16 and d & (d - 1) == 0 and k.stride(-1) == 1 and k.stride(-2) == d and v.stride() == k.stride()
+            and t * h // k.shape[-2] <= ATTENTION_MAX_ROWS and mask.stride(-1) == 1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """attend_grouped's contract: q [T, H, D]; k, v [S, Hkv, D] (rows of a cache layer); mask [T, S]
     bool (True = visible). Returns [T, H*D]. Every query must see at least one cell."""
@@ -286,6 +304,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out
 
 
+def norm_rotate_store_fits(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """norm_rotate_store's layout: heads contiguous within a row, a power-of-two head dim, caches alike."""
+    d = qk.shape[-1]
+    return (qk.stride(-1) == 1 and qk.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
+            and d & (d - 1) == 0 and k_cache.stride() == v_cache.stride())
+
+
 def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       eps: float, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       positions: torch.Tensor) -> torch.Tensor:
@@ -293,7 +318,7 @@ def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, c
     cos/sin [T, 1, D]; k_cache/v_cache [cells, Hkv, D]. qk and v may be row slices of one projection
     output (heads contiguous within a row). Returns q [T, H, D]."""
     t, heads_total, d = qk.shape
-    assert qk.stride(-1) == 1 and qk.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
+    assert norm_rotate_store_fits(qk, v, k_cache, v_cache)
     q = torch.empty(t, heads, d, device=qk.device, dtype=qk.dtype)
     _build()["norm_rotate_store"][(t, heads_total)](
         qk, v, weight.contiguous(), cos.contiguous(), sin.contiguous(), positions, q, k_cache, v_cache, eps,
