@@ -112,3 +112,35 @@ def write_hf_drafter(path: Path, layers: int = 2, hidden: int = 64, heads: int =
     tensors.update(extra_tensors or {})
     save_file(tensors, str(path / "model.safetensors"))
     return path
+
+
+def forward_at(model, tokens, start: int, cache, taps=None, kv_len: int | None = None, kernels=None, logits="all"):
+    """The model's one forward over tokens at positions start.., attending over kv_len cells (by default
+    exactly those written so far): what the model runner's steps call."""
+    from strata.layers.kernels import EAGER
+    from strata.layers.modules import Step
+
+    positions = torch.arange(start, start + tokens.shape[-1])
+    return model(tokens, Step(positions, kv_len or start + tokens.shape[-1], kernels or EAGER), cache, taps or (),
+                 logits)
+
+
+def cache_equal(a, b, cells: int, atol: float) -> bool:
+    """Two caches hold the same first `cells` cells in every layer (within atol)."""
+    return all((x.k[:cells] - y.k[:cells]).abs().max() <= atol and (x.v[:cells] - y.v[:cells]).abs().max() <= atol
+               for x, y in zip(a.layers, b.layers))
+
+
+def observe(drafter, tokens: list[int], start: int, taps, kernels=None):
+    from strata.engine.drafter import Commit
+    from strata.layers.kernels import EAGER
+
+    drafter.observe(Commit(start, list(tokens), taps, torch.arange(start, start + len(tokens)), kernels or EAGER))
+
+
+def propose(drafter, anchor: int, pos: int, n: int, kv_len: int | None = None, kernels=None):
+    from strata.engine.drafter import DraftRequest
+    from strata.layers.kernels import EAGER
+
+    return drafter.propose(DraftRequest(anchor, pos, n, torch.tensor([anchor]), torch.tensor([pos]),
+                                        kv_len or pos + n + 1, kernels or EAGER))

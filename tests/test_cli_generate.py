@@ -9,8 +9,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 
-from strata.models.decoder import load_target
-from strata.spec.decode import Engine
+from strata.models.loader import load_target
+from strata.engine.decode import Engine
 
 from conftest import run_cli, write_hf_model
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from strata import demo
 from strata.dflash.artifact import load_artifact
-from strata.dflash.runtime import load_drafter
-from strata.models.decoder import load_target
-from strata.spec.decode import Engine
+from strata.dflash.drafter import load_drafter
+from strata.models.loader import load_target
+from strata.engine.decode import Engine
 from strata.tokenizer import Tokenizer
 
 from conftest import run_cli

@@ -111,7 +111,7 @@ def _gguf_from(tmp_path, mutate_tensors=None, mutate_kv=None, types=None):
     """Write a GGUF by hand (the gguf package's writer) with controlled damage."""
     src = write_hf_drafter(tmp_path / "hf", layers=1)
     art = load_artifact(src)
-    from strata.dflash.artifact import gguf_metadata
+    from strata.dflash.gguf_format import metadata as gguf_metadata
 
     path = tmp_path / "bad.gguf"
     w = gguf.GGUFWriter(str(path), "dflash")
@@ -195,13 +195,13 @@ def test_gguf_type_refusals(tmp_path, kind, needle):
 
 
 @pytest.mark.parametrize("mutate,needle", [
-    (lambda kv: kv.pop(C.K_BLOCK_SIZE), "missing metadata key 'dflash.block_size'"),
-    (lambda kv: kv.__setitem__(C.K_BLOCK_SIZE, ("uint32", 1)), "block_size must be an integer >= 2"),
-    (lambda kv: kv.pop(C.K_MASK), "missing metadata key 'tokenizer.ggml.mask_token_id'"),
-    (lambda kv: kv.pop(C.K_TARGET_LAYERS), "'dflash.target_layers' must be a non-empty integer array"),
-    (lambda kv: kv.__setitem__(C.K_TARGET_LAYERS, ("int32_array", [0, 3])), "must be >= 1"),
-    (lambda kv: kv.__setitem__(C.K_EPS, ("string", "tiny")), "'dflash.attention.layer_norm_rms_epsilon' must be"),
-    (lambda kv: kv.__setitem__(C.K_HEADS, ("uint32", 3)), "not a multiple of kv head count"),
+    (lambda kv: kv.pop("dflash.block_size"), "missing metadata key 'dflash.block_size'"),
+    (lambda kv: kv.__setitem__("dflash.block_size", ("uint32", 1)), "block_size must be an integer >= 2"),
+    (lambda kv: kv.pop("tokenizer.ggml.mask_token_id"), "missing metadata key 'tokenizer.ggml.mask_token_id'"),
+    (lambda kv: kv.pop("dflash.target_layers"), "'dflash.target_layers' must be a non-empty integer array"),
+    (lambda kv: kv.__setitem__("dflash.target_layers", ("int32_array", [0, 3])), "must be >= 1"),
+    (lambda kv: kv.__setitem__("dflash.attention.layer_norm_rms_epsilon", ("string", "tiny")), "'dflash.attention.layer_norm_rms_epsilon' must be"),
+    (lambda kv: kv.__setitem__("dflash.attention.head_count", ("uint32", 3)), "not a multiple of kv head count"),
 ])
 def test_gguf_metadata_refusals(tmp_path, mutate, needle):
     _expect_refusal(_gguf_from(tmp_path, mutate_kv=mutate), needle)

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from strata.dflash.runtime import load_drafter
+from strata.dflash.drafter import load_drafter
 from strata.dflash.tools import LAYER_STAGES, run_parity
-from strata.models.decoder import load_target
-from strata.spec.decode import Engine
-from strata.spec.drafter import Drafter, OracleDrafter, Proposal
+from strata.models.loader import load_target
+from strata.engine.decode import Engine
+from strata.engine.drafter import Drafter, OracleDrafter, Proposal
 
-from conftest import run_cli, write_hf_drafter, write_hf_model
+from conftest import cache_equal, forward_at, observe, propose, run_cli, write_hf_drafter, write_hf_model
 
 PROMPTS = {1: [17], 7: [3, 99, 14, 250, 8, 8, 41]}
 
@@ -39,8 +39,9 @@ class NoisyOracle(Drafter):
     def __init__(self, seq, max_window, k):
         self.seq, self.max_window, self.k, self.calls = seq, max_window, k, 0
 
-    def propose(self, anchor, pos, n):
+    def propose(self, req):
         self.calls += 1
+        pos, n = req.pos, req.n
         nxt = (self.seq[pos + 1: pos + 1 + n] + [0] * n)[:n]
         bad = (self.calls * 3) % (self.k + n)
         if bad < n:
@@ -105,17 +106,15 @@ def test_parity_cli_exit_codes(pair):
 def test_context_cells_after_rejections_equal_recomputation(pair):
     _, drafter_dir, target, prompts, base = pair
     drafter = load_drafter(drafter_dir, target, max_len=256)
-    res = Engine(target, drafter, window=6, max_len=256).generate(prompts[7], 64)
-    assert res.per_position_drafted[0] > res.per_position_accepted[0]  # rejections happened
-    length = drafter.cache.length
+    engine = Engine(target, drafter, window=6, max_len=256)
+    res = engine.generate(prompts[7], 64)
+    assert res.acceptance.drafted[0] > res.acceptance.accepted[0]  # rejections happened
+    length = engine.runner.cache.length
     committed = (prompts[7] + res.output_ids)[:length]
     fresh = load_drafter(drafter_dir, target, max_len=256)
-    taps = target(torch.tensor(committed), 0, target.make_cache(256), taps=fresh.tap_layers).taps
-    fresh.observe(committed, 0, taps)
-    for j in range(fresh.cfg.num_layers):
-        k1, v1 = drafter.cache.read(j, length)
-        k2, v2 = fresh.cache.read(j, length)
-        assert (k1 - k2).abs().max() <= 1e-5 and (v1 - v2).abs().max() <= 1e-5
+    observe(fresh, committed, 0, forward_at(target, torch.tensor(committed), 0, target.make_cache(256),
+                                            fresh.tap_layers).taps)
+    assert cache_equal(drafter.cache, fresh.cache, length, 1e-5)
 
 
 def test_stop_inside_block_and_budget_mid_block(pair):
@@ -223,11 +222,13 @@ def test_static_drafter_state_matches_dynamic(pair):
     _, drafter_dir, target, prompts, _ = pair
     dyn_d = load_drafter(drafter_dir, target, max_len=256)
     sta_d = load_drafter(drafter_dir, target, max_len=256)
-    Engine(target, dyn_d, window=6, max_len=256).generate(prompts[7], 40)
-    Engine(target, sta_d, window=6, max_len=256, static=True).generate(prompts[7], 40)
-    n = dyn_d.cache.length
-    for j in range(dyn_d.cfg.num_layers):
-        assert (dyn_d.cache.k[j, :n] - sta_d.cache.k[j, :n]).abs().max() <= 1e-5
+    dyn = Engine(target, dyn_d, window=6, max_len=256)
+    dyn.generate(prompts[7], 40)
+    sta = Engine(target, sta_d, window=6, max_len=256, static=True)
+    sta.generate(prompts[7], 40)
+    n = dyn.runner.cache.length
+    assert n == sta.runner.cache.length
+    assert cache_equal(dyn_d.cache, sta_d.cache, n, 1e-5)
 
 
 def test_bfloat16_identity_in_matched_shapes():
@@ -274,7 +275,9 @@ def test_grouped_attention_static_steps(pair):
 
 
 def test_length_buckets():
-    assert [Engine.bucket(n) for n in (1, 256, 257, 600, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
+    from strata.engine.runner import ModelRunner
+
+    assert [ModelRunner.bucket(n) for n in (1, 256, 257, 600, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
 
 
 def test_static_drafter_steps_with_compiled_kernels(pair):
@@ -283,25 +286,22 @@ def test_static_drafter_steps_with_compiled_kernels(pair):
     (interpreted), propose what the dynamic observe + propose do, and leave the same context cells."""
     import warnings
 
-    from strata.kv_cache import KVCache
-    from strata.models.layers import EAGER, TritonKernels, compiled_kernels
+    from strata.layers.kernels import Kernels, TritonKernels
 
     _, drafter_dir, target, prompts, _ = pair
     ids = torch.tensor(prompts[60][:40])
-    cfg = target.cfg
-    taps = target(ids, 0, KVCache(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, "cpu", torch.float32),
-                  taps=[0, 2]).taps
+    taps = forward_at(target, ids, 0, target.make_cache(64), [0, 2]).taps
     dyn = load_drafter(drafter_dir, target, max_len=256)
-    dyn.observe(ids.tolist(), 0, taps)
-    want = dyn.propose(11, 40, 7)
+    observe(dyn, ids.tolist(), 0, taps)
+    want = propose(dyn, 11, 40, 7)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        for kernels in (EAGER, compiled_kernels(), TritonKernels(compiled=False)):
+        for kernels in (Kernels(attention="grouped"), Kernels(compiled=True, attention="grouped"),
+                        TritonKernels(compiled=False)):
             sta = load_drafter(drafter_dir, target, max_len=256)
-            sta.observe_static(taps, torch.arange(40), kernels)
-            got = sta.propose_static(torch.tensor([11]), torch.tensor([40]), 7, 64, "grouped", kernels)
+            observe(sta, ids.tolist(), 0, taps, kernels)
+            got = propose(sta, 11, 40, 7, kv_len=64, kernels=kernels)
             assert got.tokens.tolist() == want.tokens.tolist()
             assert (got.logits - want.logits).abs().max() <= 1e-4
-            assert (sta.cache.k[:, :40] - dyn.cache.k[:, :40]).abs().max() <= 1e-5
-            assert (sta.cache.v[:, :40] - dyn.cache.v[:, :40]).abs().max() <= 1e-5
+            assert cache_equal(sta.cache, dyn.cache, 40, 1e-5)
     assert not [str(w.message) for w in seen if "torch.compile of" in str(w.message)]

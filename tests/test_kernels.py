@@ -7,7 +7,8 @@ import warnings
 
 import torch
 
-from strata.models.layers import EAGER, Kernels
+from strata.layers.kernels import EAGER, Kernels
+from strata.layers.ops import rms_norm, rotate
 
 
 def test_compiled_kernels_match_the_plain_functions():
@@ -16,7 +17,7 @@ def test_compiled_kernels_match_the_plain_functions():
     residual = torch.randn(3, 64, generator=gen)
     w = torch.rand(64, generator=gen) + 0.5
     qk = torch.randn(3, 6, 16, generator=gen)
-    head_w = torch.rand(6, 16, generator=gen) + 0.5
+    q_w, k_w = torch.rand(16, generator=gen) + 0.5, torch.rand(16, generator=gen) + 0.5
     cos, sin = torch.rand(3, 1, 16, generator=gen), torch.rand(3, 1, 16, generator=gen)
     gate_up = torch.randn(3, 96, generator=gen)
     scores = torch.randn(2, 3, 2, 20, generator=gen)
@@ -24,7 +25,6 @@ def test_compiled_kernels_match_the_plain_functions():
     calls = {
         "rms_norm": (x, w, 1e-6),
         "add_rms_norm": (x, residual, w, 1e-6),
-        "norm_rotate": (qk, head_w, cos, sin, 1e-6),
         "silu_mul": (gate_up,),
         "masked_softmax": (scores, mask, 0.25),
     }
@@ -41,7 +41,7 @@ def test_compiled_kernels_match_the_plain_functions():
         caches = []
         for fns in (EAGER, compiled):
             kc, vc = k_cache.clone(), v_cache.clone()
-            q = fns.norm_rotate_store(qk, qk[:, 4:], head_w, cos, sin, 1e-6, 4, kc, vc, torch.tensor([7, 8, 9]))
+            q = fns.norm_rotate_store(qk, qk[:, 4:], q_w, k_w, cos, sin, 1e-6, 4, kc, vc, torch.tensor([7, 8, 9]))
             caches.append((q, kc, vc))
         for a, b in zip(*caches):
             assert (a - b).abs().max() <= 1e-5
@@ -50,9 +50,9 @@ def test_compiled_kernels_match_the_plain_functions():
         stored = []
         for fns in (EAGER, compiled):
             kc, vc = k_cache.clone(), v_cache.clone()
-            fns.norm_rotate_store_kv(k, v, head_w[0], cos, sin, 1e-6, kc, vc, torch.tensor([2, 5, 6]))
+            fns.norm_rotate_store_kv(k, v, k_w, cos, sin, 1e-6, kc, vc, torch.tensor([2, 5, 6]))
             stored.append((kc, vc))
-        want_k = EAGER.norm_rotate(k, head_w[0], cos, sin, 1e-6)
+        want_k = rotate(rms_norm(k, k_w, 1e-6), cos, sin)
         for kc, vc in stored:
             assert (kc[[2, 5, 6]] - want_k).abs().max() <= 1e-5 and vc[[2, 5, 6]].equal(v)
             assert kc[[0, 1, 3, 4, 7, 8, 9]].eq(0).all() and vc[[0, 1, 3, 4, 7, 8, 9]].eq(0).all()

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-import strata.spec.decode as decode_mod
-from strata.dflash.runtime import load_drafter
+import strata.engine.decode as decode_mod
+from strata.dflash.drafter import load_drafter
 from strata.errors import StrataError
-from strata.models.decoder import load_target
-from strata.spec.decode import Engine
-from strata.spec.prompt_lookup import PromptLookupDrafter
-from strata.spec.sampling import SamplingParams, process
+from strata.models.loader import load_target
+from strata.engine.decode import Engine
+from strata.engine.prompt_lookup import PromptLookupDrafter
+from strata.engine.sampling import SamplingParams, process
 
-from conftest import run_cli, write_hf_drafter, write_hf_model
+from conftest import forward_at, observe, propose, run_cli, write_hf_drafter, write_hf_model
 
 VOCAB, PROMPT, RUNS = 8, [1, 2, 3], 20_000
 
@@ -33,7 +33,7 @@ def small(tmp_path_factory):
 def exact_first_three(target, params):
     """P(t1, t2, t3) of target-only sampling, by enumerating every prefix."""
     def probs(seq):
-        logits = target(torch.tensor(seq), 0, target.make_cache(16)).logits[-1:]
+        logits = forward_at(target, torch.tensor(seq), 0, target.make_cache(16)).logits[-1:]
         return process(logits, params)[0].double()
 
     p1 = probs(PROMPT)
@@ -137,7 +137,7 @@ def test_top_k_restricts_target_and_drafter_alike(small):
     for seed in range(10):
         out = engine.generate(PROMPT, 30, params=SamplingParams(1.5, top_k=2, seed=seed)).output_ids
         seq = PROMPT + out
-        logits = target(torch.tensor(seq[:-1]), 0, target.make_cache(64)).logits
+        logits = forward_at(target, torch.tensor(seq[:-1]), 0, target.make_cache(64)).logits
         for i, tok in enumerate(out):
             top2 = torch.topk(logits[len(PROMPT) - 1 + i], 2).indices.tolist()
             assert tok in top2
@@ -162,12 +162,12 @@ def test_cli_sampling_errors(qwen3_dir):
 # ------------------------------------------------------------------ prompt lookup
 
 def test_prompt_lookup_proposals():
-    d = PromptLookupDrafter(max_ngram=3, max_window=4)
-    d.observe([5, 6, 7, 8, 9, 5, 6], 0, None)
-    assert d.propose(7, 7, 3).tokens.tolist() == [8, 9, 5]  # suffix [5, 6, 7] seen at 0
-    d.observe([7], 7, None)
-    d.observe([1], 8, None)
-    assert d.propose(2, 9, 3).tokens.tolist() == [2, 2, 2]  # nothing matches: padded
+    d = PromptLookupDrafter(max_ngram=3)
+    observe(d, [5, 6, 7, 8, 9, 5, 6], 0, None)
+    assert propose(d, 7, 7, 3).tokens.tolist() == [8, 9, 5]  # suffix [5, 6, 7] seen at 0
+    observe(d, [7], 7, None)
+    observe(d, [1], 8, None)
+    assert propose(d, 2, 9, 3).tokens.tolist() == [2, 2, 2]  # nothing matches: padded
 
 
 def test_prompt_lookup_greedy_identity_and_tau(qwen3_dir):
@@ -177,10 +177,10 @@ def test_prompt_lookup_greedy_identity_and_tau(qwen3_dir):
     prompt = tail + tail
     expected = Engine(target, max_len=512).generate(prompt, 64).output_ids
     for w in (2, 4, 8):
-        res = Engine(target, PromptLookupDrafter(3, max_window=w), max_len=512).generate(prompt, 64)
+        res = Engine(target, PromptLookupDrafter(3), window=w, max_len=512).generate(prompt, 64)
         assert res.output_ids == expected
         if w == 8:
             assert res.stats()["tau"] > 1.5, res.stats()["tau"]
-    sampled = Engine(target, PromptLookupDrafter(3, max_window=4), max_len=512)
+    sampled = Engine(target, PromptLookupDrafter(3), window=4, max_len=512)
     runs = [sampled.generate(prompt, 32, params=SamplingParams(0.8, seed=1)).output_ids for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 32

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from strata.dflash.artifact import load_artifact
-from strata.dflash.runtime import load_drafter
-from strata.dflash.train import DrafterTrainer, TrainConfig, block_forward
-from strata.models.decoder import load_target
-from strata.spec.decode import Engine
+from strata.dflash.drafter import load_drafter
+from strata.dflash.train import DrafterTrainer, TrainConfig, block_forward, continue_batch
+from strata.models.loader import load_target
+from strata.engine.decode import Engine
 
-from conftest import run_cli, write_hf_model
+from conftest import forward_at, observe, propose, run_cli, write_hf_model
 from test_cli_generate import make_tokenizer
 
 
@@ -79,25 +79,27 @@ def test_block_attention_mask_isolates_blocks(tmp_path):
     tr = DrafterTrainer(target, tc, tmp_path / "x", "cpu")
     tokens = torch.randint(0, 299, (1, 32), generator=torch.Generator().manual_seed(1))
     anchors = torch.tensor([[10, 20]])
-    base, _ = block_forward(tr.model, target, tr.cfg, tr.rope, tokens, tr.taps_of(tokens), anchors)
+    base, _ = block_forward(tr.model, target, tr.cfg, tokens, tr.taps_of(tokens), anchors)
     changed = tokens.clone()
     changed[0, 15] = (changed[0, 15] + 1) % 299  # after anchor 10, before anchor 20
     taps = tr.taps_of(tokens)
     taps2 = tr.taps_of(changed)
-    out, _ = block_forward(tr.model, target, tr.cfg, tr.rope, changed, taps2, anchors)
+    out, _ = block_forward(tr.model, target, tr.cfg, changed, taps2, anchors)
     assert torch.allclose(out[0, 0], base[0, 0], atol=1e-6)  # block at 10 cannot see position 15
     assert not torch.allclose(out[0, 1], base[0, 1], atol=1e-6)  # block at 20 can
     taps_anchor = taps.clone()
     taps_anchor[0, 10] += 1.0  # the anchor's own features are not context for its block
-    out, _ = block_forward(tr.model, target, tr.cfg, tr.rope, tokens, taps_anchor, anchors)
+    out, _ = block_forward(tr.model, target, tr.cfg, tokens, taps_anchor, anchors)
     assert torch.allclose(out[0, 0], base[0, 0], atol=1e-6)
 
 
 def test_training_pass_equals_runtime_proposal(tmp_path):
     """What the drafter learns is what it does at run time: the training block pass and the runtime's
     proposal give the same logits for the same anchor and context."""
-    from strata.dflash.runtime import DFlashDrafter
     from strata.dflash.artifact import Artifact
+    from strata.dflash.drafter import DFlashDrafter
+    from strata.dflash.model import hf_layout
+    from strata.models.loader import unpack
 
     target_dir, _ = _target(tmp_path)
     target = load_target(target_dir)
@@ -105,14 +107,14 @@ def test_training_pass_equals_runtime_proposal(tmp_path):
     tr = DrafterTrainer(target, tc, tmp_path / "x", "cpu")
     tokens = torch.randint(0, 299, (1, 48), generator=torch.Generator().manual_seed(2))
     anchors = torch.tensor([[9, 30]])
-    logits, _ = block_forward(tr.model, target, tr.cfg, tr.rope, tokens, tr.taps_of(tokens), anchors)
-    art = Artifact(tr.cfg, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}, tmp_path, "hf")
-    runtime = DFlashDrafter(art, target, max_len=64)
+    logits, _ = block_forward(tr.model, target, tr.cfg, tokens, tr.taps_of(tokens), anchors)
+    tensors = unpack({k: v.detach().clone() for k, v in tr.model.state_dict().items()}, hf_layout(tr.cfg))
+    runtime = DFlashDrafter(Artifact(tr.cfg, tensors, tmp_path, "hf"), target, max_len=64)
     for k, a in enumerate([9, 30]):
-        taps = target(tokens[0, :a], 0, target.make_cache(64), taps=[0, 2]).taps
+        taps = forward_at(target, tokens[0, :a], 0, target.make_cache(64), [0, 2]).taps
         runtime.reset()
-        runtime.observe(tokens[0, :a].tolist(), 0, taps)
-        got = runtime.propose(int(tokens[0, a]), a, 5).logits
+        observe(runtime, tokens[0, :a].tolist(), 0, taps)
+        got = propose(runtime, int(tokens[0, a]), a, 5).logits
         assert (got - logits[0, k]).abs().max() <= 1e-4
 
 
@@ -121,10 +123,10 @@ def test_self_distillation_continuation_equals_uncached_greedy(tmp_path):
     target_dir, _ = _target(tmp_path)
     target = load_target(target_dir)
     prompts = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(5))
-    got = target.continue_batch(prompts, 12, lambda logits: logits.argmax(-1, keepdim=True))
+    got = continue_batch(target, prompts, 12, lambda logits: logits.argmax(-1, keepdim=True))
     want = prompts
     for _ in range(12):
-        logits, _ = target.forward_batch(want)
+        logits = target.forward_batch(want).logits
         want = torch.cat([want, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert got.shape == (3, 21)
     assert torch.equal(got, want)

@@ -10,15 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.models import triton_kernels as tk
-from strata.models.layers import (
-    EAGER,
-    TritonKernels,
-    attend_grouped,
-    norm_rotate_store,
-    silu_mul,
-)
+from strata.layers import triton_kernels as tk
+from strata.layers.kernels import EAGER, Kernels, TritonKernels
+from strata.layers.ops import attend_grouped, norm_rotate_store, silu_mul
 from strata.models.random_init import random_target
+
+from conftest import forward_at
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
@@ -88,14 +85,14 @@ def test_norm_rotate_store_writes_q_and_the_cache_cells(dtype):
     t, h, hk, d = 3, 4, 2, 16
     proj = torch.randn(t, (h + 2 * hk) * d, generator=gen).to(dtype)  # one fused q/k/v projection
     qk, v = proj[:, :(h + hk) * d].view(t, h + hk, d), proj[:, (h + hk) * d:].view(t, hk, d)
-    weight = (torch.rand(h + hk, d, generator=gen) + 0.5).to(dtype)
+    q_w, k_w = (torch.rand(d, generator=gen) + 0.5).to(dtype), (torch.rand(d, generator=gen) + 0.5).to(dtype)
     angle = torch.randn(t, 1, d // 2, generator=gen)
     cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
     positions = torch.tensor([5, 9, 7])
     results = []
     for fn in (tk.norm_rotate_store, norm_rotate_store):
         kc, vc = torch.zeros(12, hk, d, dtype=dtype), torch.zeros(12, hk, d, dtype=dtype)
-        results.append((fn(qk, v, weight, cos, sin, 1e-6, h, kc, vc, positions), kc, vc))
+        results.append((fn(qk, v, q_w, k_w, cos, sin, 1e-6, h, kc, vc, positions), kc, vc))
     (q, kc, vc), (q_ref, kc_ref, vc_ref) = results
     close(q, q_ref, dtype)
     close(kc, kc_ref, dtype)
@@ -122,22 +119,21 @@ def test_static_forward_with_triton_kernels_matches_the_eager_one(monkeypatch):
         monkeypatch.setattr(tk, name, counting(name))
     prompt = torch.randint(0, target.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
     caches = []
-    for fns in (EAGER, kernels):
+    for fns in (Kernels(attention="grouped"), kernels):
         cache = target.make_cache(64)
-        target(prompt, 0, cache)
+        forward_at(target, prompt, 0, cache)
         steps = []
         for tokens in (torch.tensor([17]), torch.tensor([3, 99, 250, 7])):
-            positions = torch.arange(len(tokens)) + 9 + len(steps)
-            steps.append(target.forward_static(tokens, positions, cache, taps=[1, 2], kv_len=64,
-                                               kernels=fns))
+            steps.append(forward_at(target, tokens, 9 + len(steps), cache, [1, 2], kv_len=64, kernels=fns))
         caches.append((steps, cache))
     (want, want_cache), (got, got_cache) = caches
     for a, b in zip(want, got):
         close(b.logits, a.logits, torch.float32)
         close(b.taps, a.taps, torch.float32)
         assert b.logits.argmax(-1).equal(a.logits.argmax(-1))
-    close(got_cache.k, want_cache.k, torch.float32)
-    close(got_cache.v, want_cache.v, torch.float32)
+    for got_kv, want_kv in zip(got_cache.layers, want_cache.layers):
+        close(got_kv.k, want_kv.k, torch.float32)
+        close(got_kv.v, want_kv.v, torch.float32)
     layers = target.cfg.num_layers
     # qkv, o, gate/up, down per layer and the LM head: by the GEMV in the decode, the skinny GEMM in the window
     assert calls == {"gemv": 4 * layers + 1, "skinny": 4 * layers + 1, "attention": 2 * layers,
@@ -147,7 +143,7 @@ def test_static_forward_with_triton_kernels_matches_the_eager_one(monkeypatch):
 def test_compiled_triton_set_keeps_its_own_kernels():
     """The compiled set fuses the remaining groups with torch.compile without shadowing the Triton ones."""
     kernels = TritonKernels(compiled=True)
-    for name in ("norm_rotate_store", "linear", "gate_up_silu", "attend_grouped"):
+    for name in ("norm_rotate_store", "linear", "gate_up_silu", "attend"):
         assert getattr(kernels, name).__func__ is getattr(TritonKernels, name), name
     assert kernels.add_rms_norm is not EAGER.add_rms_norm
 
@@ -167,9 +163,9 @@ def test_a_failing_triton_kernel_leaves_the_torch_path_with_one_warning(monkeypa
     with pytest.warns(UserWarning, match="Triton kernel gemv failed"):
         assert kernels.linear(x, w).equal(F.linear(x, w))
     with pytest.warns(UserWarning, match="Triton kernel attention failed"):
-        assert kernels.attend_grouped(q, k, v, mask).equal(attend_grouped(q, k, v, mask))
+        assert kernels.attend(q, k, v, mask).equal(attend_grouped(q, k, v, mask))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once failed, the torch path is taken without trying again
         assert kernels.gate_up_silu(x, w).equal(silu_mul(F.linear(x, w)))
-        assert kernels.attend_grouped(q, k, v, mask).equal(attend_grouped(q, k, v, mask))
+        assert kernels.attend(q, k, v, mask).equal(attend_grouped(q, k, v, mask))
     close(kernels.linear(x.repeat(3, 1), w), F.linear(x.repeat(3, 1), w), torch.float32)  # skinny still runs

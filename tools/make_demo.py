@@ -41,9 +41,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from strata.dflash.train import DrafterTrainer, TrainConfig, lr_at, self_distill  # noqa: E402
-from strata.models.config import load_model_config  # noqa: E402
-from strata.models.decoder import TargetDecoder  # noqa: E402
-from strata.models.layers import init_weights_  # noqa: E402
+from strata.layers.modules import init_weights_  # noqa: E402
+from strata.models.loader import load_model_config, unpack  # noqa: E402
 from strata.models.random_init import qwen3_config  # noqa: E402
 
 # Modules kept out of training: the evaluation set (stdlib-relative paths of files).
@@ -199,7 +198,7 @@ def eval_loss(model, ids, seq_len, device, n=32):
     gen = torch.Generator().manual_seed(999)
     chunk = batches(ids, seq_len, n, gen).to(device)
     with autocast(device):
-        logits, _ = model.forward_batch(chunk[:, :-1])
+        logits = model.forward_batch(chunk[:, :-1]).logits
     return float(F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten()))
 
 
@@ -210,10 +209,9 @@ def autocast(device):
 def train_target(out: Path, train_ids, held_ids, args, shape) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(qwen3_config(**shape), indent=2))
-    cfg = load_model_config(out)
+    fam, cfg = load_model_config(out)
     torch.manual_seed(args.seed)
-    model = init_weights_(TargetDecoder(cfg))
-    model.lm_head.weight = model.embed_tokens.weight
+    model = init_weights_(fam.build(cfg)).tie_weights_()
     model = model.to(args.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.target_lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
@@ -224,7 +222,7 @@ def train_target(out: Path, train_ids, held_ids, args, shape) -> dict:
             g["lr"] = lr_at(step, args.target_steps, args.target_lr, 0.04)
         chunk = batches(train_ids, args.seq_len, args.target_batch, gen).to(args.device)
         with autocast(args.device):
-            logits, _ = model.forward_batch(chunk[:, :-1])
+            logits = model.forward_batch(chunk[:, :-1]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -243,8 +241,7 @@ def train_target(out: Path, train_ids, held_ids, args, shape) -> dict:
             print("target", entry, flush=True)
     from safetensors.torch import save_file
 
-    state = {"model." + k: v.to("cpu", torch.bfloat16).contiguous()
-             for k, v in best_state.items() if k != "lm_head.weight"}
+    state = {k: v.to("cpu", torch.bfloat16).contiguous() for k, v in unpack(best_state, fam.hf_layout(cfg)).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return {"log": log, "held_out_loss": best, "held_out_ppl": math.exp(best)}
 
@@ -253,19 +250,17 @@ def quick_gate(out: Path, prompts: list[str], device: str) -> dict:
     """`strata gate`'s measurement (float32, greedy, W = 8, 64 new tokens) straight after training."""
     from tokenizers import Tokenizer
 
-    from strata.dflash.runtime import DFlashDrafter
-    from strata.dflash.artifact import load_artifact
-    from strata.dflash.tools import gate
-    from strata.models.decoder import load_target
+    from strata.dflash.drafter import load_drafter
+    from strata.dflash.tools import gate, gate_report
+    from strata.engine.config import EngineConfig
+    from strata.models.loader import load_target
 
     target = load_target(out / "target", device=device, dtype=torch.float32)
-    drafter = DFlashDrafter(load_artifact(out / "drafter"), target)
+    drafter = load_drafter(out / "drafter", target, max_len=1024)
     tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
     ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
-    rows = list(gate(target, drafter, ids, [8], 64, max_len=1024))
-    accepted = sum(sum(r["dflash"].accept_lengths) for r in rows)
-    rounds = sum(len(r["dflash"].accept_lengths) for r in rows)
-    return {"tau": accepted / rounds, "identical": sum(r["identical"] for r in rows), "prompts": len(rows)}
+    report = gate_report(list(gate(target, drafter, ids, [8], 64, config=EngineConfig(max_len=1024))), len(ids), 64)
+    return {"tau": report["windows"]["8"]["tau"], "identical": len(ids) - report["failures"], "prompts": len(ids)}
 
 
 def main():
@@ -323,7 +318,7 @@ def main():
     print(f"tokenizer: {time.time() - t0:.1f}s, train tokens {len(train_ids):,}, held-out tokens {len(held_ids):,}, "
           f"distillation tokens {len(distill_ids):,}", flush=True)
     if args.reuse_target:
-        from strata.models.decoder import load_target
+        from strata.models.loader import load_target
 
         reused = load_target(out / "target", device=args.device, dtype=torch.float32)
         target_info = {"reused": str(args.reuse_target),
@@ -333,7 +328,7 @@ def main():
     else:
         target_info = train_target(out / "target", train_ids, held_ids, args, shape)
 
-    from strata.models.decoder import load_target
+    from strata.models.loader import load_target
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = load_target(out / "target", device=args.device, dtype=dtype)

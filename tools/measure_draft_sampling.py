@@ -14,10 +14,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from strata import demo  # noqa: E402
-from strata.dflash.runtime import load_drafter  # noqa: E402
-from strata.models.decoder import load_target  # noqa: E402
-from strata.spec.decode import Engine  # noqa: E402
-from strata.spec.sampling import SamplingParams  # noqa: E402
+from strata.dflash.drafter import load_drafter  # noqa: E402
+from strata.models.loader import load_target  # noqa: E402
+from strata.engine.decode import Engine  # noqa: E402
+from strata.engine.sampling import SamplingParams  # noqa: E402
+from strata.engine.stats import Acceptance  # noqa: E402
 from strata.tokenizer import Tokenizer  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -33,19 +34,14 @@ results = []
 for temperature, top_p in [(0.7, 1.0), (1.0, 1.0), (1.0, 0.9)]:
     for mode in ("sample", "argmax"):
         eng = Engine(target, load_drafter(demo.DRAFTER, target, max_len=2048), max_len=2048, draft_sampling=mode)
-        committed = rounds = 0
-        acc = [0] * 7
-        drafted = [0] * 7
+        total = Acceptance()
         t0 = time.time()
         for seed in range(args.seeds):
             for i, p in enumerate(prompts):
                 res = eng.generate(p, args.new_tokens, params=SamplingParams(temperature, 0, top_p, seed * 1000 + i))
-                committed += sum(res.accept_lengths)
-                rounds += len(res.accept_lengths)
-                acc = [a + b for a, b in zip(acc, res.per_position_accepted)]
-                drafted = [a + b for a, b in zip(drafted, res.per_position_drafted)]
-        row = {"temperature": temperature, "top_p": top_p, "draft_sampling": mode, "tau": committed / rounds,
-               "rounds": rounds, "per_position_acceptance": [a / d for a, d in zip(acc, drafted)],
+                total = total.merge(res.acceptance)
+        row = {"temperature": temperature, "top_p": top_p, "draft_sampling": mode, "tau": total.tau,
+               "rounds": total.rounds, "per_position_acceptance": total.per_position,
                "seconds": round(time.time() - t0, 1)}
         print(row, flush=True)
         results.append(row)

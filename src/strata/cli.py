@@ -1,4 +1,4 @@
-"""The `strata` command line."""
+"""The `strata` command line: parsing arguments into specs and configs, and printing results."""
 
 from __future__ import annotations
 
@@ -6,34 +6,11 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .errors import StrataError
-
-
-def _ids(text: str, what: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise StrataError(f"{what}: expected comma-separated integers, got {text!r}") from None
-
-
-def _device(name: str) -> str:
-    import torch
-
-    if name == "cuda" and not torch.cuda.is_available():
-        raise StrataError("--device cuda: no CUDA device is available")
-    return name
-
-
-def _dtype(args):
-    import torch
-
-    from .models.weights import parse_dtype
-
-    if args.dtype == "auto":
-        return torch.bfloat16 if args.device == "cuda" else torch.float32
-    return parse_dtype(args.dtype)
+from .prompts import parse_ids
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -77,92 +54,47 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="sampled decoding: draw DFlash candidates from q, or take q's argmax (one-hot q)")
 
 
-def static_layout(args, target) -> bool:
-    """The fixed-shape (CUDA-graph) layout: asked for with --static, the default on a GPU."""
+def pair_spec(args, model: str | None = None):
+    from .engine.loader import PairSpec
+
+    return PairSpec(model=model or args.model, device=args.device, dtype=args.dtype, dflash=args.dflash,
+                    no_dflash=args.no_dflash, prompt_lookup=args.prompt_lookup, dflash_window=args.dflash_window)
+
+
+def engine_config(args, window: int | None = None):
+    """The EngineConfig the options describe: the fixed-shape (CUDA-graph) layout when asked for with
+    --static, and by default on a GPU."""
+    from .engine.config import EngineConfig
+
     if args.static and args.eager:
         raise StrataError("--static and --eager are mutually exclusive")
-    return args.static or (target.device.type == "cuda" and not args.eager)
-
-
-def engine_options(args, target) -> dict:
-    return dict(static=static_layout(args, target), graphs=not args.no_graphs, attention=args.attention,
-                compile=not args.no_compile, triton=not args.no_triton)
+    return EngineConfig(max_len=args.max_model_len, window=window, static=args.static or (
+        args.device == "cuda" and not args.eager), graphs=not args.no_graphs, compile=not args.no_compile,
+        triton=not args.no_triton, attention=args.attention, draft_sampling=args.draft_sampling)
 
 
 def sampling_params(args):
-    from .spec.sampling import SamplingParams
+    from .engine.sampling import SamplingParams
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
 
-def resolve_demo(args) -> None:
-    """No --model: the embedded demo pair (its drafter too, unless another drafter or none is asked for)."""
-    from . import demo
-
-    if args.model:
-        return
-    if not demo.available():
-        raise StrataError("--model: no target model given and the embedded demo pair is not installed")
-    args.model = str(demo.TARGET)
-    args.using_demo = True
-    if hasattr(args, "dflash") and not args.dflash and not args.no_dflash and args.prompt_lookup is None:
-        args.dflash = str(demo.DRAFTER)
+def stop_ids(args, pair) -> set[int]:
+    return pair.stop_ids | set(parse_ids(args.stop_ids, "--stop-ids") if args.stop_ids else [])
 
 
-def load_target_and_tokenizer(args):
-    from .models.decoder import load_target
-    from .tokenizer import Tokenizer
+def load(args, drafter: bool = True, window: int | None = None):
+    """(pair, engine config) after every option was checked."""
+    from .engine.loader import load_pair
 
-    resolve_demo(args)
-    if getattr(args, "max_model_len", None) is not None and args.max_model_len < 2:
-        raise StrataError(f"--max-model-len must be >= 2, got {args.max_model_len}")
-    if getattr(args, "no_dflash", False):
-        args.dflash = None
-    target = load_target(args.model, device=_device(args.device), dtype=_dtype(args))
-    return target, Tokenizer.from_folder(Path(args.model))
-
-
-def build_engine(args, target):
-    from .spec.decode import Engine
-
-    sampling_params(args)  # validate before any loading work
-    drafter = None
-    max_len = args.max_model_len or target.cfg.max_position_embeddings
-    if args.dflash and args.prompt_lookup is not None:
-        raise StrataError("--dflash and --prompt-lookup are mutually exclusive: choose one drafter")
-    if args.prompt_lookup is not None:
-        from .spec.prompt_lookup import PromptLookupDrafter
-
-        if args.prompt_lookup < 1:
-            raise StrataError(f"--prompt-lookup must be >= 1, got {args.prompt_lookup}")
-        w = args.spec or 8
-        if w < 2:
-            raise StrataError(f"--spec {w}: must be >= 2")
-        drafter = PromptLookupDrafter(args.prompt_lookup, max_window=w, device=target.device)
-    elif args.dflash:
-        drafter = load_dflash_for(args, target)
-        check_window(args.spec, drafter)
-    elif args.spec is not None:
-        raise StrataError("--spec needs a drafter (--dflash or --prompt-lookup)")
-    return Engine(target, drafter, window=args.spec, max_len=max_len, draft_sampling=args.draft_sampling,
-                  **engine_options(args, target))
-
-
-def stop_ids_for(args, target, tokenizer) -> set[int]:
-    from .models.config import read_json
-
-    ids = set(target.cfg.eos_token_ids)
-    gen_cfg = Path(args.model) / "generation_config.json"
-    if gen_cfg.is_file():
-        eos = read_json(gen_cfg, "generation_config.json").get("eos_token_id")
-        if eos is not None:
-            ids |= set([eos] if isinstance(eos, int) else eos)
-    if args.stop_ids:
-        ids |= set(_ids(args.stop_ids, "--stop-ids"))
-    return ids
+    config = engine_config(args, window)
+    spec = pair_spec(args)
+    pair = load_pair(spec, config, drafter)
+    return pair, config
 
 
 def cmd_generate(args) -> int:
+    from .engine.decode import Engine
     from .tokenizer import StreamDecoder
 
     if args.text is not None:
@@ -171,19 +103,19 @@ def cmd_generate(args) -> int:
         args.prompt = args.text
     if (args.prompt is None) == (args.prompt_ids is None):
         raise StrataError("give exactly one of a prompt (TEXT or --prompt TEXT) or --prompt-ids 1,2,3")
-    target, tokenizer = load_target_and_tokenizer(args)
+    params = sampling_params(args)
+    pair, config = load(args, window=args.spec)
+    tokenizer = pair.tokenizer
     if args.prompt is not None:
         if tokenizer is None:
-            raise StrataError(f"{args.model}: no tokenizer.json; use --prompt-ids")
+            raise StrataError(f"{pair.model_dir}: no tokenizer.json; use --prompt-ids")
         text = args.prompt
         if args.chat:
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
         prompt_ids = tokenizer.encode(text)
     else:
-        prompt_ids = _ids(args.prompt_ids, "--prompt-ids")
-    params = sampling_params(args)
-    engine = build_engine(args, target)
-    stops = stop_ids_for(args, target, tokenizer)
+        prompt_ids = parse_ids(args.prompt_ids, "--prompt-ids")
+    engine = Engine(pair.target, pair.drafter, config)
     if tokenizer is not None and not args.ids:
         stream = StreamDecoder(tokenizer)
 
@@ -198,7 +130,7 @@ def cmd_generate(args) -> int:
             first[0] = False
             sys.stdout.flush()
 
-    res = engine.generate(prompt_ids, args.max_new_tokens, stops, params, on_tokens=on_tokens)
+    res = engine.generate(prompt_ids, args.max_new_tokens, stop_ids(args, pair), params, on_tokens=on_tokens)
     sys.stdout.write("\n")
     sys.stdout.flush()
     stats = res.stats()
@@ -255,82 +187,25 @@ def cmd_inspect(args) -> int:
     return 0 if ok else 2
 
 
-DEFAULT_PROMPTS = [
-    "def quicksort(arr):",
-    "import os\n\ndef list_python_files(root):",
-    "class Stack:\n    def __init__(self):",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-]
-
-
-def read_prompts_file(path: str) -> list[str]:
-    """A .json file holds a list of strings; any other file holds one prompt per line."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise StrataError(f"--prompts {path}: {e.strerror}") from None
-    if path.endswith(".json"):
-        try:
-            prompts = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise StrataError(f"--prompts {path}: not valid JSON ({e})") from None
-        if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts) or not prompts:
-            raise StrataError(f"--prompts {path}: expected a non-empty JSON list of non-empty strings")
-        return prompts
-    prompts = [ln for ln in text.splitlines() if ln.strip()]
-    if not prompts:
-        raise StrataError(f"--prompts {path}: no prompts in the file")
-    return prompts
-
-
-def prompts_from_args(args, tokenizer, vocab: int) -> list[list[int]]:
-    """--prompt-ids (repeatable) / --prompts FILE (one text prompt per line) / a default set."""
-    if getattr(args, "prompt_ids", None):
-        return [_ids(p, "--prompt-ids") for p in args.prompt_ids]
-    texts = read_prompts_file(args.prompts) if getattr(args, "prompts", None) else None
-    if texts is None and getattr(args, "using_demo", False):
-        from . import demo
-
-        texts = read_prompts_file(str(demo.EVAL_PROMPTS))
-    if texts is None and tokenizer is not None:
-        texts = DEFAULT_PROMPTS
-    if texts is not None:
-        if tokenizer is None:
-            raise StrataError(f"{args.model}: no tokenizer.json; use --prompt-ids")
-        return [tokenizer.encode(t) for t in texts]
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 7, 60)]
-
-
-def check_window(w: int | None, drafter) -> None:
-    if w is not None and not 2 <= w <= drafter.max_window:
-        raise StrataError(f"--spec {w}: must be between 2 and the drafter's block size {drafter.max_window}")
-
-
-def load_dflash_for(args, target):
-    from .dflash.runtime import load_drafter
-
-    if not args.dflash:
+def dflash_pair(args, window: int | None = None):
+    pair, config = load(args, window=window)
+    if pair.drafter is None or pair.drafter.name != "dflash":
         raise StrataError("--dflash: no drafter given")
-    max_len = args.max_model_len or target.cfg.max_position_embeddings
-    return load_drafter(args.dflash, target, window_cells=args.dflash_window, max_len=max_len)
+    return pair, config
 
 
 def cmd_parity(args) -> int:
     from .dflash.tools import format_parity, run_parity
+    from .prompts import prompt_set
 
-    target, tokenizer = load_target_and_tokenizer(args)
-    drafter = load_dflash_for(args, target)
-    w = args.spec or drafter.max_window
-    check_window(w, drafter)
-    prompt = prompts_from_args(args, tokenizer, target.cfg.vocab_size)[0]
+    pair, config = dflash_pair(args, args.spec)
+    w = config.window_for(pair.drafter)
+    prompt = prompt_set(pair, args.prompt_ids, args.prompts)[0]
     plant = None
     if args.plant_bug:
         layer, _, stage = args.plant_bug.rpartition(":")
         plant = (int(layer) if layer else -1, stage)
-    rows, first = run_parity(drafter, prompt, w, plant)
+    rows, first = run_parity(pair.drafter, prompt, w, plant, config)
     print(format_parity(rows, first))
     return 0 if first is None else 1
 
@@ -339,109 +214,73 @@ def cmd_taps(args) -> int:
     import numpy as np
 
     from .dflash.tools import taps_check
+    from .engine.decode import Engine
+    from .prompts import prompt_set
 
-    target, tokenizer = load_target_and_tokenizer(args)
-    layers = _ids(args.layers, "--layers") if args.layers else None
-    if layers is None:
-        layers = load_dflash_for(args, target).tap_layers if args.dflash else list(range(target.cfg.num_layers))
-    bad = [l for l in layers if not 0 <= l < target.cfg.num_layers]
+    pair, config = load(args, drafter=not args.layers)
+    target = pair.target
+    n_layers = target.cfg.num_layers
+    layers = parse_ids(args.layers, "--layers") if args.layers else (
+        getattr(pair.drafter, "tap_layers", None) or list(range(n_layers)))
+    bad = [layer for layer in layers if not 0 <= layer < n_layers]
     if bad:
-        raise StrataError(f"--layers: layer {bad[0]} outside the target's 0..{target.cfg.num_layers - 1}")
-    prompt = prompts_from_args(args, tokenizer, target.cfg.vocab_size)[0]
-    seq = prompt + target_continuation(target, prompt, args.new_tokens)
-    prefix = max(1, len(prompt))
+        raise StrataError(f"--layers: layer {bad[0]} outside the target's 0..{n_layers - 1}")
+    prompt = prompt_set(pair, args.prompt_ids, args.prompts)[0]
+    seq = prompt + Engine(target, max_len=len(prompt) + args.new_tokens + 1).generate(prompt, args.new_tokens).output_ids
     worst = 1.0
     for w in args.windows:
-        cos, err = taps_check(target, layers, seq, prefix, w)
+        cos, err = taps_check(target, layers, seq, max(1, len(prompt)), w, config)
         worst = min(worst, float(cos.min()))
-        print(f"W={w}: {len(seq) - prefix} positions, cosine min {cos.min():.8f} median {np.median(cos):.8f}, "
+        print(f"W={w}: {len(seq) - len(prompt)} positions, cosine min {cos.min():.8f} median {np.median(cos):.8f}, "
               f"max abs {err:.3e}")
     ok = worst >= args.min_cos
     print(f"taps (HF ids) {layers}: {'OK' if ok else 'FAIL'} (min cosine {worst:.8f}, threshold {args.min_cos})")
     return 0 if ok else 1
 
 
-def target_continuation(target, prompt: list[int], n: int) -> list[int]:
-    from .spec.decode import Engine
-
-    return Engine(target, max_len=len(prompt) + n + 1).generate(prompt, n).output_ids
-
-
 def cmd_gate(args) -> int:
-    from .dflash.tools import gate
+    from .dflash.tools import gate, gate_report
+    from .prompts import prompt_set
 
-    target, tokenizer = load_target_and_tokenizer(args)
-    drafter = load_dflash_for(args, target)
-    windows = args.spec_list or [drafter.max_window]
+    pair, config = dflash_pair(args)
+    windows = args.spec_list or [pair.drafter.max_window]
     for w in windows:
-        check_window(w, drafter)
-    prompts = prompts_from_args(args, tokenizer, target.cfg.vocab_size)
-    stops = stop_ids_for(args, target, tokenizer)
-    max_len = args.max_model_len or target.cfg.max_position_embeddings
-    failures, summary = 0, {}
+        replace(config, window=w).window_for(pair.drafter)
+    prompts = prompt_set(pair, args.prompt_ids, args.prompts)
     records = []
-    for rec in gate(target, drafter, prompts, windows, args.max_new_tokens, stops, max_len,
-                    **engine_options(args, target)):
-        st = rec["dflash"].stats()
-        records.append({"prompt": rec["prompt"], "window": rec["window"], "identical": rec["identical"],
-                        "first_difference": rec["first_difference"], "tau": st["tau"],
-                        "acceptance_rate": st["acceptance_rate"], "new_tokens": st["new_tokens"],
-                        "per_position_acceptance": st["per_position_acceptance"],
-                        "accept_lengths": st["accept_lengths"]})
-        failures += not rec["identical"]
-        agg = summary.setdefault(rec["window"], {"committed": 0, "rounds": 0, "acc": [0] * (rec["window"] - 1),
-                                                 "drafted": [0] * (rec["window"] - 1)})
-        agg["committed"] += sum(st["accept_lengths"])
-        agg["rounds"] += st["rounds"]
-        res = rec["dflash"]
-        agg["acc"] = [a + b for a, b in zip(agg["acc"], res.per_position_accepted)]
-        agg["drafted"] = [a + b for a, b in zip(agg["drafted"], res.per_position_drafted)]
-        print(f"prompt {rec['prompt']} W={rec['window']}: {'identical' if rec['identical'] else 'DIFFERENT at ' + str(rec['first_difference'])}"
-              f", tau {st['tau']:.2f}, acceptance {st['acceptance_rate']:.2f}")
-    out = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "failures": failures, "windows": {}}
-    for w, agg in summary.items():
-        tau = agg["committed"] / agg["rounds"] if agg["rounds"] else 0.0
-        per_pos = [a / d if d else 0.0 for a, d in zip(agg["acc"], agg["drafted"])]
-        out["windows"][str(w)] = {"tau": tau, "per_position_acceptance": per_pos}
-        print(f"W={w}: tau {tau:.3f} over {agg['rounds']} rounds; acceptance by position "
-              + " ".join(f"{p:.2f}" for p in per_pos))
-    out["records"] = records
-    print(f"gate: {'PASS' if failures == 0 else 'FAIL'} ({len(records) - failures}/{len(records)} identical)")
+    for rec in gate(pair.target, pair.drafter, prompts, windows, args.max_new_tokens, stop_ids(args, pair), config):
+        records.append(rec)
+        st = rec.dflash.acceptance
+        print(f"prompt {rec.prompt} W={rec.window}: "
+              f"{'identical' if rec.identical else 'DIFFERENT at ' + str(rec.first_difference)}"
+              f", tau {st.tau:.2f}, acceptance {st.acceptance_rate:.2f}")
+    report = gate_report(records, len(prompts), args.max_new_tokens)
+    for w, agg in report["windows"].items():
+        print(f"W={w}: tau {agg['tau']:.3f} over {agg['rounds']} rounds; acceptance by position "
+              + " ".join(f"{p:.2f}" for p in agg["per_position_acceptance"]))
+    print(f"gate: {'PASS' if report['failures'] == 0 else 'FAIL'} "
+          f"({len(records) - report['failures']}/{len(records)} identical)")
     if args.stats_json:
-        write_json_atomic(Path(args.stats_json), out)
-    return 0 if failures == 0 else 1
+        write_json_atomic(Path(args.stats_json), report)
+    return 0 if report["failures"] == 0 else 1
 
 
 def cmd_train_drafter(args) -> int:
-    import torch
+    from .dflash.train import TrainConfig, train
+    from .engine.loader import PairSpec, load_pair
 
-    from .dflash.train import DrafterTrainer, TrainConfig, read_corpus, self_distill
-
-    args.model = args.target
-    target, tokenizer = load_target_and_tokenizer(args)
-    if tokenizer is None:
+    pair = load_pair(PairSpec(model=args.target, device=args.device, dtype=args.dtype), drafter=False)
+    if pair.tokenizer is None:
         raise StrataError(f"{args.target}: no tokenizer.json (needed to read --data)")
     tc = TrainConfig(layers=args.layers, block_size=args.block_size,
-                     taps=_ids(args.taps, "--taps") if args.taps else None, steps=args.steps,
+                     taps=parse_ids(args.taps, "--taps") if args.taps else None, steps=args.steps,
                      batch_size=args.batch_size, lr=args.lr, prompt_len=args.prompt_len, gen_len=args.gen_len,
                      num_sequences=args.num_sequences, seed=args.seed, eval_every=args.eval_every,
                      save_every=args.save_every, temperature=args.temperature)
-    if tc.block_size < 2:
-        raise StrataError(f"--block-size must be >= 2, got {tc.block_size}")
-    out = Path(args.out)
-    trainer = DrafterTrainer(target, tc, out, args.device)
-    data_path = out / "distill.pt"
-    resumed = args.resume and trainer.load_checkpoint()
-    if resumed and data_path.is_file():
-        trainer.set_data(torch.load(data_path, weights_only=True))
-    else:
-        seqs = self_distill(target, read_corpus(args.data, tokenizer), tc, args.device).cpu()
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save(seqs, data_path)
-        trainer.set_data(seqs)
-    history = trainer.fit(progress=not args.quiet)
-    last = history[-1] if history else {}
-    print(f"wrote {out}: {tc.layers}-layer drafter, block {tc.block_size}, taps {trainer.cfg.target_layer_ids}; "
+    trainer = train(pair.target, pair.tokenizer, tc, Path(args.out), args.device, args.data, args.resume,
+                    progress=not args.quiet)
+    last = trainer.history[-1] if trainer.history else {}
+    print(f"wrote {args.out}: {tc.layers}-layer drafter, block {tc.block_size}, taps {trainer.cfg.target_layer_ids}; "
           f"held-out loss {last.get('held_out_loss', float('nan')):.3f}, tau estimate "
           f"{last.get('tau_estimate', float('nan')):.2f}", file=sys.stderr)
     return 0
@@ -450,14 +289,15 @@ def cmd_train_drafter(args) -> int:
 def cmd_serve(args) -> int:
     import logging
 
+    from .engine.decode import Engine
     from .serve.app import Server, serve_forever
 
     if args.max_queue < 1:
         raise StrataError(f"--max-queue must be >= 1, got {args.max_queue}")
-    target, tokenizer = load_target_and_tokenizer(args)
-    engine = build_engine(args, target)
-    name = args.served_model_name or ("strata-demo" if getattr(args, "using_demo", False) else Path(args.model).name)
-    server = Server(engine, tokenizer, name, stop_ids_for(args, target, tokenizer), max_queue=args.max_queue)
+    pair, config = load(args, window=args.spec)
+    engine = Engine(pair.target, pair.drafter, config)
+    name = args.served_model_name or ("strata-demo" if pair.using_demo else pair.model_dir.name)
+    server = Server(engine, pair.tokenizer, name, stop_ids(args, pair), max_queue=args.max_queue)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"strata serve: model '{name}' ({engine.drafter.name} drafter, W={engine.window}) on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
@@ -466,87 +306,18 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import time
+    from .bench.command import BenchSpec, run_command, summary, write
 
-    import torch
-
-    from .bench.plot import plot
-    from .bench.run import random_drafter, run_bench, sync
-    from .models.random_init import random_target
-
-    device = _device(args.device)
-    if args.prompt_len < 1 or args.new_tokens < 1:
-        raise StrataError("--prompt-len and --new-tokens must be >= 1")
-    t0 = time.perf_counter()
-    if args.shape:
-        if args.model:
-            raise StrataError("give --model or --shape, not both")
-        target = random_target(args.shape, device=device, dtype=_dtype(args))
-        label, tokenizer = args.shape, None
-    else:
-        target, tokenizer = load_target_and_tokenizer(args)
-        label = "demo" if getattr(args, "using_demo", False) else Path(args.model).name
-    sync(device)
-    load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    if args.dflash:
-        drafter = load_dflash_for(args, target)
-    elif args.drafter_layers:
-        drafter = random_drafter(target, args.drafter_layers, args.block_size)
-    else:
-        drafter = None
-    sync(device)
-    drafter_s = time.perf_counter() - t0
-    window = args.spec or (drafter.max_window if drafter else 8)
-    if drafter is not None:
-        check_window(window, drafter)
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise StrataError("--prompt needs a model with a tokenizer (random --shape weights have none)")
-        prompt = tokenizer.encode(args.prompt)
-        if not prompt:
-            raise StrataError("--prompt: the text encodes to no tokens")
-    else:
-        gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, target.cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
-    hf = [] if args.hf == "none" else args.hf.split(",")
-    result = run_bench(target, drafter, prompt, args.new_tokens, window, runs=args.runs, hf_modes=tuple(hf),
-                       profile=args.profile, **engine_options(args, target),
-                       startup={"load_target_s": load_s, "load_drafter_s": drafter_s})
-    result["model"] = label
-    result["drafter"] = (args.dflash or (f"random {args.drafter_layers}-layer" if args.drafter_layers else None))
-    result["command"] = "strata " + " ".join(sys.argv[1:])
-    out = Path(args.out or f"bench/results/bench-{label}-{device}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out, result)
-    plot(result, out.with_suffix(".png"))
-    t = result["target_only"]
-    print(f"floor {result['floor_tok_s']:.1f} tok/s ({result['copy_bandwidth_GBps']:.1f} GB/s copy, "
-          f"{result['weight_bytes'] / 1e6:.1f} MB weights)", file=sys.stderr)
-    print(f"target-only {t['tok_s']:.1f} tok/s ({result['ratios']['target_only_vs_floor']:.2f} of floor)",
-          file=sys.stderr)
-    if "target_only_without_triton" in result:
-        print(f"target-only without Strata's Triton kernels {result['target_only_without_triton']['tok_s']:.1f} tok/s "
-              f"(the kernels: x{result['ratios']['triton_vs_compiled_only']:.2f})", file=sys.stderr)
-    o = result["dflash_oracle"]
-    print(f"DFlash oracle W={window}: {o['tok_s']:.1f} tok/s, tau {o['tau']:.2f}, "
-          f"x{result['ratios']['oracle_vs_target_only']:.2f}; round: draft {o['split']['draft_ms']:.2f} ms, "
-          f"verify {o['split']['verify_ms']:.2f} ms, other {o['split']['other_ms']:.2f} ms", file=sys.stderr)
-    if "dflash" in result:
-        d = result["dflash"]
-        print(f"DFlash W={window}: {d['tok_s']:.1f} tok/s, tau {d['tau']:.2f}, "
-              f"x{result['ratios']['dflash_vs_target_only']:.2f}; round: draft {d['split']['draft_ms']:.2f} ms, "
-              f"verify {d['split']['verify_ms']:.2f} ms", file=sys.stderr)
-    for mode, r in (result.get("hf") or {}).items():
-        if isinstance(r, dict) and "tok_s" in r:
-            print(f"HF generate ({mode}): {r['tok_s']:.1f} tok/s (first call {r['first_call_s']:.1f} s)",
-                  file=sys.stderr)
-        elif isinstance(r, dict) and "error" in r:
-            print(f"HF generate ({mode}): {r['error']}", file=sys.stderr)
+    bench = BenchSpec(shape=args.shape, drafter_layers=args.drafter_layers, block_size=args.block_size,
+                      prompt_len=args.prompt_len, prompt=args.prompt, new_tokens=args.new_tokens, runs=args.runs,
+                      hf=args.hf, profile=args.profile)
+    result = run_command(pair_spec(args), engine_config(args, args.spec), bench, "strata " + " ".join(sys.argv[1:]))
+    out = Path(args.out or f"bench/results/bench-{result['model']}-{args.device}.json")
+    write(result, out)
+    for line in summary(result):
+        print(line, file=sys.stderr)
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Fast, lossless LLM decoding with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)

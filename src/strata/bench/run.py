@@ -7,15 +7,22 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from ..dflash.artifact import Artifact
-from ..dflash.runtime import DFlashDrafter
+from ..dflash.drafter import DFlashDrafter
+from ..dflash.model import hf_layout
 from ..dflash.train import TrainConfig, drafter_config_for, init_drafter
-from ..models.layers import TritonKernels
-from ..spec.decode import Engine
-from ..spec.drafter import OracleDrafter
+from ..engine.config import EngineConfig
+from ..engine.decode import Engine
+from ..engine.drafter import OracleDrafter
+from ..errors import StrataError
+from ..layers.kernels import TritonKernels
+from ..models.loader import unpack
+from ..models.registry import family
 
 
 def sync(device) -> None:
@@ -50,7 +57,8 @@ def weight_bytes(model) -> int:
 def random_drafter(target, layers: int, block_size: int, seed: int = 0) -> DFlashDrafter:
     cfg = drafter_config_for(target, TrainConfig(layers=layers, block_size=block_size))
     model = init_drafter(cfg, seed, "cpu")
-    art = Artifact(cfg, {k: v.detach() for k, v in model.state_dict().items()}, "<random drafter>", "random")
+    tensors = {k: v.detach() for k, v in unpack(model.state_dict(), hf_layout(cfg)).items()}
+    art = Artifact(cfg, tensors, "<random drafter>", "random")
     return DFlashDrafter(art, target, max_len=target.cfg.max_position_embeddings)
 
 
@@ -73,11 +81,11 @@ def timed_runs(engine: Engine, prompt: list[int], new_tokens: int, runs: int) ->
 
 
 def round_split(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
-    engine.profile = True
+    engine.config = replace(engine.config, profile=True)
     try:
         res = engine.generate(prompt, new_tokens)
     finally:
-        engine.profile = False
+        engine.config = replace(engine.config, profile=False)
     rounds = max(len(res.accept_lengths), 1)
     return {"draft_ms": 1e3 * res.draft_s / rounds, "verify_ms": 1e3 * res.verify_s / rounds,
             "other_ms": 1e3 * (res.decode_s - res.draft_s - res.verify_s) / rounds}
@@ -90,17 +98,17 @@ def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], ru
     except ImportError:
         return {"skipped": "transformers is not installed"}
     cfg = target.cfg
+    fam = family(cfg.family)
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                   num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                   num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
                   max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
                   rope_theta=cfg.rope.theta, attention_bias=cfg.attention_bias, eos_token_id=None,
                   bos_token_id=None, pad_token_id=None)
-    hf_cfg = (transformers.Qwen3Config if cfg.family == "qwen3" else transformers.LlamaConfig)(**common)
-    cls = transformers.Qwen3ForCausalLM if cfg.family == "qwen3" else transformers.LlamaForCausalLM
+    hf_cfg = transformers.AutoConfig.for_model(cfg.family, **common)
     with torch.device(target.device):
-        model = cls._from_config(hf_cfg, dtype=target.dtype)
-    state = {("model." + k if not k.startswith("lm_head") else k): v for k, v in target.state_dict().items()}
+        model = getattr(transformers, fam.transformers_class)._from_config(hf_cfg, dtype=target.dtype)
+    state = unpack(target.state_dict(), fam.hf_layout(cfg))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not m.startswith("lm_head")]:
         return {"skipped": f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}"}
@@ -135,12 +143,13 @@ def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], ru
 def graph_profile(engine: Engine, reps: int = 20) -> dict:
     """Kernel time vs wall time of each captured step, replayed back to back: how far a step is from
     its kernels' own time (launch gaps), and which kernels dominate."""
-    if not engine.graphs.graphs:
+    graphs = engine.runner.graphs.graphs
+    if not graphs:
         return {}
     from torch.profiler import ProfilerActivity, profile
 
     out = {}
-    for key, (graph, _) in engine.graphs.graphs.items():
+    for key, (graph, _) in graphs.items():
         name = "-".join(str(k) for k in key) if isinstance(key, tuple) else str(key)
         graph.replay()
         sync(engine.target.device)
@@ -176,15 +185,14 @@ def _device_us(event) -> float:
     return 0.0
 
 
-def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, runs: int = 3,
-              hf_modes: tuple = ("eager",), startup: dict | None = None, static: bool = False,
-              graphs: bool = True, attention: str = "grouped", compile: bool = True, triton: bool = True,
-              profile: bool = False) -> dict:
-    """static: the fixed-shape layout (CUDA graphs on a GPU unless graphs=False). Target-only is
+def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, config: EngineConfig = EngineConfig(),
+              runs: int = 3, hf_modes: tuple = ("eager",), startup: dict | None = None, profile: bool = False) -> dict:
+    """config.static: the fixed-shape layout (CUDA graphs on a GPU unless graphs=False). Target-only is
     measured as a 1-row decode and, in the static layout, also padded to W rows: the identity
     reference for DFlash in bfloat16 and the cost of a verify window. When Strata's Triton kernels are in
     use, target-only is also measured with torch.compile's kernels alone, in the same run."""
     device = target.device
+    static, graphs, compile = config.static, config.graphs, config.compile
     bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20))
     wbytes = weight_bytes(target)
     floor_s = wbytes / bw
@@ -197,39 +205,39 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
                   "kv_heads": target.cfg.num_kv_heads, "head_dim": target.cfg.head_dim,
                   "intermediate": target.cfg.intermediate_size, "vocab": target.cfg.vocab_size},
         "prompt_len": len(prompt), "new_tokens": new_tokens, "window": window, "runs": runs, "static": static,
-        "cuda_graphs": static and graphs and device.type == "cuda", "attention": attention,
+        "cuda_graphs": static and graphs and device.type == "cuda", "attention": config.attention,
         "compiled_kernels": static and graphs and compile and device.type == "cuda",
         "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "floor_ms_per_token": 1e3 * floor_s,
         "floor_tok_s": 1 / floor_s, "startup_s": dict(startup or {}),
     }
-    opts = dict(max_len=max_len, static=static, graphs=graphs, attention=attention, compile=compile, triton=triton)
-    base_engine = Engine(target, **opts)
-    result["triton_kernels"] = isinstance(base_engine.kernels, TritonKernels)
+    opts = replace(config, max_len=max_len, window=None, pad_rows=1)
+    base_engine = Engine(target, config=opts)
+    result["triton_kernels"] = isinstance(base_engine.runner.kernels, TritonKernels)
     base = timed_runs(base_engine, prompt, new_tokens, runs)
     result["startup_s"]["first_call_s"] = base["warmup_s"]
-    result["startup_s"]["capture_s"] = base_engine.graphs.capture_s
+    result["startup_s"]["capture_s"] = base_engine.runner.graphs.capture_s
     base["ms_per_round"] = 1e3 / base["tok_s"] if base["tok_s"] else 0.0
     result["target_only"] = base
     reference = base
     engines = {"target_only": base_engine}
     if result["triton_kernels"]:
-        plain = timed_runs(Engine(target, **{**opts, "triton": False}), prompt, new_tokens, runs)
+        plain = timed_runs(Engine(target, config=opts, triton=False), prompt, new_tokens, runs)
         plain["identical_to_target_only"] = plain.pop("output_ids") == base["output_ids"]
         result["target_only_without_triton"] = plain
     if static and window > 1:
-        padded_engine = Engine(target, pad_rows=window, **opts)
+        padded_engine = Engine(target, config=opts, pad_rows=window)
         padded = timed_runs(padded_engine, prompt, new_tokens, runs)
         padded["ms_per_round"] = 1e3 / padded["tok_s"] if padded["tok_s"] else 0.0
         padded["identical_to_target_only"] = padded["output_ids"] == base["output_ids"]
         result["target_only_padded"] = padded
         reference = padded
         engines["target_only_padded"] = padded_engine
-    oracle_engine = Engine(target, OracleDrafter(prompt + reference["output_ids"], window, device), window=window,
-                           **opts)
+    oracle_engine = Engine(target, OracleDrafter(prompt + reference["output_ids"], window, device), config=opts,
+                           window=window)
     result["dflash_oracle"] = timed_runs(oracle_engine, prompt, new_tokens, runs)
     result["dflash_oracle"]["split"] = round_split(oracle_engine, prompt, new_tokens)
     if drafter is not None:
-        engine = Engine(target, drafter, window=window, **opts)
+        engine = Engine(target, drafter, config=opts, window=window)
         result["dflash"] = timed_runs(engine, prompt, new_tokens, runs)
         result["dflash"]["split"] = round_split(engine, prompt, new_tokens)
         result["dflash"]["identical_to_target_only"] = result["dflash"]["output_ids"] == reference["output_ids"]

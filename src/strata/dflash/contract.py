@@ -38,32 +38,53 @@ GLOBAL_ROLES = {
     "norm": ("norm.weight", "output_norm.weight"),
 }
 
-K_BLOCK_COUNT = "dflash.block_count"
-K_EMBED = "dflash.embedding_length"
-K_FFN = "dflash.feed_forward_length"
+@dataclass(frozen=True)
+class Key:
+    """A hyper-parameter in both formats: its DFlashConfig field, its GGUF metadata key and value type
+    (a GGUFWriter add_* suffix), and its config.json key (dotted inside dflash_config; None: the HF side
+    is derived, see hf_format). Optional keys are written only when set (booleans: when true)."""
+
+    field: str
+    gguf: str
+    kind: str
+    hf: str | None
+    optional: bool = False
+
+
+# In GGUF writing order. llama.cpp's keys first; strata.dflash.* hold facts of the reference
+# config.json that llama.cpp has no key for.
+KEYS = [
+    Key("num_layers", "dflash.block_count", "uint32", "num_hidden_layers"),
+    Key("context_length", "dflash.context_length", "uint32", "max_position_embeddings"),
+    Key("hidden_size", "dflash.embedding_length", "uint32", "hidden_size"),
+    Key("intermediate_size", "dflash.feed_forward_length", "uint32", "intermediate_size"),
+    Key("num_heads", "dflash.attention.head_count", "uint32", "num_attention_heads"),
+    Key("num_kv_heads", "dflash.attention.head_count_kv", "uint32", "num_key_value_heads"),
+    Key("head_dim", "dflash.attention.key_length", "uint32", "head_dim"),
+    Key("head_dim", "dflash.attention.value_length", "uint32", None, optional=True),  # must equal key_length
+    Key("rms_norm_eps", "dflash.attention.layer_norm_rms_epsilon", "float32", "rms_norm_eps"),
+    Key("rope_theta", "dflash.rope.freq_base", "float32", "rope_theta"),
+    Key("target_layer_ids", "dflash.target_layers", "int32_array", "dflash_config.target_layer_ids"),
+    Key("block_size", "dflash.block_size", "uint32", "block_size"),
+    Key("mask_token_id", "tokenizer.ggml.mask_token_id", "uint32", "dflash_config.mask_token_id"),
+    Key("num_target_layers", "strata.dflash.num_target_layers", "uint32", "num_target_layers", optional=True),
+    Key("vocab_size", "strata.dflash.vocab_size", "uint32", "vocab_size", optional=True),
+    Key("attention_bias", "strata.dflash.attention_bias", "bool", "attention_bias", optional=True),
+    Key("input_embedding_scale", "strata.dflash.input_embedding_scale", "float32", "input_embedding_scale",
+        optional=True),
+    Key("output_multiplier", "strata.dflash.output_multiplier", "float32", "output_multiplier", optional=True),
+    Key("final_logit_softcapping", "strata.dflash.final_logit_softcapping", "float32", "final_logit_softcapping",
+        optional=True),
+    Key("sliding_window", "dflash.attention.sliding_window", "uint32", "sliding_window", optional=True),
+    Key("layer_types", "dflash.attention.sliding_window_pattern", "bool_array", "layer_types", optional=True),
+]
+KEY = {k.gguf: k for k in KEYS}
+K_TARGET_LAYERS = "dflash.target_layers"
+K_MASK = "tokenizer.ggml.mask_token_id"
 K_HEADS = "dflash.attention.head_count"
 K_KV_HEADS = "dflash.attention.head_count_kv"
 K_KEY_LEN = "dflash.attention.key_length"
 K_VALUE_LEN = "dflash.attention.value_length"
-K_EPS = "dflash.attention.layer_norm_rms_epsilon"
-K_ROPE_BASE = "dflash.rope.freq_base"
-K_CONTEXT = "dflash.context_length"
-K_TARGET_LAYERS = "dflash.target_layers"
-K_BLOCK_SIZE = "dflash.block_size"
-K_MASK = "tokenizer.ggml.mask_token_id"
-K_SLIDING = "dflash.attention.sliding_window"
-K_SLIDING_PATTERN = "dflash.attention.sliding_window_pattern"
-# Strata's own keys: facts of the reference config.json that llama.cpp has no key for.
-K_NUM_TARGET_LAYERS = "strata.dflash.num_target_layers"
-K_VOCAB = "strata.dflash.vocab_size"
-K_ATTN_BIAS = "strata.dflash.attention_bias"
-OPTIONAL_FLOAT_KEYS = {
-    "input_embedding_scale": "strata.dflash.input_embedding_scale",
-    "output_multiplier": "strata.dflash.output_multiplier",
-    "final_logit_softcapping": "strata.dflash.final_logit_softcapping",
-}
-
-REQUIRED_INT_KEYS = [K_BLOCK_COUNT, K_EMBED, K_FFN, K_HEADS, K_KV_HEADS, K_KEY_LEN, K_CONTEXT, K_BLOCK_SIZE, K_MASK]
 
 # Variants recognised and refused: (substring of a tensor name, what it means)
 REFUSED_VARIANTS = [
@@ -98,6 +119,7 @@ def default_target_layers(n: int, num_target_layers: int) -> list[int]:
 
 
 MAX_LAYERS = 1024  # a drafter is a few layers; a corrupt count must not size the tensor table
+
 
 @dataclass
 class DFlashConfig:

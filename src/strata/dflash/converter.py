@@ -16,7 +16,9 @@ from tqdm import tqdm
 
 from ..errors import ArtifactError, StrataError
 from . import contract as C
-from .artifact import Artifact, config_to_hf, read_gguf, read_hf, write_gguf
+from .artifact import Artifact
+from .gguf_format import read_gguf, write_gguf
+from .hf_format import config_to_hf, read_hf
 
 
 def to_bf16(t: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,28 @@
-"""Correctness tools: stage parity against the NumPy reference, the taps check, the greedy gate."""
+"""Correctness tools, each over the serving path (the model runner's steps and kernel set): stage parity
+of one proposal against the NumPy reference, the taps check, the greedy identity gate."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from ..spec.decode import Engine
+from ..engine.config import EngineConfig
+from ..engine.decode import Engine, GenerationResult
+from ..engine.drafter import Drafter
+from ..engine.runner import ModelRunner
+from ..engine.stats import Acceptance
+from ..layers.modules import Step
+from ..models.loader import unpack
+from .drafter import DFlashDrafter
+from .model import hf_layout
 from .reference import reference_proposal
-from .runtime import DFlashDrafter
 
-LAYER_STAGES = ["context_k", "context_v", "attn_in", "q_raw", "q_normed", "q_roped", "k", "v", "attn", "o_residual",
-                "mlp", "out"]
+# The stages of a drafter layer the serving path exposes (q/k norm and RoPE run as one group, so the
+# reference's q_normed has no runtime twin).
+LAYER_STAGES = ["context_k", "context_v", "attn_in", "q_raw", "q_roped", "k", "v", "attn", "o_residual", "mlp",
+                "out"]
 # Tolerances by dtype: max abs error relative to (1 + max |reference|), and the lowest row cosine.
 TOLERANCE = {torch.float32: (1e-4, 1 - 1e-6), torch.float16: (2e-2, 0.999), torch.bfloat16: (5e-2, 0.995)}
 
@@ -54,40 +64,43 @@ def _compare(name, got: np.ndarray, ref: np.ndarray, tol) -> StageRow:
     return StageRow(name, float(cos.min()), float(err.max()), worst, ok)
 
 
-def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug: tuple[int, str] | None = None):
-    """Prefill the target on the prompt, then one proposal recorded stage by stage in both
-    implementations. Returns (rows, first_divergence or None)."""
-    target = drafter.target
-    cache = target.make_cache(len(prompt_ids) + w)
-    prompt = torch.tensor(prompt_ids, device=target.device)
-    out = target(prompt, 0, cache, taps=drafter.tap_layers)
-    drafter.reset()
-    drafter.observe(prompt_ids, 0, out.taps)
-    anchor, pos = int(out.logits[-1].argmax()), len(prompt_ids)
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().double().cpu().numpy()
 
+
+def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug: tuple[int, str] | None = None,
+               config: EngineConfig = EngineConfig()):
+    """Prefill the target on the prompt, then one proposal recorded stage by stage, by the serving steps
+    (run without graph capture, so the probe sees them) and by the reference. Returns (rows,
+    first_divergence or None)."""
+    target = drafter.target
+    runner = ModelRunner(target, drafter, replace(config, graphs=False), w)
     recorded: dict[tuple[int, str], np.ndarray] = {}
 
-    def trace(layer, stage, t):
+    def probe(layer, stage, t):
         if plant_bug == (layer, stage):
             t = t.clone()
             t.view(-1)[t.numel() // 2] += 1.0 + t.abs().max()
-        recorded[(layer, stage)] = t.detach().double().cpu().numpy()
+        recorded[(layer, stage)] = _numpy(t)
         return t
 
-    drafter.propose(anchor, pos, w - 1, trace=trace)
-    fused = drafter.model.hidden_norm(drafter.model.fc(out.taps.to(target.dtype)))
-    recorded[(-1, "fused")] = fused.double().cpu().numpy()
-    ranges = [drafter.context_range(j, pos) for j in range(drafter.cfg.num_layers)]
+    runner.probe = probe
+    with torch.inference_mode():
+        runner.reset()
+        out = runner.prefill(prompt_ids)
+        anchor, pos = int(out.logits[-1].argmax()), len(prompt_ids)
+        runner.start_round(anchor, pos)
+        runner.draft(anchor, pos, w - 1, runner.kv_len(pos, w))
+    ranges = [drafter.context_range(layer.window, pos) for layer in drafter.model.layers]
     ck, cv = [], []
     for j, (b, e) in enumerate(ranges):
-        k, v = drafter.cache.read(j, e, b)
-        ck.append(k.double().cpu().numpy())
-        cv.append(v.double().cpu().numpy())
+        kv = drafter.cache.layers[j]
+        ck.append(_numpy(kv.k[b:e]))
+        cv.append(_numpy(kv.v[b:e]))
         recorded[(j, "context_k")], recorded[(j, "context_v")] = ck[-1], cv[-1]
-    weights = {n: p.detach().double().cpu().numpy() for n, p in drafter.model.state_dict().items()}
-    ref = reference_proposal(
-        weights, drafter.cfg, target.embed_tokens.weight.double().cpu().numpy(),
-        target.lm_head.weight.double().cpu().numpy(), out.taps.double().cpu().numpy(), ck, cv, ranges, anchor, pos, w)
+    weights = {n: _numpy(p) for n, p in unpack(drafter.model.state_dict(), hf_layout(drafter.cfg)).items()}
+    ref = reference_proposal(weights, drafter.cfg, _numpy(target.embed_tokens.weight), _numpy(target.lm_head.weight),
+                             _numpy(out.taps), ck, cv, ranges, anchor, pos, w)
     tol = TOLERANCE[target.dtype]
     rows, first = [], None
     for layer, stage in stage_order(drafter.cfg.num_layers):
@@ -111,45 +124,88 @@ def format_parity(rows: list[StageRow], first: str | None) -> str:
     return "\n".join(lines)
 
 
-def taps_check(target, tap_layers: list[int], seq: list[int], prefix: int, w: int):
-    """Cosine, per position, between taps from one prefill and taps from windows of w over a cache."""
-    full = target(torch.tensor(seq, device=target.device), 0, target.make_cache(len(seq)), taps=tap_layers).taps
-    cache = target.make_cache(len(seq) + w)
-    parts = [target(torch.tensor(seq[:prefix], device=target.device), 0, cache, taps=tap_layers).taps]
-    cache.commit(prefix)
+class _Taps(Drafter):
+    """A drafter that only asks for taps: the taps check's verify windows."""
+
+    def __init__(self, layers: list[int]):
+        self.tap_layers = layers
+
+
+@torch.inference_mode()
+def taps_check(target, tap_layers: list[int], seq: list[int], prefix: int, w: int,
+               config: EngineConfig = EngineConfig()):
+    """Cosine, per position, between taps from one prefill and taps from the serving path's verify
+    windows of w rows over a cache."""
+    n = len(seq)
+    full = target(torch.tensor(seq, device=target.device), Step(torch.arange(n, device=target.device), n),
+                  target.make_cache(n), tap_layers).taps
+    runner = ModelRunner(target, _Taps(tap_layers), replace(config, max_len=n + w), w)
+    runner.reset()
+    parts = [runner.prefill(seq[:prefix]).taps]
     pos = prefix
-    while pos < len(seq):
-        chunk = seq[pos:pos + w]
-        parts.append(target(torch.tensor(chunk, device=target.device), pos, cache, taps=tap_layers).taps)
-        pos += len(chunk)
-        cache.commit(pos)
+    while pos < n:
+        rows = min(w, n - pos)
+        chunk = seq[pos:pos + rows]
+        runner.start_round(chunk[0], pos)
+        cands = torch.tensor((chunk[1:] + [0] * w)[:w - 1], dtype=torch.long, device=target.device)
+        out, _, _ = runner.verify(cands, w, runner.kv_len(pos, w))
+        parts.append(out.taps[:rows])
+        pos += rows
+        runner.cache.commit(pos)
     windowed = torch.cat(parts).float()
     full = full.float()
     cos = torch.nn.functional.cosine_similarity(windowed, full, dim=-1)
     return cos.cpu().numpy(), float((windowed - full).abs().max())
 
 
-def gate(target, drafter, prompts: list[list[int]], windows: list[int], max_new_tokens: int, stop_ids=frozenset(),
-         max_len: int | None = None, static: bool = False, **engine_opts):
-    """Target-only vs DFlash greedy for every prompt and W. Yields one dict per (prompt, W).
+@dataclass
+class GateRecord:
+    prompt: int
+    window: int
+    identical: bool
+    first_difference: int | None
+    target_only: GenerationResult
+    dflash: GenerationResult
 
-    static: both in the fixed-shape layout, target-only padded to W rows (see Engine's pad_rows);
-    engine_opts (graphs, attention) go to every Engine."""
-    opts = dict(max_len=max_len, static=static, **engine_opts)
-    base_engine = None if static else Engine(target, **opts)
+    def row(self) -> dict:
+        st = self.dflash.stats()
+        return {"prompt": self.prompt, "window": self.window, "identical": self.identical,
+                "first_difference": self.first_difference, "tau": st["tau"], "acceptance_rate": st["acceptance_rate"],
+                "new_tokens": st["new_tokens"], "per_position_acceptance": st["per_position_acceptance"],
+                "accept_lengths": st["accept_lengths"]}
+
+
+def gate(target, drafter, prompts: list[list[int]], windows: list[int], max_new_tokens: int, stop_ids=frozenset(),
+         config: EngineConfig = EngineConfig()):
+    """Target-only vs DFlash greedy for every prompt and W, on the engines `config` describes. Yields a
+    GateRecord per (prompt, W).
+
+    In the static layout target-only runs padded to W rows (see ModelRunner), so both sides round alike."""
+    base_engine = None if config.static else Engine(target, config=config)
     engines = {}
     for i, prompt in enumerate(prompts):
-        base = None if static else base_engine.generate(prompt, max_new_tokens, stop_ids)
+        base = None if config.static else base_engine.generate(prompt, max_new_tokens, stop_ids)
         for w in windows:
             if w not in engines:  # built once per W: on a GPU each holds its captured graphs
-                engines[w] = (Engine(target, pad_rows=w, **opts) if static else None,
-                              Engine(target, drafter, window=w, **opts))
+                engines[w] = (Engine(target, config=config, pad_rows=w) if config.static else None,
+                              Engine(target, drafter, config=config, window=w))
             padded, drafted = engines[w]
-            if static:
+            if config.static:
                 base = padded.generate(prompt, max_new_tokens, stop_ids)
             res = drafted.generate(prompt, max_new_tokens, stop_ids)
             same = res.output_ids == base.output_ids
             first_diff = next((k for k, (a, b) in enumerate(zip(res.output_ids, base.output_ids)) if a != b),
                               None if same else min(len(res.output_ids), len(base.output_ids)))
-            yield {"prompt": i, "window": w, "identical": same, "first_difference": first_diff,
-                   "target_only": base, "dflash": res}
+            yield GateRecord(i, w, same, first_diff, base, res)
+
+
+def gate_report(records: list[GateRecord], prompts: int, max_new_tokens: int) -> dict:
+    """The gate's summary: failures, and tau and acceptance by position per window over all prompts."""
+    by_window: dict[int, Acceptance] = {}
+    for rec in records:
+        by_window[rec.window] = by_window.get(rec.window, Acceptance()).merge(rec.dflash.acceptance)
+    return {"prompts": prompts, "max_new_tokens": max_new_tokens,
+            "failures": sum(not r.identical for r in records),
+            "windows": {str(w): {"tau": a.tau, "rounds": a.rounds, "per_position_acceptance": a.per_position}
+                        for w, a in by_window.items()},
+            "records": [r.row() for r in records]}

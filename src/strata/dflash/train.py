@@ -21,12 +21,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..errors import StrataError
-from ..models.config import RopeConfig
-from ..models.decoder import TargetDecoder
-from ..models.layers import RotaryTable, init_weights_
-from .artifact import config_to_hf
+from ..layers.modules import Step, init_weights_
+from ..models.loader import unpack
 from .contract import DFlashConfig, default_target_layers
-from .runtime import DFlashModel
+from .hf_format import config_to_hf
+from .model import DFlashModel, hf_layout
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -67,7 +66,7 @@ def lr_at(step: int, total: int, peak: float, warmup_frac: float) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def drafter_config_for(target: TargetDecoder, tc: TrainConfig) -> DFlashConfig:
+def drafter_config_for(target, tc: TrainConfig) -> DFlashConfig:
     t = target.cfg
     taps = tc.taps if tc.taps is not None else default_target_layers(min(5, t.num_layers), t.num_layers) \
         if t.num_layers >= 5 else default_target_layers(1, t.num_layers)
@@ -89,7 +88,23 @@ def init_drafter(cfg: DFlashConfig, seed: int, device) -> DFlashModel:
 
 
 @torch.no_grad()
-def self_distill(target: TargetDecoder, corpus_ids: list[int], tc: TrainConfig, device, progress=True,
+def continue_batch(target, prompts: torch.Tensor, new_tokens: int, pick) -> torch.Tensor:
+    """Extend every row of prompts [B, P] by new_tokens, each chosen by pick(logits [B, V]) -> [B, 1],
+    over a batch cache (the same tokens as re-running the whole rows, at a fraction of the cost)."""
+    b, p = prompts.shape
+    cache = target.make_cache(p + new_tokens, batch=b)
+    rows, window, start = [prompts], prompts, 0
+    for _ in range(new_tokens):
+        end = start + window.shape[1]
+        out = target(window, Step(torch.arange(start, end, device=prompts.device), end), cache, logits="last")
+        window = pick(out.logits[:, -1])
+        rows.append(window)
+        start = end
+    return torch.cat(rows, dim=1)
+
+
+@torch.no_grad()
+def self_distill(target, corpus_ids: list[int], tc: TrainConfig, device, progress=True,
                  prompts: list[list[int]] | None = None):
     """The target writes the continuations of `prompts` (each prompt_len tokens, when given), then of
     prompts cut from the corpus at seeded offsets, num_sequences in all."""
@@ -113,7 +128,7 @@ def self_distill(target: TargetDecoder, corpus_ids: list[int], tc: TrainConfig, 
 
     for i in tqdm(range(0, len(prompts), chunk), desc="self-distill", disable=not progress, leave=False):
         with _autocast(device):
-            out.append(target.continue_batch(prompts[i:i + chunk], tc.gen_len, pick))
+            out.append(continue_batch(target, prompts[i:i + chunk], tc.gen_len, pick))
     return torch.cat(out)
 
 
@@ -122,34 +137,32 @@ def _autocast(device):
         torch.autocast("cpu", enabled=False)
 
 
-def block_forward(model: DFlashModel, target: TargetDecoder, cfg: DFlashConfig, rope: RotaryTable,
-                  tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor):
-    """Training pass over K blocks per sequence. tokens [B, T]; taps [B, T, n*H]; anchors [B, K].
+def block_forward(model: DFlashModel, target, cfg: DFlashConfig, tokens: torch.Tensor, taps: torch.Tensor,
+                  anchors: torch.Tensor):
+    """Training pass over K blocks per sequence, through the drafter's one forward: the context K/V in
+    cells 0..T-1, the blocks' rows packed after them. tokens [B, T]; taps [B, T, n*H]; anchors [B, K].
 
     Returns logits [B, K, bs-1, V] and labels [B, K, bs-1]."""
     b, t = tokens.shape
     k, bs = anchors.shape[1], cfg.block_size
+    rows = k * bs
     dev = tokens.device
-    c = model.hidden_norm(model.fc(taps))
-    ctx_pos = torch.arange(t, device=dev)
+    cache = model.make_cache(t + rows, batch=b)
+    model.store_context(taps, Step(torch.arange(t, device=dev), 0), cache)
     pos = anchors[..., None] + torch.arange(bs, device=dev)  # [B, K, bs]
     block = torch.full((b, k, bs), cfg.mask_token_id, device=dev, dtype=torch.long)
     block[..., 0] = tokens.gather(1, anchors)
-    x = target.embed_tokens(block).view(b, k * bs, -1)
+    x = target.embed(block).view(b, rows, -1)
     if cfg.input_embedding_scale is not None:
         x = x * cfg.input_embedding_scale
-    flat_pos = pos.view(b, k * bs)
     row_anchor = anchors.repeat_interleave(bs, dim=1)  # [B, K*bs]
-    ctx_visible = ctx_pos.view(1, 1, t) < row_anchor.unsqueeze(-1)  # strictly before the anchor
+    ctx_visible = torch.arange(t, device=dev).view(1, 1, t) < row_anchor.unsqueeze(-1)  # strictly before the anchor
     block_id = torch.arange(k, device=dev).repeat_interleave(bs)
     own_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)
     mask = torch.cat([ctx_visible, own_block], dim=-1)
-    ctx_rope, row_rope = rope.at(ctx_pos), rope.at(flat_pos)
-    for layer in model.layers:
-        ck, cv = layer.self_attn.key_value(c, ctx_rope)
-        x = layer(x, row_rope, lambda kk, vv, ck=ck, cv=cv: (torch.cat([ck, kk], 1), torch.cat([cv, vv], 1)),
-                  mask)
-    logits = target.lm_head(model.norm(x)).view(b, k, bs, -1)[:, :, 1:]
+    step = Step(pos.view(b, rows), t + rows, cells=t + torch.arange(rows, device=dev),
+                masks={w: mask for w in model.windows})
+    logits = target.head(model(x, step, cache)).view(b, k, bs, -1)[:, :, 1:]
     labels = tokens.gather(1, pos[..., 1:].reshape(b, -1)).view(b, k, bs - 1)
     return logits, labels
 
@@ -159,12 +172,10 @@ def sample_anchors(n_seq: int, k: int, lo: int, hi: int, gen: torch.Generator, d
 
 
 class DrafterTrainer:
-    def __init__(self, target: TargetDecoder, tc: TrainConfig, out_dir: Path, device):
+    def __init__(self, target, tc: TrainConfig, out_dir: Path, device):
         self.target, self.tc, self.out, self.device = target, tc, Path(out_dir), device
         self.cfg = drafter_config_for(target, tc)
         self.model = init_drafter(self.cfg, tc.seed, device)
-        self.rope = RotaryTable(self.cfg.head_dim, RopeConfig(self.cfg.rope_theta),
-                                tc.prompt_len + tc.gen_len + tc.block_size, device, torch.float32)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, betas=(0.9, 0.95),
                                      weight_decay=tc.weight_decay)
         self.step = 0
@@ -196,12 +207,12 @@ class DrafterTrainer:
 
     def taps_of(self, tokens):
         with torch.no_grad(), _autocast(self.device):
-            _, taps = self.target.forward_batch(tokens, self.cfg.target_layer_ids, with_logits=False)
+            taps = self.target.forward_batch(tokens, self.cfg.target_layer_ids, logits=False).taps
         return taps.float()
 
     def loss_on(self, tokens, anchors, taps=None):
         with _autocast(self.device):
-            logits, labels = block_forward(self.model, self.target, self.cfg, self.rope, tokens,
+            logits, labels = block_forward(self.model, self.target, self.cfg, tokens,
                                            self.taps_of(tokens) if taps is None else taps.float(), anchors)
         ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
         loss = (ce * self.weights).sum() / (self.weights.sum() * labels.shape[0] * labels.shape[1])
@@ -273,7 +284,8 @@ class DrafterTrainer:
         """The reference Hugging Face format, BF16 (then `strata convert-dflash` makes the GGUF)."""
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(config_to_hf(self.cfg), indent=2) + "\n")
-        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in self.model.state_dict().items()}
+        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous()
+                   for k, v in unpack(self.model.state_dict(), hf_layout(self.cfg)).items()}
         save_file(tensors, str(self.out / "model.safetensors"), metadata={"format": "pt"})
         (self.out / "training_log.json").write_text(json.dumps(self.history, indent=2) + "\n")
 
@@ -312,3 +324,22 @@ def read_corpus(files: list[str], tokenizer) -> list[int]:
         if eos is not None:
             ids.append(eos)
     return ids
+
+
+def train(target, tokenizer, tc: TrainConfig, out: Path, device, data: list[str], resume: bool = False,
+          progress: bool = True) -> DrafterTrainer:
+    """`strata train-drafter`: self-distil (or reuse OUT/distill.pt when resuming), fit, export."""
+    if tc.block_size < 2:
+        raise StrataError(f"--block-size must be >= 2, got {tc.block_size}")
+    out = Path(out)
+    trainer = DrafterTrainer(target, tc, out, device)
+    data_path = out / "distill.pt"
+    if resume and trainer.load_checkpoint() and data_path.is_file():
+        trainer.set_data(torch.load(data_path, weights_only=True))
+    else:
+        seqs = self_distill(target, read_corpus(data, tokenizer), tc, device).cpu()
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(seqs, data_path)
+        trainer.set_data(seqs)
+    trainer.fit(progress=progress)
+    return trainer

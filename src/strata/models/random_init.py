@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .config import load_model_config, parse_model_config
-from .decoder import TargetDecoder, expected_tensors
+from .loader import checkpoint_shapes, load_model_config
+from .registry import family
 
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -38,10 +38,10 @@ def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = qwen3_config(**{**SHAPES[shape], **overrides})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    mcfg = load_model_config(out_dir)
+    fam, mcfg = load_model_config(out_dir)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shp in expected_tensors(mcfg).items():
+    for name, shp in checkpoint_shapes(fam.hf_layout(mcfg)).items():
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shp, dtype=dtype)
         else:
@@ -50,11 +50,12 @@ def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
     return out_dir
 
 
-def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: int = 0, **overrides) -> TargetDecoder:
+def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: int = 0, **overrides):
     """A random-weight target built directly on the device (no files: an 8B shape needs no download)."""
-    cfg = parse_model_config(qwen3_config(**{**SHAPES[shape], **overrides}), Path(f"<random {shape}>"))
+    fam = family("qwen3")
+    cfg = fam.config(qwen3_config(**{**SHAPES[shape], **overrides}), Path(f"<random {shape}>"))
     with torch.device("meta"):
-        model = TargetDecoder(cfg)
+        model = fam.build(cfg)
     model = model.to_empty(device=device).to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -63,4 +64,4 @@ def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: 
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02))
-    return model.eval().requires_grad_(False).fuse_()
+    return model.tie_weights_().eval().requires_grad_(False)

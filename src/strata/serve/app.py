@@ -23,8 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from ..errors import StrataError
-from ..spec.decode import Engine, GenerationResult
-from ..spec.sampling import SamplingParams
+from ..engine.decode import Engine, GenerationResult
+from ..engine.sampling import SamplingParams
 from ..tokenizer import StreamDecoder, Tokenizer
 from .metrics import Metrics
 from .protocol import ChatRequest, CompletionRequest, error_body

@@ -30,10 +30,11 @@ class Metrics:
         self.prompt_tokens.inc(len(res.prompt_ids))
         self.generation_tokens.inc(res.new_tokens)
         self.finished.labels(finish_reason=res.finish_reason).inc()
-        drafted = sum(res.per_position_drafted)
+        acc = res.acceptance
+        drafted = sum(acc.drafted)
         if drafted:
-            self.drafts.inc(len(res.accept_lengths))
+            self.drafts.inc(acc.rounds)
             self.draft_tokens.inc(drafted)
-            self.accepted_tokens.inc(sum(res.per_position_accepted))
-            for i, n in enumerate(res.per_position_accepted):
+            self.accepted_tokens.inc(sum(acc.accepted))
+            for i, n in enumerate(acc.accepted):
                 self.accepted_per_pos.labels(position=str(i)).inc(n)

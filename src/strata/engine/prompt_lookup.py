@@ -5,24 +5,25 @@ from __future__ import annotations
 
 import torch
 
-from .drafter import Drafter, Proposal
+from .drafter import Commit, Drafter, DraftRequest, Proposal
 
 
 class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
+    max_window = 256  # any number of candidates can be looked up; the verify window's cost bounds it
+    default_window = 8
 
-    def __init__(self, max_ngram: int = 3, max_window: int = 8, device="cpu", min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, device="cpu", min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.max_window = max_window
         self.device = device
         self.history: list[int] = []
 
     def reset(self) -> None:
         self.history = []
 
-    def observe(self, tokens: list[int], start: int, taps) -> None:
-        del self.history[start:]
-        self.history.extend(tokens)
+    def observe(self, commit: Commit) -> None:
+        del self.history[commit.start:]
+        self.history.extend(commit.tokens)
 
     def lookup(self, seq: list[int], n: int) -> list[int]:
         for size in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
@@ -34,8 +35,8 @@ class PromptLookupDrafter(Drafter):
                         return follow
         return []
 
-    def propose(self, anchor: int, pos: int, n: int) -> Proposal:
-        seq = self.history[:pos] + [anchor]
-        found = self.lookup(seq, n)
-        found = found + [found[-1] if found else anchor] * (n - len(found))
+    def propose(self, req: DraftRequest) -> Proposal:
+        seq = self.history[:req.pos] + [req.anchor]
+        found = self.lookup(seq, req.n)
+        found = found + [found[-1] if found else req.anchor] * (req.n - len(found))
         return Proposal(torch.tensor(found, dtype=torch.long, device=self.device))

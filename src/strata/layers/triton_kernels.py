@@ -14,7 +14,7 @@ write into three kernels. The kernels here do each of those in one launch:
 - `norm_rotate_store`: per-head q/k RMSNorm and NeoX RoPE, q written out, k and v stored at their
   positions in the cache.
 
-They follow the rounding of the torch functions in layers.py (which stay the reference and the CPU
+They follow the rounding of the reference ops (ops.py) (which stay the reference and the CPU
 path) up to accumulation order. Triton is imported when a kernel is first built, so with
 TRITON_INTERPRET=1 the tests run these very kernels on the CPU.
 """
@@ -166,7 +166,7 @@ def _build():
         tl.store(out_ptr + (t * (HK * G) + head) * D + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def norm_rotate_store_kernel(qk_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
+    def norm_rotate_store_kernel(qk_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
                                  v_cache_ptr, eps, stride_qk, stride_v, stride_cell, H: tl.constexpr, HK: tl.constexpr,
                                  HALF: tl.constexpr):
         t = tl.program_id(0)
@@ -178,8 +178,14 @@ def _build():
         x2 = tl.load(src + HALF + i).to(tl.float32)
         ty = qk_ptr.dtype.element_ty
         inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-        n1 = (x1 * inv).to(ty).to(tl.float32) * tl.load(w_ptr + head * D + i).to(tl.float32)
-        n2 = (x2 * inv).to(ty).to(tl.float32) * tl.load(w_ptr + head * D + HALF + i).to(tl.float32)
+        if head < H:
+            w1 = tl.load(qw_ptr + i).to(tl.float32)
+            w2 = tl.load(qw_ptr + HALF + i).to(tl.float32)
+        else:
+            w1 = tl.load(kw_ptr + i).to(tl.float32)
+            w2 = tl.load(kw_ptr + HALF + i).to(tl.float32)
+        n1 = (x1 * inv).to(ty).to(tl.float32) * w1
+        n2 = (x2 * inv).to(ty).to(tl.float32) * w2
         n1 = n1.to(ty).to(tl.float32)
         n2 = n2.to(ty).to(tl.float32)
         cos1 = tl.load(cos_ptr + t * D + i).to(tl.float32)
@@ -281,7 +287,7 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """attend_grouped's contract: q [T, H, D]; k, v [S, Hkv, D] (rows of a cache layer); mask [T, S]
+    """ops.attend_grouped's contract: q [T, H, D]; k, v [S, Hkv, D] (rows of a cache layer); mask [T, S]
     bool (True = visible). Returns [T, H*D]. Every query must see at least one cell."""
     t, h, d = q.shape
     s, hk, _ = k.shape
@@ -311,16 +317,17 @@ def norm_rotate_store_fits(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
             and d & (d - 1) == 0 and k_cache.stride() == v_cache.stride())
 
 
-def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      eps: float, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      positions: torch.Tensor) -> torch.Tensor:
-    """layers.norm_rotate_store in one launch: qk [T, H + Hkv, D], v [T, Hkv, D], weight [H + Hkv, D],
+def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    """ops.norm_rotate_store in one launch: qk [T, H + Hkv, D], v [T, Hkv, D], q_weight/k_weight [D],
     cos/sin [T, 1, D]; k_cache/v_cache [cells, Hkv, D]. qk and v may be row slices of one projection
     output (heads contiguous within a row). Returns q [T, H, D]."""
     t, heads_total, d = qk.shape
     assert norm_rotate_store_fits(qk, v, k_cache, v_cache)
     q = torch.empty(t, heads, d, device=qk.device, dtype=qk.dtype)
     _build()["norm_rotate_store"][(t, heads_total)](
-        qk, v, weight.contiguous(), cos.contiguous(), sin.contiguous(), positions, q, k_cache, v_cache, eps,
+        qk, v, q_weight.contiguous(), k_weight.contiguous(), cos.contiguous(), sin.contiguous(), cells, q, k_cache,
+        v_cache, eps,
         qk.stride(0), v.stride(0), k_cache.stride(0), H=heads, HK=heads_total - heads, HALF=d // 2, num_warps=1)
     return q

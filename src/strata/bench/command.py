@@ -1,0 +1,113 @@
+"""`strata bench`: the target (a model folder or random weights of a named shape), the drafter (given,
+random, or none), the prompt, one run of run_bench, the JSON and plot, and the lines to print."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine.config import EngineConfig
+from ..engine.loader import PairSpec, load_drafter_for, load_pair, resolve
+from ..errors import StrataError
+from .plot import plot
+from .run import random_drafter, run_bench, sync
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    shape: str | None = None  # random weights of a named shape instead of a model folder
+    drafter_layers: int | None = None  # a random DFlash drafter of this many layers
+    block_size: int = 16
+    prompt_len: int = 512
+    prompt: str | None = None
+    new_tokens: int = 256
+    runs: int = 3
+    hf: str = "eager"
+    profile: bool = False
+
+    def __post_init__(self):
+        if self.prompt_len < 1 or self.new_tokens < 1:
+            raise StrataError("--prompt-len and --new-tokens must be >= 1")
+
+
+def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command: str) -> dict:
+    from ..models.random_init import random_target
+
+    t0 = time.perf_counter()
+    if bench.shape:
+        if pair.model:
+            raise StrataError("give --model or --shape, not both")
+        target = random_target(bench.shape, device=pair.torch_device(), dtype=pair.torch_dtype())
+        label, tokenizer, dflash = bench.shape, None, pair.dflash
+    else:
+        loaded = load_pair(pair, engine, drafter=False)
+        target, tokenizer, label = loaded.target, loaded.tokenizer, loaded.label
+        dflash = resolve(pair)[1]
+    sync(target.device)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if dflash or pair.prompt_lookup is not None:
+        drafter = load_drafter_for(pair, target, engine, dflash)
+    elif bench.drafter_layers:
+        drafter = random_drafter(target, bench.drafter_layers, bench.block_size)
+    else:
+        drafter = None
+    sync(target.device)
+    drafter_s = time.perf_counter() - t0
+    window = engine.window_for(drafter) if drafter is not None else (engine.window or 8)
+    if bench.prompt is not None:
+        if tokenizer is None:
+            raise StrataError("--prompt needs a model with a tokenizer (random --shape weights have none)")
+        prompt = tokenizer.encode(bench.prompt)
+        if not prompt:
+            raise StrataError("--prompt: the text encodes to no tokens")
+    else:
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, target.cfg.vocab_size, (bench.prompt_len,), generator=gen).tolist()
+    hf = () if bench.hf == "none" else tuple(bench.hf.split(","))
+    result = run_bench(target, drafter, prompt, bench.new_tokens, window, engine, runs=bench.runs, hf_modes=hf,
+                       profile=bench.profile, startup={"load_target_s": load_s, "load_drafter_s": drafter_s})
+    result["model"] = label
+    result["drafter"] = dflash or (f"random {bench.drafter_layers}-layer" if bench.drafter_layers else None)
+    result["command"] = command
+    return result
+
+
+def write(result: dict, out: Path) -> None:
+    """The JSON (atomically) and its plot beside it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out)
+    plot(result, out.with_suffix(".png"))
+
+
+def summary(result: dict) -> list[str]:
+    window = result["window"]
+    t = result["target_only"]
+    lines = [f"floor {result['floor_tok_s']:.1f} tok/s ({result['copy_bandwidth_GBps']:.1f} GB/s copy, "
+             f"{result['weight_bytes'] / 1e6:.1f} MB weights)",
+             f"target-only {t['tok_s']:.1f} tok/s ({result['ratios']['target_only_vs_floor']:.2f} of floor)"]
+    if "target_only_without_triton" in result:
+        lines.append(f"target-only without Strata's Triton kernels {result['target_only_without_triton']['tok_s']:.1f} "
+                     f"tok/s (the kernels: x{result['ratios']['triton_vs_compiled_only']:.2f})")
+    o = result["dflash_oracle"]
+    lines.append(f"DFlash oracle W={window}: {o['tok_s']:.1f} tok/s, tau {o['tau']:.2f}, "
+                 f"x{result['ratios']['oracle_vs_target_only']:.2f}; round: draft {o['split']['draft_ms']:.2f} ms, "
+                 f"verify {o['split']['verify_ms']:.2f} ms, other {o['split']['other_ms']:.2f} ms")
+    if "dflash" in result:
+        d = result["dflash"]
+        lines.append(f"DFlash W={window}: {d['tok_s']:.1f} tok/s, tau {d['tau']:.2f}, "
+                     f"x{result['ratios']['dflash_vs_target_only']:.2f}; round: draft {d['split']['draft_ms']:.2f} ms, "
+                     f"verify {d['split']['verify_ms']:.2f} ms")
+    for mode, r in (result.get("hf") or {}).items():
+        if isinstance(r, dict) and "tok_s" in r:
+            lines.append(f"HF generate ({mode}): {r['tok_s']:.1f} tok/s (first call {r['first_call_s']:.1f} s)")
+        elif isinstance(r, dict) and "error" in r:
+            lines.append(f"HF generate ({mode}): {r['error']}")
+    return lines

@@ -1,0 +1,42 @@
+"""Preallocated, position-addressed key/value caches.
+
+Cell t of a layer holds the key and value of position t. Nothing is ever reallocated or copied:
+writing a window stores its cells, and rolling back only lowers `length`, so stale cells past it are
+simply overwritten when those positions are written again. Each layer has its own buffers (training
+writes them under autograd, which tracks in-place writes per tensor)."""
+
+from __future__ import annotations
+
+import torch
+
+from .layers.modules import LayerKV
+
+CELL_ALIGN = 64
+
+
+def aligned_cells(n: int) -> int:
+    """n cells rounded up to a multiple of CELL_ALIGN. Attention reads a static step's cells as one
+    matrix; with an odd row length cuBLAS can only take its unaligned kernels (5x slower on the H200
+    at 785 cells)."""
+    return -(-n // CELL_ALIGN) * CELL_ALIGN
+
+
+class KVCache:
+    def __init__(self, num_layers: int, cells: int, kv_heads: int, head_dim: int, device, dtype,
+                 batch: int | None = None):
+        shape = (cells, kv_heads, head_dim) if batch is None else (batch, cells, kv_heads, head_dim)
+        self.layers = [LayerKV(torch.zeros(shape, device=device, dtype=dtype),
+                               torch.zeros(shape, device=device, dtype=dtype)) for _ in range(num_layers)]
+        self.cells = cells
+        self.length = 0
+
+    def commit(self, length: int) -> None:
+        """Declare positions < length valid (after a window was written)."""
+        if not 0 <= length <= self.cells:
+            raise ValueError(f"cache length {length} outside 0..{self.cells}")
+        self.length = length
+
+    rollback = commit
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,86 @@
+"""The DFlash drafter at run time: fused taps -> its own position-addressed context K/V -> one
+non-causal pass over [anchor, mask x (W-1)] -> candidates through the target's LM head.
+
+Both steps work on device tensors alone (the device contract, engine/drafter.py), so the model runner
+captures them in CUDA graphs in the static layout and runs them as they are in the dynamic one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..cache import aligned_cells
+from ..engine.drafter import Commit, Drafter, DraftRequest, Proposal
+from ..layers.modules import Step
+from ..models.loader import pack
+from .artifact import Artifact, check_against_target, load_artifact
+from .model import DFlashModel, hf_layout
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+    limit = "block size"
+    on_device = True
+
+    def __init__(self, art: Artifact, target, window_cells: int = 32768, max_len: int | None = None):
+        """window_cells: how many context cells before the block a full-attention layer sees (sliding
+        layers keep their own window). max_len: the longest context it will serve."""
+        cfg = art.cfg
+        check_against_target(cfg, target.cfg, str(art.source))
+        self.cfg, self.target, self.source = cfg, target, art.source
+        self.tap_layers = list(cfg.target_layer_ids)
+        self.max_window = cfg.block_size
+        self.window_cells = window_cells
+        with torch.device("meta"):
+            model = DFlashModel(cfg)
+        model.load_state_dict(pack(art.tensors, hf_layout(cfg), target.dtype, art.source), assign=True, strict=True)
+        self.model = model.to(target.device).eval().requires_grad_(False)
+        self.max_len = max_len or target.cfg.max_position_embeddings
+        self.cache = self.model.make_cache(aligned_cells(self.max_len + cfg.block_size))
+        self.mask_token = torch.tensor([cfg.mask_token_id], device=target.device)
+
+    @torch.inference_mode()
+    def observe(self, commit: Commit) -> None:
+        """Context K/V of every row the target ran, at its position. Rows past the accepted prefix write
+        cells no proposal reads (a block at p sees cells < p) until they are rewritten."""
+        self.model.store_context(commit.taps, Step(commit.positions, 0, commit.kernels, probe=commit.probe),
+                                 self.cache)
+
+    def block_input(self, block: torch.Tensor) -> torch.Tensor:
+        x = self.target.embed(block)
+        if self.cfg.input_embedding_scale is not None:
+            x = x * self.cfg.input_embedding_scale
+        return x
+
+    def context_range(self, window: int | None, pos: int) -> tuple[int, int]:
+        """Context cells [begin, end) a block at pos sees in a layer of this attention window."""
+        return max(0, pos - (window or self.window_cells)), pos
+
+    @torch.inference_mode()
+    def propose(self, req: DraftRequest) -> Proposal:
+        """The block's own K/V go into its cells pos..pos+n of the drafter's cache, which hold no context
+        yet (the next observe rewrites every cell a later block reads), so each layer attends over one
+        slice of the cache: the context cells before pos inside the layer's window, and the block."""
+        dev, n, pos = self.target.device, req.n, req.pos_t
+        kv_len = min(req.kv_len, self.cache.cells)
+        positions = pos + torch.arange(n + 1, device=dev)
+        cells = torch.arange(kv_len, device=dev)
+        own = (cells >= pos) & (cells <= pos + n)
+        masks = {w: (((cells < pos) & (cells >= pos - (w or self.window_cells))) | own).expand(n + 1, -1)
+                 for w in self.model.windows}
+        x = self.block_input(torch.cat([req.anchor_t, self.mask_token.expand(n)]))
+        h = self.model(x, Step(positions, kv_len, req.kernels, probe=req.probe, masks=masks), self.cache)
+        logits = self.target.head(h, req.kernels)
+        cfg = self.cfg
+        if cfg.output_multiplier is not None:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        if req.probe is not None:
+            logits = req.probe(-1, "logits", logits)
+        return Proposal(logits[1:].argmax(-1), logits[1:])
+
+
+def load_drafter(path: str | Path, target, window_cells: int = 32768, max_len: int | None = None) -> DFlashDrafter:
+    return DFlashDrafter(load_artifact(path), target, window_cells, max_len)

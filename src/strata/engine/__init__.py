@@ -1,0 +1,1 @@
+"""The engine: decode loop, model runner, drafters' interface, verification, sampling, statistics."""

@@ -1,0 +1,50 @@
+"""How an engine decodes: one EngineConfig, validated once, that the CLI, the server, the bench and the
+tools all build engines from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import StrataError
+from ..layers.kernels import ATTENTION_KINDS
+
+DRAFT_SAMPLING_MODES = ("sample", "argmax")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_len: int | None = None  # context length; None: the model's
+    window: int | None = None  # verify window W (anchor + W-1 candidates); None: the drafter's default
+    static: bool = False  # fixed-shape steps over device-side positions: the CUDA-graph layout
+    graphs: bool = True  # static layout on a GPU: capture the steps in CUDA graphs
+    compile: bool = True  # with graphs: torch.compile's fused elementwise groups
+    triton: bool = True  # with compile: Strata's Triton kernels where their shapes allow
+    attention: str = "grouped"  # attention of the static steps: "grouped" or "sdpa"
+    pad_rows: int = 1  # target-only decoding in windows of this many rows (see ModelRunner)
+    draft_sampling: str = "sample"  # sampled decoding: draw candidates from q, or take its argmax
+    profile: bool = False  # time the draft and verify parts of each round (waits for the device)
+
+    def __post_init__(self):
+        if self.draft_sampling not in DRAFT_SAMPLING_MODES:
+            raise StrataError(f"--draft-sampling: expected one of {', '.join(DRAFT_SAMPLING_MODES)}, "
+                              f"got {self.draft_sampling!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise StrataError(f"--attention: expected one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
+        if self.max_len is not None and self.max_len < 2:
+            raise StrataError(f"--max-model-len must be >= 2, got {self.max_len}")
+        if self.pad_rows < 1:
+            raise StrataError(f"pad_rows must be >= 1, got {self.pad_rows}")
+
+    def context(self, target_cfg) -> int:
+        return self.max_len or target_cfg.max_position_embeddings
+
+    def window_for(self, drafter) -> int:
+        """The verify window with this drafter (1 without one), or a one-line error."""
+        if drafter is None or drafter.max_window == 1:
+            if self.window is not None:
+                raise StrataError("--spec needs a drafter (--dflash or --prompt-lookup)")
+            return 1
+        w = self.window if self.window is not None else drafter.window
+        if not 2 <= w <= drafter.max_window:
+            raise StrataError(f"--spec {w}: must be between 2 and the drafter's {drafter.limit} {drafter.max_window}")
+        return w

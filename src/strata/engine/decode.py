@@ -1,0 +1,196 @@
+"""The decode loop: prefill, then rounds of propose -> verify -> commit.
+
+Target-only decoding is the same loop with a drafter that proposes nothing (window 1). The model
+runner (runner.py) runs the steps; this loop only decides what to ask for, reads one host value per
+round, and emits tokens."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from ..errors import StrataError
+from .config import EngineConfig
+from .drafter import Drafter
+from .runner import ModelRunner
+from .sampling import SamplingParams, process, sample
+from .stats import Acceptance
+from .verify import speculative_accept
+
+
+@dataclass
+class RoundOutcome:
+    """What a round's verify decided: `accepted` of the candidates, then the target's own next token."""
+
+    accepted: int
+    next_token: int
+    candidates: list[int]
+    window: int
+
+    @property
+    def emitted(self) -> list[int]:
+        return self.candidates[:self.accepted] + [self.next_token]
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    drafter: str = "none"
+    window: int = 1
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    draft_s: float = 0.0  # measured only with EngineConfig(profile=True)
+    verify_s: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        return self.acceptance.accept_lengths
+
+    @property
+    def tok_s(self) -> float:
+        """Tokens produced by the decode rounds per second (the first token comes from prefill)."""
+        n = max(self.new_tokens - 1, 0)
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+    def stats(self) -> dict:
+        return {"prompt_ids": self.prompt_ids, "output_ids": self.output_ids, "new_tokens": self.new_tokens,
+                "finish_reason": self.finish_reason, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "tok_s": self.tok_s, "drafter": self.drafter, "window": self.window,
+                **self.acceptance.summary(), "draft_s": self.draft_s, "verify_s": self.verify_s}
+
+
+class Engine:
+    """A target, a drafter and a model runner: serves one sequence at a time."""
+
+    def __init__(self, target, drafter: Drafter | None = None, config: EngineConfig | None = None, **overrides):
+        """config: how to decode (EngineConfig); keyword overrides replace its fields."""
+        self.config = replace(config or EngineConfig(), **overrides)
+        self.target = target
+        self.drafter = drafter or Drafter()
+        self.window = self.config.window_for(drafter)
+        self.max_len = self.config.context(target.cfg)
+        self.runner = ModelRunner(target, self.drafter, self.config, self.window)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise StrataError("empty prompt: at least one token is needed")
+        if len(prompt_ids) >= self.max_len:
+            raise StrataError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_len}")
+        vocab = self.target.cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise StrataError(f"prompt token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+
+    def _clock(self) -> float:
+        """Wall time; with profile=True it first waits for the device, so segments can be told apart."""
+        if not self.config.profile:
+            return 0.0
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _draft(self, anchor: int, pos: int, n: int, kv_len: int, params: SamplingParams, gen):
+        """Candidates [n] on the device, and q [n, V] when they were sampled from the drafter."""
+        if n == 0:
+            return torch.empty(0, dtype=torch.long, device=self.target.device), None
+        proposal = self.runner.draft(anchor, pos, n, kv_len)
+        if not params.greedy and self.config.draft_sampling == "sample" and proposal.logits is not None:
+            q = process(proposal.logits, params)
+            return sample(q, gen), q
+        return proposal.tokens, None
+
+    def _round(self, anchor: int, pos: int, params: SamplingParams, gen) -> tuple[RoundOutcome, list[float]]:
+        """One propose -> verify -> observe round, and its clock marks."""
+        runner = self.runner
+        w = runner.window_at(pos)
+        kv_len = runner.kv_len(pos, w)
+        runner.start_round(anchor, pos)
+        marks = [self._clock()]
+        cands, q = self._draft(anchor, pos, w - 1, kv_len, params, gen)
+        marks.append(self._clock())
+        out, positions, greedy = runner.verify(cands, w, kv_len)
+        if params.greedy:
+            packed = greedy
+        else:
+            packed = speculative_accept(process(out.logits[:w], params), runner.candidates[:w - 1], q, gen)
+        values = packed.tolist()  # the round's one host synchronisation
+        outcome = RoundOutcome(values[0], values[1], values[2:], w)
+        runner.cache.commit(pos + outcome.accepted + 1)
+        marks.append(self._clock())
+        runner.observe(pos, [anchor] + outcome.candidates[:outcome.accepted], out.taps, positions, kv_len)
+        marks.append(self._clock())
+        return outcome, marks
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_ids: set[int] | frozenset = frozenset(),
+        params: SamplingParams = SamplingParams(),
+        on_tokens: Callable[[list[int]], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        self.check_prompt(prompt_ids)
+        if max_new_tokens < 1:
+            raise StrataError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        runner = self.runner
+        res = GenerationResult(list(prompt_ids), drafter=self.drafter.name, window=self.window,
+                               acceptance=Acceptance(drafted=[0] * (self.window - 1),
+                                                     accepted=[0] * (self.window - 1)))
+        gen = None if params.greedy else params.generator(self.target.device)
+        budget = min(max_new_tokens, self.max_len + 1 - len(prompt_ids))  # the context's end
+
+        def emit(tokens: list[int]) -> bool:
+            """Append tokens up to a stop id or the budget; True when generation is over."""
+            out = []
+            done = False
+            for t in tokens:
+                out.append(t)
+                if t in stop_ids:
+                    res.finish_reason, done = "stop", True
+                    break
+                if len(res.output_ids) + len(out) >= budget:
+                    res.finish_reason, done = "length", True
+                    break
+            res.output_ids.extend(out)
+            if on_tokens and out:
+                on_tokens(out)
+            return done
+
+        t0 = time.perf_counter()
+        runner.reset()
+        logits = runner.prefill(prompt_ids).logits
+        if params.greedy:
+            anchor = int(logits[-1].argmax().item())
+        else:
+            anchor = int(sample(process(logits[-1:], params), gen).item())
+        res.prefill_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        done = emit([anchor])
+        while not done:
+            if should_stop is not None and should_stop():
+                res.finish_reason = "abort"
+                break
+            pos = runner.cache.length
+            if pos >= self.max_len:
+                res.finish_reason = "length"
+                break
+            outcome, (t_draft, t_verify, t_observe, t_end) = self._round(anchor, pos, params, gen)
+            anchor = outcome.next_token
+            res.draft_s += (t_verify - t_draft) + (t_end - t_observe)
+            res.verify_s += t_observe - t_verify
+            res.acceptance.add_round(outcome.accepted, outcome.window)
+            done = emit(outcome.emitted)
+        res.decode_s = time.perf_counter() - t1
+        return res

@@ -1,0 +1,111 @@
+"""One loader for a target + drafter pair, used by the CLI, the server, the bench and the tools: which
+model (the embedded demo pair when none is named), on which device and dtype, which drafter, and the
+stop ids the model declares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import StrataError
+from ..tokenizer import Tokenizer
+from .config import EngineConfig
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    model: str | None = None  # a target folder; None: the embedded demo pair
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    dflash: str | None = None  # a drafter (GGUF or Hugging Face folder); the demo's by default with the demo
+    no_dflash: bool = False
+    prompt_lookup: int | None = None  # n-gram drafting with n-grams up to this
+    dflash_window: int = 32768  # the drafter's attention window in context cells
+
+    def __post_init__(self):
+        if self.dflash and self.prompt_lookup is not None:
+            raise StrataError("--dflash and --prompt-lookup are mutually exclusive: choose one drafter")
+        if self.prompt_lookup is not None and self.prompt_lookup < 1:
+            raise StrataError(f"--prompt-lookup must be >= 1, got {self.prompt_lookup}")
+        if self.dflash_window < 1:
+            raise StrataError(f"--dflash-window must be >= 1, got {self.dflash_window}")
+
+    def torch_device(self) -> str:
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise StrataError("--device cuda: no CUDA device is available")
+        return self.device
+
+    def torch_dtype(self) -> torch.dtype:
+        from ..models.loader import parse_dtype
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device == "cuda" else torch.float32
+        return parse_dtype(self.dtype)
+
+
+@dataclass
+class Pair:
+    target: torch.nn.Module
+    tokenizer: Tokenizer | None
+    drafter: object | None  # a Drafter, or None for target-only
+    model_dir: Path
+    using_demo: bool = False
+    stop_ids: set[int] = field(default_factory=set)
+
+    @property
+    def label(self) -> str:
+        return "demo" if self.using_demo else self.model_dir.name
+
+
+def resolve(spec: PairSpec) -> tuple[Path, str | None, bool]:
+    """(target folder, drafter path or None, whether it is the demo pair)."""
+    from .. import demo
+
+    if spec.model:
+        return Path(spec.model), None if spec.no_dflash else spec.dflash, False
+    if not demo.available():
+        raise StrataError("--model: no target model given and the embedded demo pair is not installed")
+    dflash = spec.dflash
+    if not dflash and not spec.no_dflash and spec.prompt_lookup is None:
+        dflash = str(demo.DRAFTER)
+    return demo.TARGET, None if spec.no_dflash else dflash, True
+
+
+def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bool = True) -> Pair:
+    """The target, its tokenizer and stop ids, and (drafter=True) the drafter the spec names, checked
+    against the target before any decoding starts."""
+    from ..models.loader import load_target
+
+    model_dir, dflash, using_demo = resolve(spec)
+    target = load_target(model_dir, device=spec.torch_device(), dtype=spec.torch_dtype())
+    pair = Pair(target, Tokenizer.from_folder(model_dir), None, model_dir, using_demo, declared_stop_ids(target, model_dir))
+    if drafter:
+        pair.drafter = load_drafter_for(spec, target, engine, dflash)
+    return pair
+
+
+def load_drafter_for(spec: PairSpec, target, engine: EngineConfig, dflash: str | None):
+    if spec.prompt_lookup is not None:
+        from .prompt_lookup import PromptLookupDrafter
+
+        return PromptLookupDrafter(spec.prompt_lookup, device=target.device)
+    if dflash:
+        from ..dflash.drafter import load_drafter
+
+        return load_drafter(dflash, target, window_cells=spec.dflash_window, max_len=engine.context(target.cfg))
+    return None
+
+
+def declared_stop_ids(target, model_dir: Path) -> set[int]:
+    """EOS ids from config.json and generation_config.json."""
+    from ..models.config import read_json
+
+    ids = set(target.cfg.eos_token_ids)
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = read_json(gen_cfg, "generation_config.json").get("eos_token_id")
+        if eos is not None:
+            ids |= set([eos] if isinstance(eos, int) else eos)
+    return ids

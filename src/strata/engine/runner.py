@@ -1,0 +1,156 @@
+"""The model runner: an engine's target and drafter steps, and how they run.
+
+It owns the target's cache and the device buffers of a round, sizes the windows, picks the kernel set,
+and in the static layout captures each step in a CUDA graph. The models have one forward each; the
+two layouts are only two ways of calling it:
+
+- dynamic (the CPU default): each step attends over exactly the cells written so far, and the last
+  windows shrink at the context's end.
+- static (the GPU default, `--static` on the CPU): every verify runs the same number of rows at
+  device-side positions and attends over a power-of-two bucket of cells under a mask, so a step's
+  shapes never depend on the position. On a CUDA device each step is recorded once per bucket and
+  replayed with a single launch; elsewhere the same steps simply run (the tests' CPU twin)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Hashable
+
+import torch
+
+from ..cache import aligned_cells
+from ..layers.kernels import EAGER, select_kernels
+from ..layers.modules import Step
+from .config import EngineConfig
+from .drafter import Commit, Drafter, DraftRequest, Proposal
+from .verify import greedy_accept
+
+
+class CudaGraphs:
+    """Steps over preallocated buffers, captured in CUDA graphs and replayed.
+
+    At batch 1 a decode step is hundreds of small kernels: launched one by one from Python the launch
+    overhead, not the GPU, sets the speed. A captured step only reads and writes tensors whose
+    addresses never change (caches, input buffers, its own outputs). A step must be idempotent
+    (running it twice on the same inputs has the effect of running it once), because capture runs it
+    once for real before recording it."""
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.enabled = enabled and torch.device(device).type == "cuda"
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.capture_s = 0.0
+
+    def run(self, key: Hashable, fn: Callable[[], object]):
+        """fn()'s result; on CUDA from a graph captured the first time `key` is run."""
+        if not self.enabled:
+            return fn()
+        entry = self.graphs.get(key)
+        if entry is None:
+            t0 = time.perf_counter()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # lazy initialisation (cuBLAS workspaces, kernel selection) stays out of the graph
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn()
+            self.graphs[key] = entry = (graph, out)
+            torch.cuda.synchronize()
+            self.capture_s += time.perf_counter() - t0
+        graph, out = entry
+        graph.replay()
+        return out
+
+
+class ModelRunner:
+    def __init__(self, target, drafter: Drafter, cfg: EngineConfig, window: int):
+        """window: the verify window W. In the static layout target-only decoding (W = 1) can run in
+        windows of cfg.pad_rows rows, the anchor first and padding after: a GEMM row's result does not
+        depend on the other rows, but it can depend on their number, so in bfloat16 a 1-row decode and
+        a W-row verify round differently and greedy choices at near-ties can flip. With pad_rows = W,
+        target-only runs in the verify's shapes and DFlash output equals it token for token at any
+        precision (on a GPU the extra rows are nearly free: the weights are streamed once either way)."""
+        self.target, self.drafter, self.window = target, drafter, window
+        self.probe = None  # the parity tool's: sees every stage of the drafter's steps (never captured)
+        self.max_len = cfg.context(target.cfg)
+        self.static = cfg.static
+        self.rows = max(window, cfg.pad_rows) if cfg.static else window
+        dev = target.device
+        self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if cfg.static else self.max_len)
+        self.graphs = CudaGraphs(dev, enabled=cfg.graphs and cfg.static)
+        self.kernels = select_kernels(dev, cfg.static, cfg.graphs, cfg.compile, cfg.triton, cfg.attention)
+        self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.candidates = torch.zeros(window - 1, dtype=torch.long, device=dev)
+        self.padding = torch.zeros(self.rows - window, dtype=torch.long, device=dev)
+        self.offsets = torch.arange(self.rows, device=dev)
+
+    def window_at(self, pos: int) -> int:
+        """Tokens verified by the round at pos: fixed in the static layout (cells past the context are
+        spare), shrinking at the context's end in the dynamic one."""
+        return self.window if self.static else min(self.window, self.max_len - pos)
+
+    def kv_len(self, pos: int, rows: int) -> int:
+        """Cells the steps of a round at pos read: exactly those written (dynamic), or the power of two
+        (at least 256) that holds them (static: a handful of captured graphs serve every length)."""
+        if not self.static:
+            return pos + rows
+        return min(self.bucket(pos + self.rows), self.cache.cells)
+
+    @staticmethod
+    def bucket(end: int) -> int:
+        b = 256
+        while b < end:
+            b *= 2
+        return b
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.drafter.reset()
+
+    def prefill(self, prompt_ids: list[int]):
+        """The prompt through the target (eager, whatever the layout); the drafter observes it. Returns
+        the ForwardOut: the last row's logits [1, vocab] and every row's taps."""
+        dev, n = self.target.device, len(prompt_ids)
+        tokens = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
+        positions = torch.arange(n, device=dev)
+        out = self.target(tokens, Step(positions, n, EAGER), self.cache, self.drafter.tap_layers, logits="last")
+        self.cache.commit(n)
+        self.drafter.observe(Commit(0, list(prompt_ids), out.taps, positions, probe=self.probe))
+        return out
+
+    def start_round(self, anchor: int, pos: int) -> None:
+        self.anchor.fill_(anchor)
+        self.pos.fill_(pos)
+
+    def draft(self, anchor: int, pos: int, n: int, kv_len: int) -> Proposal:
+        req = DraftRequest(anchor, pos, n, self.anchor, self.pos, kv_len, self.kernels, self.probe)
+        if self.static and self.drafter.on_device:
+            return self.graphs.run(("draft", kv_len), lambda: self.drafter.propose(req))
+        return self.drafter.propose(req)
+
+    def verify(self, candidates: torch.Tensor, w: int, kv_len: int):
+        """The target over [anchor, candidates, padding] at pos..: (ForwardOut, the rows' positions, the
+        greedy outcome [a, next, c1..] as a device tensor)."""
+        rows = self.rows if self.static else w
+        cands = self.candidates[:w - 1]
+        if w > 1:
+            cands.copy_(candidates)
+
+        def step():
+            tokens = torch.cat([self.anchor, cands, self.padding])
+            positions = self.pos + self.offsets[:rows]
+            out = self.target(tokens, Step(positions, kv_len, self.kernels), self.cache, self.drafter.tap_layers)
+            return out, positions, greedy_accept(out.logits[:w], cands)
+
+        return self.graphs.run(("verify", kv_len), step) if self.static else step()
+
+    def observe(self, start: int, tokens: list[int], taps, positions: torch.Tensor, kv_len: int) -> None:
+        """The drafter hears the round's commit; a device-side drafter's observe is captured with the
+        verify whose outputs it reads."""
+        commit = Commit(start, tokens, taps, positions, self.kernels, self.probe)
+        if self.static and self.drafter.on_device:
+            self.graphs.run(("observe", kv_len), lambda: self.drafter.observe(commit))
+        else:
+            self.drafter.observe(commit)

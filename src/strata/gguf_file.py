@@ -1,0 +1,133 @@
+"""Reading GGUF files safely: the header walked and every count checked against the file's size before
+gguf's reader allocates for it, then the metadata as Python values and the tensor table."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ArtifactError
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    type: object  # gguf.GGMLQuantizationType
+    shape: list[int]  # GGML order (fastest dimension first)
+    data: np.ndarray  # the raw bytes' view, as gguf's reader gives it
+
+
+def _sizes():
+    """Smallest encoded size of one metadata value of each type (strings: their u64 length; arrays:
+    item type and count)."""
+    import gguf
+
+    sizes = {t: np.dtype(d).itemsize for t, d in gguf.GGUFReader.gguf_scalar_to_np.items()}
+    sizes[gguf.GGUFValueType.STRING] = 8
+    sizes[gguf.GGUFValueType.ARRAY] = 12
+    return sizes
+
+
+def check_counts(path: Path) -> None:
+    """Walk the GGUF header and refuse any count or length that the rest of the file cannot hold,
+    before gguf's reader builds per-element views (a corrupt array length would exhaust memory)."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    sizes = _sizes()
+    where = str(path)
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+
+        def take(n: int, what: str) -> bytes:
+            if n > size - f.tell():
+                raise ArtifactError(f"{where}: {what} at byte {f.tell()} runs past the end of the file "
+                                    f"({size} bytes)")
+            return f.read(n)
+
+        def u32(what):
+            return struct.unpack("<I", take(4, what))[0]
+
+        def u64(what):
+            return struct.unpack("<Q", take(8, what))[0]
+
+        def value_type(raw: int, what: str):
+            try:
+                return T(raw)
+            except ValueError:
+                raise ArtifactError(f"{where}: {what} has unknown value type {raw}") from None
+
+        def value(vtype, what: str) -> None:
+            if vtype == T.STRING:
+                take(u64(what + " length"), what)
+            elif vtype == T.ARRAY:
+                item = value_type(u32(what + " item type"), what)
+                count = u64(what + " count")
+                if count * sizes[item] > size - f.tell():
+                    raise ArtifactError(f"{where}: {what} claims {count} items, more than the file holds")
+                if item in (T.STRING, T.ARRAY):
+                    for _ in range(count):
+                        value(item, what)
+                else:
+                    take(count * sizes[item], what)
+            else:
+                take(sizes[vtype], what)
+
+        if take(4, "magic") != b"GGUF":
+            raise ArtifactError(f"{where}: not a GGUF file (bad magic)")
+        u32("version")
+        n_tensors, n_kv = u64("tensor count"), u64("metadata count")
+        if n_kv * 16 > size or n_tensors * 24 > size:
+            raise ArtifactError(f"{where}: header claims {n_tensors} tensors and {n_kv} metadata keys, "
+                                f"more than {size} bytes can hold")
+        for i in range(n_kv):
+            key = take(u64(f"metadata key {i} length"), f"metadata key {i}").decode("utf-8", "replace")
+            value(value_type(u32(f"metadata '{key}' type"), f"metadata '{key}'"), f"metadata '{key}'")
+        for i in range(n_tensors):
+            name = take(u64(f"tensor {i} name length"), f"tensor {i} name").decode("utf-8", "replace")
+            dims = u32(f"tensor '{name}' dimension count")
+            if dims > 4:
+                raise ArtifactError(f"{where}: tensor '{name}' has {dims} dimensions, at most 4 allowed")
+            take(8 * dims + 12, f"tensor '{name}' info")
+
+
+def field_value(field):
+    """A metadata field as a Python value (arrays as lists)."""
+    import gguf
+
+    types = field.types
+    if not types:
+        return None
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        if types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if types[0] == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def read(path: Path) -> tuple[dict, list[TensorInfo]]:
+    """(metadata key -> value, tensor table) of a GGUF file, or ArtifactError naming what is wrong."""
+    import gguf
+
+    where = str(path)
+    if not path.is_file():
+        raise ArtifactError(f"{where}: no such file")
+    check_counts(path)
+    try:
+        reader = gguf.GGUFReader(str(path))
+        kv = {name: field_value(f) for name, f in reader.fields.items()}
+        infos = [TensorInfo(t.name, t.tensor_type, [int(x) for x in t.shape], t.data) for t in reader.tensors]
+    except ArtifactError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any parse failure of a corrupt file is the file's fault
+        raise ArtifactError(f"{where}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    names = [i.name for i in infos]
+    if len(set(names)) != len(names):
+        raise ArtifactError(f"{where}: duplicate tensor names")
+    return kv, infos

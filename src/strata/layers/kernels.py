@@ -1,0 +1,138 @@
+"""The kernel strategy: how a step's projections, attention and elementwise groups run.
+
+`Kernels()` runs the reference ops (ops.py) as they are: the CPU path and prefill. With `compiled=True`
+each elementwise group becomes one fused kernel through torch.compile, for the CUDA-graph path (a
+batch-1 decode step is otherwise hundreds of tiny kernels). `TritonKernels` also replaces the
+projections of up to 16 rows, attention and the q/k group with Strata's Triton kernels
+(triton_kernels.py). Modules call these methods and never choose a kernel themselves."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+
+#: the elementwise groups a compiled set fuses, each one kernel
+GROUPS = ("rms_norm", "add_rms_norm", "norm_rotate_store", "norm_rotate_store_kv", "silu_mul", "masked_softmax")
+ATTENTION_KINDS = ("grouped", "sdpa")
+
+
+class Kernels:
+    def __init__(self, compiled: bool = False, attention: str = "sdpa"):
+        """attention: "sdpa" (PyTorch's kernel, any batch) or "grouped" (two matmuls per K/V head for one
+        sequence: 1.4x faster decode than SDPA on the H200 for an 8B shape)."""
+        self.attention = attention
+        self.groups = {name: _compiled_or_eager(getattr(ops, name)) if compiled else getattr(ops, name)
+                       for name in GROUPS}
+        for name, fn in self.groups.items():
+            if not hasattr(type(self), name):  # a subclass's own kernel stays; it falls back to self.groups
+                setattr(self, name, fn)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, w, b)
+
+    def gate_up_silu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
+        return self.silu_mul(self.linear(x, gate_up))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.attention == "grouped" and q.dim() == 3:
+            return ops.attend_grouped(q, k, v, mask, self.masked_softmax)
+        return ops.attend_sdpa(q, k, v, mask)
+
+
+class TritonKernels(Kernels):
+    """The compiled set, with Strata's Triton kernels where their shapes allow: projections of up to 16
+    rows (the 1-token decode, a verify window, a drafter block), attention and the q/k norm + RoPE +
+    cache write. Larger shapes keep cuBLAS. A kernel that fails to build or launch (an older GPU, a
+    Triton that rejects it) warns once and leaves its torch path. compiled=False leaves the other
+    groups eager (the tests' interpreter runs)."""
+
+    def __init__(self, compiled: bool = True, attention: str = "grouped"):
+        super().__init__(compiled=compiled, attention=attention)
+        from . import triton_kernels
+
+        self._tk = triton_kernels
+        self._failed: set[str] = set()
+
+    def _either(self, name: str, fast, slow):
+        """fast() unless the kernel `name` already failed here; slow() after a failure. The first call of
+        each step happens outside CUDA-graph capture (the runner warms up first), so a failure shows there."""
+        if name not in self._failed:
+            try:
+                return fast()
+            except Exception as e:  # noqa: BLE001 - any Triton failure leaves the torch path
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                warnings.warn(f"Triton kernel {name} failed ({type(e).__name__}: {e}); using the torch path")
+                self._failed.add(name)
+        return slow()
+
+    def linear(self, x, w, b=None):
+        name = self._tk.projection_kernel(x, w)
+        if name is None:
+            return F.linear(x, w, b)
+        return self._either(name, lambda: getattr(self._tk, name)(x, w, b), lambda: F.linear(x, w, b))
+
+    def gate_up_silu(self, x, gate_up):
+        name = self._tk.projection_kernel(x, gate_up)
+        slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731
+        if name is None:
+            return slow()
+        return self._either(name, lambda: getattr(self._tk, name)(x, gate_up, glu=True), slow)
+
+    def attend(self, q, k, v, mask):
+        slow = lambda: super(TritonKernels, self).attend(q, k, v, mask)  # noqa: E731
+        if self.attention == "grouped" and q.dim() == 3 and self._tk.attention_fits(q, k, v, mask):
+            return self._either("attention", lambda: self._tk.attention(q, k, v, mask), slow)
+        return slow()
+
+    def norm_rotate_store(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells):
+        args = (qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)
+        slow = lambda: self.groups["norm_rotate_store"](*args)  # noqa: E731
+        if q_weight is not None and self._tk.norm_rotate_store_fits(qk, v, k_cache, v_cache):
+            return self._either("norm_rotate_store", lambda: self._tk.norm_rotate_store(*args), slow)
+        return slow()
+
+
+def _compiled_or_eager(fn):
+    """fn through torch.compile; where compiling fails (no Triton, no compiler) it warns once and runs
+    eagerly. The first call happens outside any CUDA-graph capture (the runner warms up first)."""
+    state = {"fn": torch.compile(fn, dynamic=False, fullgraph=True)}
+
+    def call(*args):
+        try:
+            return state["fn"](*args)
+        except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager path
+            if state["fn"] is fn:
+                raise
+            warnings.warn(f"torch.compile of {fn.__name__} failed ({type(e).__name__}: {e}); running it eagerly")
+            state["fn"] = fn
+            return fn(*args)
+
+    call.__name__ = fn.__name__
+    return call
+
+
+EAGER = Kernels()
+_SHARED: dict[tuple, Kernels] = {}
+
+
+def select_kernels(device, static: bool, graphs: bool, compile: bool, triton: bool, attention: str) -> Kernels:
+    """The kernel set of an engine's steps. Fused kernels only pay inside CUDA graphs; each compiled set
+    is built once per process and shared (torch.compile caches per function)."""
+    from .triton_kernels import available
+
+    if not static:
+        return EAGER
+    on_gpu = torch.device(device).type == "cuda"
+    if not (on_gpu and graphs and compile):
+        return Kernels(attention=attention)
+    use_triton = triton and available(device)
+    key = (use_triton, attention)
+    if key not in _SHARED:
+        _SHARED[key] = TritonKernels(attention=attention) if use_triton else Kernels(compiled=True, attention=attention)
+    return _SHARED[key]

@@ -1,0 +1,99 @@
+"""The reference math of every block, written once: the CPU path, the eager GPU path, and what the
+compiled and Triton kernels (kernels.py) must reproduce up to accumulation order.
+
+Activations are [..., T, features]: one sequence, or a batch of them (training) in front."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, cast back, then scale (the Hugging Face order of rounding)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """A residual add and the norm after it, one fused group when compiled. Returns (sum, normed)."""
+    x = x + residual
+    return x, rms_norm(x, weight, eps)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX (rotate-half) RoPE with the cos/sin rows of x's positions."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def head_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """Per-head norm weights of a fused q/k ([heads + kv_heads, head_dim])."""
+    return torch.cat([q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)])
+
+
+def store(k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,
+          v: torch.Tensor) -> None:
+    """Rows of k/v into the cache cells named by a device tensor (no host value read: graph-safe). Under
+    autocast the rows may come in a lower precision than the cache holds."""
+    k_cache.index_copy_(-3, cells, k.to(k_cache.dtype))
+    v_cache.index_copy_(-3, cells, v.to(v_cache.dtype))
+
+
+def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                      k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    """A fused q/k ([..., T, H + Hkv, D]): per-head RMSNorm (when the model has q/k norms), RoPE, k and v
+    stored at their cells. Compiled, the cache writes ride in the same kernel group. Returns q."""
+    if q_weight is not None:
+        qk = rms_norm(qk, head_weights(q_weight, k_weight, heads, qk.shape[-2] - heads), eps)
+    q, k = rotate(qk, cos, sin).split([heads, qk.shape[-2] - heads], dim=-2)
+    store(k_cache, v_cache, cells, k, v)
+    return q
+
+
+def norm_rotate_store_kv(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         cells: torch.Tensor) -> None:
+    """The key side alone (a drafter's context K/V): k norm, RoPE and both cache writes in one group."""
+    store(k_cache, v_cache, cells, rotate(rms_norm(k, k_weight, eps), cos, sin), v)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention through PyTorch's SDPA. q: [..., T, H, D]; k, v: [..., S, Hkv, D]; mask:
+    [..., T, S] bool (True = visible). Returns [..., T, H*D]."""
+    *lead, t, h, d = q.shape
+    if mask.dim() > 2:
+        mask = mask.unsqueeze(-3)  # broadcast over heads
+    out = F.scaled_dot_product_attention(
+        q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=d ** -0.5,
+        enable_gqa=h != k.shape[-2],  # K/V heads are shared by groups of query heads without copies
+    )
+    return out.transpose(-3, -2).reshape(*lead, t, h * d)
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """scores [Hkv, T, G, S] (the matmul's dtype) -> probabilities in that dtype, softmax in float32."""
+    t, s = mask.shape
+    x = scores.float().mul(scale).masked_fill(~mask.view(1, t, 1, s), float("-inf"))
+    return torch.softmax(x, dim=-1).to(scores.dtype)
+
+
+def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   softmax=masked_softmax) -> torch.Tensor:
+    """The same attention for one sequence as two batched matmuls per K/V head: the query heads of a
+    group become extra rows, so no K/V is copied and no general kernel is chosen for a few queries
+    over a long cache. q: [T, H, D]; k, v: [S, Hkv, D]; mask: [T, S] bool. Returns [T, H*D]."""
+    t, h, d = q.shape
+    s, hk, _ = k.shape
+    g = h // hk
+    qg = q.reshape(t, hk, g, d).permute(1, 0, 2, 3).reshape(hk, t * g, d)
+    scores = torch.bmm(qg, k.permute(1, 2, 0)).view(hk, t, g, s)
+    probs = softmax(scores, mask, d ** -0.5).view(hk, t * g, s)
+    out = torch.bmm(probs, v.permute(1, 0, 2))  # [Hkv, T*G, D]
+    return out.view(hk, t, g, d).permute(1, 0, 2, 3).reshape(t, h * d)

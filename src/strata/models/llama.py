@@ -1,0 +1,14 @@
+"""Llama (2, 3, 3.1+): no q/k norms, optional attention biases, Llama 3's RoPE frequency rescaling."""
+
+from .decoder import DenseFamily
+from .registry import register
+
+
+class Llama(DenseFamily):
+    name = "llama"
+    architectures = ("LlamaForCausalLM",)
+    model_types = ("llama",)
+    transformers_class = "LlamaForCausalLM"
+
+
+register(Llama())

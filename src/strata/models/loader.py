@@ -1,0 +1,118 @@
+"""Loading a target: a Hugging Face folder (config.json + safetensors, single or sharded) read through
+its family, with the checkpoint's tensors packed into the modules' fused parameters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import StrataError
+from .config import ModelConfig, read_json
+from .registry import Family, family_for
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise StrataError(f"--dtype: expected one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise StrataError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise StrataError(f"{index}: names shard {f.name}, which does not exist")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    raise StrataError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder, in their stored dtype, on the CPU."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise StrataError(f"{path}: cannot read safetensors ({e})") from None
+    return tensors
+
+
+def checkpoint_shapes(layout: dict[str, list[tuple[str, tuple]]]) -> dict[str, tuple]:
+    """Checkpoint tensor name -> shape, in layout order."""
+    return {name: shape for sources in layout.values() for name, shape in sources}
+
+
+def pack(tensors: dict[str, torch.Tensor], layout: dict[str, list[tuple[str, tuple]]], dtype: torch.dtype,
+         source) -> dict[str, torch.Tensor]:
+    """Parameters from checkpoint tensors: each named source checked for presence and shape, converted
+    to dtype, and concatenated (q/k/v, gate/up) where a parameter has several."""
+    state = {}
+    for param, sources in layout.items():
+        parts = []
+        for name, shape in sources:
+            t = tensors.get(name)
+            if t is None:
+                raise StrataError(f"{source}: missing tensor '{name}' (expected shape {list(shape)})")
+            if tuple(t.shape) != tuple(shape):
+                raise StrataError(f"{source}: tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}")
+            parts.append(t.to(dtype))
+        state[param] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return state
+
+
+def unpack(state: dict[str, torch.Tensor], layout: dict[str, list[tuple[str, tuple]]]) -> dict[str, torch.Tensor]:
+    """The inverse of pack: checkpoint tensors (views of the parameters) by their names."""
+    out = {}
+    for param, sources in layout.items():
+        offset = 0
+        for name, shape in sources:
+            out[name] = state[param][offset:offset + shape[0]]
+            offset += shape[0]
+    return out
+
+
+def load_model_config(folder: str | Path) -> tuple[Family, ModelConfig]:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise StrataError(f"{folder}: not a model folder")
+    path = folder / "config.json"
+    hf = read_json(path, "config.json")
+    fam = family_for(hf, path)
+    return fam, fam.config(hf, path)
+
+
+def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], device) -> torch.nn.Module:
+    """The family's modules built without memory, the state assigned, moved to the device, frozen."""
+    if cfg.tie_word_embeddings:
+        state = {**state, "lm_head.weight": state["embed_tokens.weight"]}
+    with torch.device("meta"):
+        model = fam.build(cfg)
+    model.load_state_dict(state, assign=True, strict=True)
+    model.tie_weights_()
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
+    folder = Path(path)
+    fam, cfg = load_model_config(folder)
+    state = pack(read_safetensors(folder), fam.hf_layout(cfg), dtype, folder)
+    return instantiate(fam, cfg, state, device)

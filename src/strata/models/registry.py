@@ -1,0 +1,67 @@
+"""Model families by architecture name. Adding an architecture is one file under models/ that defines
+a Family, plus its module name in FAMILY_MODULES."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from torch import nn
+
+from ..errors import StrataError
+from .config import ModelConfig
+
+#: modules under strata.models that each register one or more families on import
+FAMILY_MODULES = ("qwen3", "llama")
+
+
+class Family:
+    """One architecture: how its Hugging Face config reads, which modules it builds, and where each of
+    the checkpoint's tensors goes (the packing of q/k/v and gate/up into fused parameters included)."""
+
+    name = ""
+    architectures: tuple[str, ...] = ()  # config.json "architectures" entries
+    model_types: tuple[str, ...] = ()  # "model_type" values, for configs without architectures
+    transformers_class = ""  # transformers' class for the same checkpoint (the bench's reference peer)
+
+    def config(self, hf: dict, where: Path) -> ModelConfig:
+        raise NotImplementedError
+
+    def build(self, cfg: ModelConfig) -> nn.Module:
+        raise NotImplementedError
+
+    def hf_layout(self, cfg: ModelConfig) -> dict[str, list[tuple[str, tuple]]]:
+        """parameter name -> [(checkpoint tensor name, shape), ...], concatenated along dim 0 in order."""
+        raise NotImplementedError
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> dict[str, Family]:
+    for module in FAMILY_MODULES:
+        importlib.import_module(f"{__package__}.{module}")
+    return _FAMILIES
+
+
+def family(name: str) -> Family:
+    return families()[name]
+
+
+def family_for(hf: dict, where: Path) -> Family:
+    """The family of a config.json: by its architectures, else (none listed) by its model_type."""
+    archs = hf.get("architectures") or []
+    fams = families().values()
+    found = next((f for a in archs for f in fams if a in f.architectures), None)
+    if found is None and not archs:
+        found = next((f for f in fams if hf.get("model_type") in f.model_types), None)
+    if found is None:
+        supported = [a for f in fams for a in f.architectures]
+        raise StrataError(f"{where}: unknown architecture {archs or hf.get('model_type')!r}; "
+                          f"supported: {', '.join(supported)}")
+    return found

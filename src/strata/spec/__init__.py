@@ -1,1 +1,0 @@
-"""Speculative decoding: drafters' common interface, the verifier and the decode loop."""
