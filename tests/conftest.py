@@ -67,8 +67,11 @@ def write_hf_drafter(path: Path, layers: int = 2, hidden: int = 64, heads: int =
                      head_dim: int = 16, intermediate: int = 96, taps=(0, 2), target_hidden: int | None = None,
                      block_size: int = 8, mask_token_id: int = 255, num_target_layers: int = 3, vocab: int = 256,
                      dtype=torch.bfloat16, seed: int = 0, block_in_dflash_config=False, with_taps=True,
-                     scale: float = 0.05, extra_config: dict | None = None, extra_tensors: dict | None = None):
-    """A drafter in the reference Hugging Face format (config.json + model.safetensors), random weights."""
+                     scale: float = 0.05, extra_config: dict | None = None, extra_tensors: dict | None = None,
+                     tokenizer: bool = True):
+    """A drafter in the reference Hugging Face format (config.json + model.safetensors), random weights;
+    with tokenizer, a byte-level BPE tokenizer.json of `vocab` tokens beside them (what convert-dflash
+    otherwise takes from --target)."""
     import json
 
     from safetensors.torch import save_file
@@ -111,7 +114,28 @@ def write_hf_drafter(path: Path, layers: int = 2, hidden: int = 64, heads: int =
         tensors[name] = t.to(dtype)
     tensors.update(extra_tensors or {})
     save_file(tensors, str(path / "model.safetensors"))
+    if tokenizer:
+        write_byte_tokenizer(path, vocab)
     return path
+
+
+def write_byte_tokenizer(folder: Path, vocab: int):
+    """A byte-level BPE tokenizer.json (GPT-2 pre-tokenizer) of at most `vocab` tokens, trained on a line of
+    code; with more than 256 tokens the first is <|endoftext|>."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"] if vocab > 256 else [],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def quicksort(arr):\n    return sorted(arr)\n"] * 20, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    if vocab > 256:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return tok
 
 
 def forward_at(model, tokens, start: int, cache, taps=None, kv_len: int | None = None, kernels=None, logits="all"):

@@ -18,6 +18,11 @@ def test_demo_pair_is_shipped_and_small():
     assert size <= 25 * 2 ** 20
     art = load_artifact(demo.DRAFTER)
     assert art.cfg.block_size == 8 and art.fmt == "gguf"
+    # llama.cpp's layout: norms in F32, matrices in BF16, the target's vocabulary on board
+    assert {art.types[n] for n, t in art.tensors.items() if t.dim() == 1} == {"F32"}
+    assert {art.types[n] for n, t in art.tensors.items() if t.dim() == 2} == {"BF16"}
+    r = run_cli("inspect", demo.DRAFTER, "--model", demo.TARGET)
+    assert r.returncode == 0 and f"target {demo.TARGET}: fits" in r.stdout, r.stdout
 
 
 def test_generate_defaults_to_the_demo_pair(tmp_path):

@@ -39,7 +39,7 @@ def test_train_drafter_cli_loss_falls_and_output_loads(tmp_path):
     assert (out / "checkpoint.pt").is_file()
 
     gguf = tmp_path / "d.gguf"
-    assert run_cli("convert-dflash", out, gguf, "--quiet").returncode == 0
+    assert run_cli("convert-dflash", out, gguf, "--target", target_dir, "--quiet").returncode == 0
     art = load_artifact(gguf)
     assert art.cfg.block_size == 4 and art.cfg.target_layer_ids == [0, 2] and len(art.tensors) == 14
     target = load_target(target_dir)

@@ -164,9 +164,11 @@ def cmd_convert_dflash(args) -> int:
     from .dflash.converter import convert_hf_to_gguf
 
     t0 = time.perf_counter()
-    art = convert_hf_to_gguf(args.src, args.out, progress=not args.quiet)
-    print(f"wrote {args.out}: {len(art.tensors)} BF16 tensors, {art.parameter_count:,} parameters, "
-          f"read-back bit-exact ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    art = convert_hf_to_gguf(args.src, args.out, args.target, args.tokenizer_pre, progress=not args.quiet)
+    types = sorted(set(art.types.values()))
+    print(f"wrote {args.out}: {len(art.tensors)} tensors ({', '.join(types)}), {art.parameter_count:,} parameters, "
+          f"vocabulary of {len(art.vocab.tokens)} tokens, read-back bit-exact ({time.perf_counter() - t0:.1f} s)",
+          file=sys.stderr)
     return 0
 
 
@@ -182,7 +184,7 @@ def cmd_export_dflash(args) -> int:
 def cmd_inspect(args) -> int:
     from .dflash.inspect import inspect_path
 
-    text, ok = inspect_path(args.path)
+    text, ok = inspect_path(args.path, args.model)
     print(text)
     return 0 if ok else 2
 
@@ -335,20 +337,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats-json", help="write generation statistics to this file")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("convert-dflash", help="reference Hugging Face DFlash drafter -> llama.cpp GGUF (BF16)")
-    c.add_argument("src")
-    c.add_argument("out")
+    c = sub.add_parser("convert-dflash", help="reference Hugging Face DFlash drafter -> llama.cpp GGUF "
+                                              "(2-D BF16, 1-D F32, the target's vocabulary)")
+    c.add_argument("src", help="the drafter's Hugging Face folder (config.json + safetensors)")
+    c.add_argument("out", help="the GGUF file to write")
+    c.add_argument("--target", help="the target model (folder with tokenizer.json, or GGUF file) whose vocabulary "
+                                    "the drafter carries; needed when the drafter folder has no tokenizer.json")
+    c.add_argument("--tokenizer-pre", help="llama.cpp's pre-tokenizer name, when it cannot be told from "
+                                           "tokenizer.json (gpt-2, qwen2, llama-bpe, ...)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_convert_dflash)
 
-    e = sub.add_parser("export-dflash", help="DFlash GGUF -> reference Hugging Face folder")
-    e.add_argument("src")
-    e.add_argument("out_dir")
+    e = sub.add_parser("export-dflash", help="DFlash drafter (any accepted GGUF, quantized too) -> reference "
+                                             "Hugging Face folder")
+    e.add_argument("src", help="the drafter: a GGUF file (or a Hugging Face folder)")
+    e.add_argument("out_dir", help="the folder to write (new or empty)")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_export_dflash)
 
     i = sub.add_parser("inspect", help="describe and validate a DFlash drafter (GGUF file or HF folder)")
-    i.add_argument("path")
+    i.add_argument("path", help="the drafter: a GGUF file or a Hugging Face folder")
+    i.add_argument("--model", help="a target model folder: check that the drafter fits it (sizes, taps, "
+                                   "vocabulary, mask id)")
     i.set_defaults(func=cmd_inspect)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

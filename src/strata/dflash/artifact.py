@@ -6,21 +6,24 @@ themselves live in hf_format.py and gguf_format.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..errors import ArtifactError
+from ..gguf_vocab import Vocab
 from . import contract as C
 
 
 @dataclass
 class Artifact:
     cfg: C.DFlashConfig
-    tensors: dict[str, torch.Tensor]  # Hugging Face names
+    tensors: dict[str, torch.Tensor]  # Hugging Face names; quantized GGUF tensors dequantized (float32)
     source: Path
     fmt: str  # "gguf" or "hf"
+    types: dict[str, str] = field(default_factory=dict)  # GGUF type names (GGUF files), else torch dtypes
+    vocab: Vocab | None = None  # the vocabulary a GGUF file carries
 
     @property
     def parameter_count(self) -> int:
@@ -39,7 +42,7 @@ def load_artifact(path: str | Path) -> Artifact:
     return read_gguf(path)
 
 
-def check_against_target(cfg: C.DFlashConfig, target_cfg, where: str) -> None:
+def check_against_target(cfg: C.DFlashConfig, target_cfg, where: str, vocab: Vocab | None = None) -> None:
     """A drafter must fit its target before any decoding starts."""
     n = target_cfg.num_layers
     bad = [t for t in cfg.target_layer_ids if not 0 <= t < n]
@@ -54,6 +57,9 @@ def check_against_target(cfg: C.DFlashConfig, target_cfg, where: str) -> None:
                             f"{target_cfg.hidden_size} (it uses the target's embedding and LM head)")
     if cfg.vocab_size is not None and cfg.vocab_size != target_cfg.vocab_size:
         raise ArtifactError(f"{where}: drafter vocabulary {cfg.vocab_size} differs from the target's "
+                            f"{target_cfg.vocab_size}")
+    if vocab is not None and len(vocab.tokens) != target_cfg.vocab_size:
+        raise ArtifactError(f"{where}: the drafter's vocabulary has {len(vocab.tokens)} tokens, the target's "
                             f"{target_cfg.vocab_size}")
     if cfg.mask_token_id >= target_cfg.vocab_size:
         raise ArtifactError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "

@@ -49,6 +49,7 @@ class Key:
     kind: str
     hf: str | None
     optional: bool = False
+    legacy: str | None = None  # the key Strata wrote before llama.cpp had one, still read
 
 
 # In GGUF writing order. llama.cpp's keys first; strata.dflash.* hold facts of the reference
@@ -70,15 +71,27 @@ KEYS = [
     Key("num_target_layers", "strata.dflash.num_target_layers", "uint32", "num_target_layers", optional=True),
     Key("vocab_size", "strata.dflash.vocab_size", "uint32", "vocab_size", optional=True),
     Key("attention_bias", "strata.dflash.attention_bias", "bool", "attention_bias", optional=True),
-    Key("input_embedding_scale", "strata.dflash.input_embedding_scale", "float32", "input_embedding_scale",
-        optional=True),
-    Key("output_multiplier", "strata.dflash.output_multiplier", "float32", "output_multiplier", optional=True),
-    Key("final_logit_softcapping", "strata.dflash.final_logit_softcapping", "float32", "final_logit_softcapping",
-        optional=True),
+    Key("input_embedding_scale", "dflash.embedding_scale", "float32", "input_embedding_scale", optional=True,
+        legacy="strata.dflash.input_embedding_scale"),
+    Key("output_multiplier", "dflash.logit_scale", "float32", "output_multiplier", optional=True,
+        legacy="strata.dflash.output_multiplier"),
+    Key("final_logit_softcapping", "dflash.final_logit_softcapping", "float32", "final_logit_softcapping",
+        optional=True, legacy="strata.dflash.final_logit_softcapping"),
     Key("sliding_window", "dflash.attention.sliding_window", "uint32", "sliding_window", optional=True),
     Key("layer_types", "dflash.attention.sliding_window_pattern", "bool_array", "layer_types", optional=True),
 ]
 KEY = {k.gguf: k for k in KEYS}
+#: llama.cpp DFlash metadata that changes the computation in ways Strata does not implement: key ->
+#: (the value that means "as Strata computes", what the key is)
+REFUSED_KEYS = {
+    "dflash.attention.value_scale": (None, "an attention value scale"),
+    "dflash.attention.scale": (None, "an attention scale other than head_dim^-0.5"),
+    "dflash.hidden_act": ("silu", "an MLP activation other than SiLU"),
+    "dflash.attention.causal": (False, "causal attention inside the block"),
+    "dflash.hyper_connection_count": (None, "DeepSeek-V4 hyper-connections (DSpark)"),
+    "dflash.conv_kernel_size": (None, "DFlash2 (convolutional layers)"),
+    "dflash.selector_rank": (None, "DFlash2 (candidate selector)"),
+}
 K_TARGET_LAYERS = "dflash.target_layers"
 K_MASK = "tokenizer.ggml.mask_token_id"
 K_HEADS = "dflash.attention.head_count"

@@ -27,7 +27,7 @@ class DFlashDrafter(Drafter):
         """window_cells: how many context cells before the block a full-attention layer sees (sliding
         layers keep their own window). max_len: the longest context it will serve."""
         cfg = art.cfg
-        check_against_target(cfg, target.cfg, str(art.source))
+        check_against_target(cfg, target.cfg, str(art.source), art.vocab)
         self.cfg, self.target, self.source = cfg, target, art.source
         self.tap_layers = list(cfg.target_layer_ids)
         self.max_window = cfg.block_size

@@ -1,5 +1,8 @@
-"""The llama.cpp GGUF layout of a DFlash drafter (general.architecture "dflash"), written and read by
-the contract's key and tensor tables."""
+"""The llama.cpp GGUF layout of a DFlash drafter (general.architecture "dflash"), as llama.cpp's own
+converter writes it: the contract's metadata keys, the target's vocabulary (llama.cpp loads one for
+every model), general.* keys, 1-D tensors in F32 and 2-D in BF16. Reading also takes what llama.cpp's
+tools make of such a file: F16/F32 tensors and quantized ones (Q8_0, Q4_K, ...), dequantized here
+exactly as gguf's reference does."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 
 from .. import gguf_file
 from ..errors import ArtifactError
+from ..gguf_vocab import Vocab
 from . import contract as C
 from .hf_format import f32
 
@@ -19,6 +23,8 @@ _CONVERT = {
     "layer_types": (lambda types: [t == "sliding_attention" for t in types],
                     lambda pattern: ["sliding_attention" if p else "full_attention" for p in pattern]),
 }
+FILE_TYPE_BF16 = 32  # llama_ftype MOSTLY_BF16: most tensors BF16, norms F32
+QUANTIZATION_VERSION = 2
 
 
 def metadata(cfg: C.DFlashConfig) -> list[tuple[str, str, object]]:
@@ -35,33 +41,53 @@ def metadata(cfg: C.DFlashConfig) -> list[tuple[str, str, object]]:
     return out
 
 
-def write_gguf(path: Path, cfg: C.DFlashConfig, tensors: dict[str, torch.Tensor], progress=None) -> None:
-    """tensors: Hugging Face names, BF16. Written under llama.cpp names in contract order."""
+def storage(t: torch.Tensor) -> tuple[np.ndarray, object]:
+    """A tensor as llama.cpp's converter stores it: 1-D in F32 (llama.cpp's CPU ops take no BF16 norm),
+    2-D in BF16 (rounded to nearest even). Returns (array, GGML type)."""
+    import gguf
+
+    if t.dim() == 1:
+        return t.to(torch.float32).contiguous().numpy(), gguf.GGMLQuantizationType.F32
+    bf16 = t if t.dtype == torch.bfloat16 else t.to(torch.float32).to(torch.bfloat16)
+    return bf16.contiguous().view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
+
+
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """What storage() keeps of a tensor, as a tensor: the read-back a converter must find."""
+    return t.to(torch.float32) if t.dim() == 1 else (t if t.dtype == torch.bfloat16 else t.float().bfloat16())
+
+
+def write_gguf(path: Path, cfg: C.DFlashConfig, tensors: dict[str, torch.Tensor], vocab: Vocab, name: str,
+               progress: bool = False) -> None:
+    """tensors: Hugging Face names; written under llama.cpp names in contract order."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), C.ARCH)
-    writer.add_name("DFlash drafter")
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    params = sum(t.numel() for t in tensors.values())
+    writer.add_size_label(gguf.size_label(params, 0, 0, 0))
     arrays = {"int32_array": gguf.GGUFValueType.INT32, "bool_array": gguf.GGUFValueType.BOOL}
     for key, kind, value in metadata(cfg):
         if kind in arrays:
             writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=arrays[kind])
         else:
             getattr(writer, f"add_{kind}")(key, value)
-    for name in C.expected_tensors(cfg, "hf"):
-        t = tensors[name]
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name}: write_gguf takes BF16 tensors")
-        arr = t.contiguous().view(torch.int16).numpy().view(np.uint16)
-        writer.add_tensor(C.hf_to_gguf_name(name), arr, raw_shape=arr.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    writer.add_file_type(FILE_TYPE_BF16)
+    writer.add_quantization_version(QUANTIZATION_VERSION)
+    vocab.write(writer)
+    for hf_name in C.expected_tensors(cfg, "hf"):
+        arr, ggml_type = storage(tensors[hf_name])
+        writer.add_tensor(C.hf_to_gguf_name(hf_name), arr, raw_shape=arr.shape, raw_dtype=ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=bool(progress))
+    writer.write_tensors_to_file(progress=progress)
     writer.close()
 
 
 def _meta(kv: dict, key: C.Key, where: str):
     """A key's value checked against its type; None when an optional key is absent."""
-    v = kv.get(key.gguf)
+    v = kv.get(key.gguf, kv.get(key.legacy) if key.legacy else None)
     if v is None and key.optional:
         return None
     if v is None and key.kind != "int32_array":
@@ -82,10 +108,28 @@ def _meta(kv: dict, key: C.Key, where: str):
     return v
 
 
+def _refuse_keys(kv: dict, where: str) -> None:
+    """llama.cpp DFlash metadata that would change the computation in a way Strata does not implement."""
+    for key, (fine, what) in C.REFUSED_KEYS.items():
+        if key in kv and kv[key] != fine:
+            raise ArtifactError(f"{where}: metadata key '{key}' = {kv[key]!r} asks for {what}, which is not "
+                                f"supported")
+    head_dim = kv.get(C.K_KEY_LEN)
+    rot = kv.get("dflash.rope.dimension_count")
+    if rot is not None and rot != head_dim:
+        raise ArtifactError(f"{where}: metadata key 'dflash.rope.dimension_count' = {rot} asks for partial RoPE "
+                            f"(head dim {head_dim}), which is not supported")
+    sections = kv.get("dflash.rope.dimension_sections")
+    if sections is not None and (list(sections)[:1] != [(head_dim or 0) // 2] or any(list(sections)[1:])):
+        raise ArtifactError(f"{where}: metadata key 'dflash.rope.dimension_sections' = {sections} asks for "
+                            f"multi-section RoPE, which is not supported")
+
+
 def config_from_gguf(kv: dict, where: str, fc_in: int | None) -> C.DFlashConfig:
     arch = kv.get("general.architecture")
     if arch != C.ARCH:
         raise ArtifactError(f"{where}: general.architecture is {arch!r}, expected '{C.ARCH}'")
+    _refuse_keys(kv, where)
     values = {}
     for key in C.KEYS:
         v = _meta(kv, key, where)
@@ -100,6 +144,9 @@ def config_from_gguf(kv: dict, where: str, fc_in: int | None) -> C.DFlashConfig:
             v = _CONVERT[key.field][1](v)
         if v is not None or not key.optional:
             values[key.field] = v
+    vocab = Vocab.from_metadata(kv)
+    if values.get("vocab_size") is None and vocab is not None:
+        values["vocab_size"] = len(vocab.tokens)
     n = len(values["target_layer_ids"])
     if not fc_in or fc_in % n:
         raise ArtifactError(f"{where}: tensor 'fc.weight' input size {fc_in} is not a multiple of the "
@@ -109,9 +156,47 @@ def config_from_gguf(kv: dict, where: str, fc_in: int | None) -> C.DFlashConfig:
     return cfg
 
 
-def read_gguf(path: Path):
+def _dequantizable() -> set:
     import gguf
+    from gguf import quants
 
+    T = gguf.GGMLQuantizationType
+    return {t for t in T if t in quants._type_traits} | {T.F32, T.F16, T.BF16}
+
+
+def tensor_from(info: gguf_file.TensorInfo, shape: tuple, where: str) -> torch.Tensor:
+    """A tensor's values: F32/F16/BF16 as stored, quantized types dequantized to float32 by gguf's
+    reference (gguf.quants.dequantize)."""
+    import gguf
+    from gguf import quants
+
+    T = gguf.GGMLQuantizationType
+    if tuple(reversed(info.shape)) != shape:
+        raise ArtifactError(f"{where}: tensor '{info.name}' has shape {list(reversed(info.shape))} (GGML "
+                            f"{info.shape}), expected {list(shape)}")
+    allowed = {T.F32, T.F16, T.BF16} if len(shape) == 1 else _dequantizable()
+    if info.type not in allowed:
+        names = sorted(t.name for t in allowed)
+        raise ArtifactError(f"{where}: tensor '{info.name}' has type {getattr(info.type, 'name', info.type)}, "
+                            f"expected one of {', '.join(names)}")
+    data = np.ascontiguousarray(info.data)
+    if info.type == T.BF16:
+        raw = data.view(np.uint16)
+        if raw.size != int(np.prod(shape)):
+            raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated")
+        return torch.from_numpy(raw.reshape(shape).copy()).view(torch.bfloat16)
+    if info.type in (T.F32, T.F16):
+        if data.size != int(np.prod(shape)):
+            raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated")
+        return torch.from_numpy(data.reshape(shape).copy())
+    block, type_size = gguf.GGML_QUANT_SIZES[info.type]
+    if shape[-1] % block or data.nbytes != int(np.prod(shape)) // block * type_size:
+        raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated or its rows are not whole "
+                            f"{info.type.name} blocks of {block}")
+    return torch.from_numpy(quants.dequantize(data, info.type).reshape(shape).astype(np.float32, copy=False))
+
+
+def read_gguf(path: Path):
     from .artifact import Artifact
 
     where = str(path)
@@ -124,17 +209,9 @@ def read_gguf(path: Path):
     cfg = config_from_gguf(kv, where, fc.shape[0] if fc is not None and len(fc.shape) == 2 else None)
     expected = C.expected_tensors(cfg, "hf")
     C.check_tensor_set(hf_names, expected, where)
-    tensors = {}
+    tensors, types = {}, {}
     for hf_name, shape in expected.items():
         info = by_name[hf_names[hf_name]]
-        if info.type != gguf.GGMLQuantizationType.BF16:
-            type_name = getattr(info.type, "name", str(info.type))
-            raise ArtifactError(f"{where}: tensor '{info.name}' has type {type_name}, expected BF16")
-        if tuple(reversed(info.shape)) != shape:
-            raise ArtifactError(f"{where}: tensor '{info.name}' has shape {list(reversed(info.shape))} (GGML "
-                                f"{info.shape}), expected {list(shape)}")
-        raw = np.ascontiguousarray(info.data).view(np.uint16)
-        if raw.size != int(np.prod(shape)):
-            raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated")
-        tensors[hf_name] = torch.from_numpy(raw.reshape(shape).copy()).view(torch.bfloat16)
-    return Artifact(cfg, tensors, path, "gguf")
+        tensors[hf_name] = tensor_from(info, shape, where)
+        types[hf_name] = info.type.name
+    return Artifact(cfg, tensors, path, "gguf", types=types, vocab=Vocab.from_metadata(kv))

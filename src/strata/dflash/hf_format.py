@@ -56,7 +56,16 @@ def config_from_hf(cfg: dict, where: str, fc_shape: tuple | None = None) -> C.DF
     target_hidden = cfg.get("target_hidden_size")
     if target_hidden is None:
         target_hidden = fc_shape[1] // max(len(taps), 1) if fc_shape else hidden
-    optional = {k.field: cfg.get(k.hf) for k in C.KEYS if k.optional and k.hf and k.field != "attention_bias"}
+    optional = {k.field: dcfg.get(k.hf, cfg.get(k.hf)) for k in C.KEYS
+                if k.optional and k.hf and k.field != "attention_bias"}
+    refused = {"attention_value_scale": "an attention value scale", "partial_rotary_factor": "partial RoPE",
+               "use_swa": "dflash_config.use_swa (sliding-window attention for every layer)"}
+    for key, what in refused.items():
+        if dcfg.get(key, cfg.get(key)) not in (None, False, 1.0):
+            raise ArtifactError(f"{where}: field '{key}' asks for {what}, which is not supported")
+    if (cfg.get("is_causal") if cfg.get("is_causal") is not None else dcfg.get("causal")):
+        raise ArtifactError(f"{where}: field 'is_causal' asks for causal attention inside the block, which is not "
+                            f"supported")
     out = C.DFlashConfig(
         hidden_size=hidden,
         intermediate_size=_int(cfg, "intermediate_size", where),
@@ -83,9 +92,9 @@ def config_from_hf(cfg: dict, where: str, fc_shape: tuple | None = None) -> C.DF
     return out
 
 
-def config_to_hf(cfg: C.DFlashConfig) -> dict:
+def config_to_hf(cfg: C.DFlashConfig, dtype: str = "bfloat16") -> dict:
     out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
-           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "dflash_config": {}}
+           "tie_word_embeddings": False, "torch_dtype": dtype, "dflash_config": {}}
     for key in C.KEYS:
         value = getattr(cfg, key.field)
         if key.hf is None or value is None or (key.field == "sliding_window" and cfg.layer_types is None):
@@ -118,4 +127,4 @@ def read_hf(folder: Path):
             raise ArtifactError(f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}")
         if not t.dtype.is_floating_point:
             raise ArtifactError(f"{where}: tensor '{name}' has dtype {t.dtype}, expected a float type")
-    return Artifact(cfg, tensors, folder, "hf")
+    return Artifact(cfg, tensors, folder, "hf", types={n: str(t.dtype).removeprefix("torch.") for n, t in tensors.items()})

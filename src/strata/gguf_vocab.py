@@ -1,0 +1,162 @@
+"""A model's vocabulary as llama.cpp's GGUF files carry it (tokenizer.ggml.* and tokenizer.chat_template):
+built from a Hugging Face tokenizer.json with `tokenizers` and gguf's SpecialVocab, read from a GGUF's
+metadata, written with a GGUFWriter, and compared.
+
+llama.cpp loads a vocabulary for every model it opens, drafters included, and names the
+pre-tokenizer of a byte-level BPE vocabulary by the regex its tokenizer splits with (the facts below
+are those tokenizers' own patterns)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import StrataError
+
+# Token types (llama.cpp's enum, also gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+#: a Split regex followed by a ByteLevel step without its own regex -> llama.cpp's pre-tokenizer name
+SPLIT_PRE = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
+SPECIAL_KEYS = ("bos", "eos", "unk", "sep", "pad", "mask")
+
+
+@dataclass
+class Vocab:
+    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SentencePiece), ...
+    pre: str | None
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str] = field(default_factory=list)
+    special: dict[str, int] = field(default_factory=dict)  # bos/eos/... -> token id
+    add_special: dict[str, bool] = field(default_factory=dict)  # add_bos_token, ... -> flag
+    chat_template: str | None = None
+    scores: list[float] | None = None
+
+    @classmethod
+    def from_metadata(cls, kv: dict) -> "Vocab | None":
+        """The vocabulary a GGUF file carries, or None when it has none."""
+        if "tokenizer.ggml.model" not in kv:
+            return None
+        tokens = kv.get("tokenizer.ggml.tokens") or []
+        return cls(model=kv["tokenizer.ggml.model"], pre=kv.get("tokenizer.ggml.pre"), tokens=list(tokens),
+                   token_types=list(kv.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)),
+                   merges=list(kv.get("tokenizer.ggml.merges") or []),
+                   special={k: kv[f"tokenizer.ggml.{k}_token_id"] for k in SPECIAL_KEYS
+                            if f"tokenizer.ggml.{k}_token_id" in kv},
+                   add_special={k: bool(kv[f"tokenizer.ggml.add_{k}_token"]) for k in ("bos", "eos", "sep")
+                                if f"tokenizer.ggml.add_{k}_token" in kv},
+                   chat_template=kv.get("tokenizer.chat_template"),
+                   scores=kv.get("tokenizer.ggml.scores"))
+
+    def write(self, writer) -> None:
+        writer.add_tokenizer_model(self.model)
+        if self.pre is not None:
+            writer.add_tokenizer_pre(self.pre)
+        writer.add_token_list(self.tokens)
+        writer.add_token_types(self.token_types)
+        if self.scores is not None:
+            writer.add_token_scores(self.scores)
+        if self.merges:
+            writer.add_token_merges(self.merges)
+        for key, tid in self.special.items():
+            if key in SPECIAL_KEYS and key != "mask":  # a drafter's mask id is written with its contract
+                getattr(writer, f"add_{key}_token_id")(tid)
+        for key, flag in self.add_special.items():
+            getattr(writer, f"add_add_{key}_token")(flag)
+        if self.chat_template:
+            writer.add_chat_template(self.chat_template)
+
+    def difference(self, other: "Vocab") -> str | None:
+        """Where two vocabularies differ (tokens and their types, merges), or None."""
+        if len(self.tokens) != len(other.tokens):
+            return f"{len(self.tokens)} tokens vs {len(other.tokens)}"
+        for i, (a, b) in enumerate(zip(self.tokens, other.tokens)):
+            if a != b:
+                return f"token {i} is {a!r} vs {b!r}"
+        if self.merges != other.merges:
+            return f"merges differ ({len(self.merges)} vs {len(other.merges)})"
+        return None
+
+
+def pre_tokenizer_name(spec: dict, where) -> str:
+    """llama.cpp's name for a byte-level BPE tokenizer.json's pre-tokenizer."""
+    pre = spec.get("pre_tokenizer") or {}
+    if spec.get("normalizer") is None:
+        if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+            return "gpt-2"
+        steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+        if steps and len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel" \
+                and not steps[1].get("use_regex", True):
+            name = SPLIT_PRE.get((steps[0].get("pattern") or {}).get("Regex"))
+            if name:
+                return name
+    raise StrataError(f"{where}: cannot tell llama.cpp's pre-tokenizer name for this tokenizer; give it with "
+                      f"--tokenizer-pre NAME (llama.cpp's list: gpt-2, qwen2, llama-bpe, ...)")
+
+
+def from_tokenizer_folder(folder: Path, vocab_size: int | None = None, pre: str | None = None) -> Vocab:
+    """A byte-level BPE tokenizer.json (with its tokenizer_config.json) as llama.cpp's converter writes it:
+    tokens by id (ids the tokenizer lacks below vocab_size padded as [PADi], unused), added special tokens
+    as control tokens, the merges, the special token ids and the chat template."""
+    import gguf
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        tok = Tokenizer.from_file(str(path))
+    except (OSError, ValueError, Exception) as e:  # noqa: BLE001 - tokenizers raises plain Exceptions
+        raise StrataError(f"{path}: cannot load tokenizer ({e})") from None
+    model = (spec.get("model") or {}).get("type")
+    if model != "BPE" or (spec.get("model") or {}).get("byte_fallback"):
+        raise StrataError(f"{path}: only byte-level BPE vocabularies can be written (got a {model} model"
+                          f"{' with byte fallback' if model == 'BPE' else ''})")
+    vocab = tok.get_vocab(with_added_tokens=True)
+    size = max(vocab_size or 0, max(vocab.values()) + 1)
+    by_id = {i: t for t, i in vocab.items()}
+    added = tok.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(UNUSED)
+            continue
+        text = by_id[i]
+        if i in added:
+            if not added[i].normalized:
+                text = tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False)
+            types.append(CONTROL if added[i].special or _looks_special(text) else USER_DEFINED)
+        else:
+            types.append(NORMAL)
+        tokens.append(text)
+    special = gguf.SpecialVocab(folder, load_merges=True)
+    return Vocab(model="gpt2", pre=pre or pre_tokenizer_name(spec, path), tokens=tokens, token_types=types,
+                 merges=list(special.merges), special=dict(special.special_token_ids),
+                 add_special={k: bool(v) for k, v in special.add_special_token.items() if k in ("bos", "eos", "sep")},
+                 chat_template=special.chat_template if isinstance(special.chat_template, str) else None)
+
+
+def _looks_special(text: str) -> bool:
+    """Added tokens some tokenizers leave unmarked although they are control tokens."""
+    return (text.startswith("<|") and text.endswith("|>")) or text in ("<pad>", "<mask>")
+
+
+def for_target(target: Path, vocab_size: int | None = None, pre: str | None = None) -> Vocab:
+    """The vocabulary of a target: its folder's tokenizer.json, or the keys of its GGUF file."""
+    target = Path(target)
+    if target.is_dir():
+        if not (target / "tokenizer.json").is_file():
+            raise StrataError(f"{target}: no tokenizer.json to take the vocabulary from")
+        return from_tokenizer_folder(target, vocab_size, pre)
+    from . import gguf_file
+
+    vocab = Vocab.from_metadata(gguf_file.read(target)[0])
+    if vocab is None:
+        raise StrataError(f"{target}: the GGUF file carries no vocabulary (tokenizer.ggml.model)")
+    return vocab
