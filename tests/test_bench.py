@@ -27,3 +27,11 @@ def test_bench_tiny_cpu(tmp_path):
     assert data["hf"]["eager"]["identical_to_strata"], data["hf"]
     assert data["ratios"]["target_only_vs_hf_eager"] > 0
     assert "target-only" in r.stderr and "HF generate (eager)" in r.stderr
+
+
+def test_bench_without_out_prints_and_writes_nothing(tmp_path):
+    r = run_cli("bench", "--shape", "tiny", "--prompt-len", "4", "--new-tokens", "3", "--runs", "1", "--hf", "none",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "target-only" in r.stderr and "wrote" not in r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -3,8 +3,6 @@ random, or none), the prompt, one run of run_bench, the JSON and plot, and the l
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +12,7 @@ import torch
 from ..engine.config import EngineConfig
 from ..engine.loader import PairSpec, load_drafter_for, load_pair, resolve
 from ..errors import StrataError
+from ..files import write_json_atomic
 from .plot import plot
 from .run import random_drafter, run_bench, sync
 
@@ -80,10 +79,7 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
 
 def write(result: dict, out: Path) -> None:
     """The JSON (atomically) and its plot beside it."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out)
+    write_json_atomic(out, result)
     plot(result, out.with_suffix(".png"))
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..errors import ArtifactError, StrataError
+from ..files import check_output, umask_mode
 from ..gguf_vocab import for_target
 from . import contract as C
 from .artifact import Artifact, load_artifact
@@ -34,18 +35,6 @@ def verify_same(expected: dict[str, torch.Tensor], got: Artifact, progress: bool
             raise ArtifactError(f"{got.source}: read-back of tensor '{name}' differs from the source")
 
 
-def check_output(out: Path, folder: bool) -> None:
-    """An output path that can be written: its parent folder exists, and it is not the other kind of thing."""
-    if not out.parent.is_dir():
-        raise StrataError(f"{out}: the folder {out.parent} does not exist")
-    if folder and out.exists() and not out.is_dir():
-        raise StrataError(f"{out}: exists and is a file (expected a folder to write)")
-    if not folder and out.is_dir():
-        raise StrataError(f"{out}: is a folder (expected a file name to write)")
-    if not os.access(out.parent, os.W_OK):
-        raise StrataError(f"{out}: cannot write into {out.parent}")
-
-
 def convert_hf_to_gguf(src: str | Path, out: str | Path, target: str | Path | None = None,
                        tokenizer_pre: str | None = None, progress: bool = True) -> Artifact:
     """The drafter in llama.cpp's layout, carrying the target's vocabulary: from `target` (a model folder
@@ -53,7 +42,7 @@ def convert_hf_to_gguf(src: str | Path, out: str | Path, target: str | Path | No
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise StrataError(f"{src}: not a folder (expected a Hugging Face DFlash drafter)")
-    check_output(out, folder=False)
+    check_output(out)
     vocab_from = Path(target) if target else (src if (src / "tokenizer.json").is_file() else None)
     if vocab_from is None:
         raise StrataError(f"{src}: the drafter folder has no tokenizer.json; give the target model with --target "
@@ -104,6 +93,7 @@ def export_gguf_to_hf(src: str | Path, out_dir: str | Path, progress: bool = Tru
         dtype = str(dtypes.pop() if len(dtypes) == 1 else torch.float32).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config_to_hf(art.cfg, dtype), indent=2) + "\n")
         save_file(ordered, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        umask_mode(tmp / "model.safetensors")
         back = read_hf(tmp)
         verify_same(ordered, back, progress)
         if out_dir.exists():

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..errors import StrataError
+from ..files import umask_mode
 from ..layers.modules import Step, init_weights_
 from ..models.loader import unpack
 from .contract import DFlashConfig, default_target_layers
@@ -287,6 +288,7 @@ class DrafterTrainer:
         tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous()
                    for k, v in unpack(self.model.state_dict(), hf_layout(self.cfg)).items()}
         save_file(tensors, str(self.out / "model.safetensors"), metadata={"format": "pt"})
+        umask_mode(self.out / "model.safetensors")
         (self.out / "training_log.json").write_text(json.dumps(self.history, indent=2) + "\n")
 
     def fit(self, progress=True):

@@ -14,6 +14,7 @@ DRAFT_SAMPLING_MODES = ("sample", "argmax")
 @dataclass(frozen=True)
 class EngineConfig:
     max_len: int | None = None  # context length; None: the model's
+    allow_long_context: bool = False  # max_len past the model's trained context, knowingly
     window: int | None = None  # verify window W (anchor + W-1 candidates); None: the drafter's default
     static: bool = False  # fixed-shape steps over device-side positions: the CUDA-graph layout
     graphs: bool = True  # static layout on a GPU: capture the steps in CUDA graphs
@@ -36,7 +37,12 @@ class EngineConfig:
             raise StrataError(f"pad_rows must be >= 1, got {self.pad_rows}")
 
     def context(self, target_cfg) -> int:
-        return self.max_len or target_cfg.max_position_embeddings
+        """The context length: max_len, refused past the model's own unless allow_long_context."""
+        trained = target_cfg.max_position_embeddings
+        if self.max_len is not None and self.max_len > trained and not self.allow_long_context:
+            raise StrataError(f"--max-model-len {self.max_len} exceeds the model's context of {trained} tokens "
+                              f"(max_position_embeddings); add --allow-long-context to use it anyway")
+        return self.max_len or trained
 
     def window_for(self, drafter) -> int:
         """The verify window with this drafter (1 without one), or a one-line error."""

@@ -40,12 +40,13 @@ class GenerationResult:
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"
+    limit: str | None = None  # with finish_reason "length": "max_new_tokens", or "context" (the context ended)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     drafter: str = "none"
     window: int = 1
     acceptance: Acceptance = field(default_factory=Acceptance)
-    draft_s: float = 0.0  # measured only with EngineConfig(profile=True)
+    draft_s: float = 0.0  # on a GPU measured only with EngineConfig(profile=True)
     verify_s: float = 0.0
 
     @property
@@ -64,7 +65,7 @@ class GenerationResult:
 
     def stats(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "output_ids": self.output_ids, "new_tokens": self.new_tokens,
-                "finish_reason": self.finish_reason, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "finish_reason": self.finish_reason, "limit": self.limit, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
                 "tok_s": self.tok_s, "drafter": self.drafter, "window": self.window,
                 **self.acceptance.summary(), "draft_s": self.draft_s, "verify_s": self.verify_s}
 
@@ -92,11 +93,13 @@ class Engine:
             raise StrataError(f"prompt token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
 
     def _clock(self) -> float:
-        """Wall time; with profile=True it first waits for the device, so segments can be told apart."""
+        """Wall time. On a GPU only with profile=True, and after waiting for the device, so that segments
+        can be told apart (a wait per segment would cost the speed it measures); on the CPU always."""
+        if self.target.device.type != "cuda":
+            return time.perf_counter()
         if not self.config.profile:
             return 0.0
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
         return time.perf_counter()
 
     def _draft(self, anchor: int, pos: int, n: int, kv_len: int, params: SamplingParams, gen):
@@ -149,10 +152,11 @@ class Engine:
                                acceptance=Acceptance(drafted=[0] * (self.window - 1),
                                                      accepted=[0] * (self.window - 1)))
         gen = None if params.greedy else params.generator(self.target.device)
-        budget = min(max_new_tokens, self.max_len + 1 - len(prompt_ids))  # the context's end
+        room = self.max_len + 1 - len(prompt_ids)  # the context's end
+        budget = min(max_new_tokens, room)
 
-        def emit(tokens: list[int]) -> bool:
-            """Append tokens up to a stop id or the budget; True when generation is over."""
+        def emit(tokens: list[int]) -> tuple[bool, int]:
+            """Append tokens up to a stop id or the budget: (whether generation is over, tokens used)."""
             out = []
             done = False
             for t in tokens:
@@ -162,11 +166,12 @@ class Engine:
                     break
                 if len(res.output_ids) + len(out) >= budget:
                     res.finish_reason, done = "length", True
+                    res.limit = "max_new_tokens" if max_new_tokens <= room else "context"
                     break
             res.output_ids.extend(out)
             if on_tokens and out:
                 on_tokens(out)
-            return done
+            return done, len(out)
 
         t0 = time.perf_counter()
         runner.reset()
@@ -177,20 +182,20 @@ class Engine:
             anchor = int(sample(process(logits[-1:], params), gen).item())
         res.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        done = emit([anchor])
+        done, _ = emit([anchor])
         while not done:
             if should_stop is not None and should_stop():
                 res.finish_reason = "abort"
                 break
             pos = runner.cache.length
             if pos >= self.max_len:
-                res.finish_reason = "length"
+                res.finish_reason, res.limit = "length", "context"
                 break
             outcome, (t_draft, t_verify, t_observe, t_end) = self._round(anchor, pos, params, gen)
             anchor = outcome.next_token
             res.draft_s += (t_verify - t_draft) + (t_end - t_observe)
             res.verify_s += t_observe - t_verify
-            res.acceptance.add_round(outcome.accepted, outcome.window)
-            done = emit(outcome.emitted)
+            done, used = emit(outcome.emitted)
+            res.acceptance.add_round(outcome.accepted, outcome.window, delivered=used)
         res.decode_s = time.perf_counter() - t1
         return res

@@ -76,9 +76,10 @@ def resolve(spec: PairSpec) -> tuple[Path, str | None, bool]:
 def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bool = True) -> Pair:
     """The target, its tokenizer and stop ids, and (drafter=True) the drafter the spec names, checked
     against the target before any decoding starts."""
-    from ..models.loader import load_target
+    from ..models.loader import load_model_config, load_target
 
     model_dir, dflash, using_demo = resolve(spec)
+    engine.context(load_model_config(model_dir)[1])  # a bad context length is refused before the weights load
     target = load_target(model_dir, device=spec.torch_device(), dtype=spec.torch_dtype())
     pair = Pair(target, Tokenizer.from_folder(model_dir), None, model_dir, using_demo, declared_stop_ids(target, model_dir))
     if drafter:

@@ -21,6 +21,7 @@ import torch
 from ..cache import aligned_cells
 from ..layers.kernels import EAGER, select_kernels
 from ..layers.modules import Step
+from ..models.decoder import ForwardOut
 from .config import EngineConfig
 from .drafter import Commit, Drafter, DraftRequest, Proposal
 from .verify import greedy_accept
@@ -109,16 +110,31 @@ class ModelRunner:
         self.cache.reset()
         self.drafter.reset()
 
+    def prefill_rows(self, n: int) -> int:
+        """Rows of a prefill chunk for a prompt of n tokens: attention scores of one chunk (rows x n per
+        head, float32 where the kernel materialises them) stay within a fixed budget, so prefill memory
+        grows linearly with the prompt."""
+        budget = (1 << 30) if self.target.device.type == "cuda" else (256 << 20)
+        return max(64, budget // (4 * n * self.target.cfg.num_heads))
+
     def prefill(self, prompt_ids: list[int]):
-        """The prompt through the target (eager, whatever the layout); the drafter observes it. Returns
-        the ForwardOut: the last row's logits [1, vocab] and every row's taps."""
+        """The prompt through the target in chunks (eager, whatever the layout); the drafter observes each.
+        Returns the ForwardOut: the last row's logits [1, vocab] and every row's taps."""
         dev, n = self.target.device, len(prompt_ids)
         tokens = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
         positions = torch.arange(n, device=dev)
-        out = self.target(tokens, Step(positions, n, EAGER), self.cache, self.drafter.tap_layers, logits="last")
+        rows = self.prefill_rows(n)
+        logits, taps = None, []
+        for start in range(0, n, rows):
+            end = min(n, start + rows)
+            out = self.target(tokens[start:end], Step(positions[start:end], end, EAGER), self.cache,
+                              self.drafter.tap_layers, logits="last" if end == n else "none")
+            logits = out.logits
+            taps.append(out.taps)
+            self.drafter.observe(Commit(start, list(prompt_ids[start:end]), out.taps, positions[start:end],
+                                        probe=self.probe))
         self.cache.commit(n)
-        self.drafter.observe(Commit(0, list(prompt_ids), out.taps, positions, probe=self.probe))
-        return out
+        return ForwardOut(logits, torch.cat(taps) if taps[0] is not None else None)
 
     def start_round(self, anchor: int, pos: int) -> None:
         self.anchor.fill_(anchor)

@@ -17,12 +17,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 100):
-            raise StrataError(f"temperature must be between 0 and 100, got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise StrataError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise StrataError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        if not (number(self.temperature) and 0 <= self.temperature <= 100):
+            raise StrataError(f"temperature must be between 0 and 100, got {self.temperature!r}", "temperature")
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            raise StrataError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}", "top_k")
+        if not (number(self.top_p) and 0 < self.top_p <= 1):
+            raise StrataError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                          and 0 <= self.seed < 2 ** 63):
+            raise StrataError(f"seed must be an integer in 0..2**63-1, got {self.seed!r}", "seed")
 
     @property
     def greedy(self) -> bool:

@@ -12,9 +12,13 @@ class Acceptance:
     drafted: list[int] = field(default_factory=list)  # rounds that proposed a candidate at each position
     accepted: list[int] = field(default_factory=list)  # ... and where it was accepted
 
-    def add_round(self, accepted: int, window: int) -> None:
-        """A round that verified `window` tokens and accepted `accepted` of its window-1 candidates."""
-        self.accept_lengths.append(accepted + 1)
+    def add_round(self, accepted: int, window: int, delivered: int | None = None) -> None:
+        """A round that verified `window` tokens and accepted `accepted` of its window-1 candidates, of which
+        (with the bonus token) `delivered` reached the output: a stop token or the token budget can end
+        a round early, and tokens it discards count as neither committed nor accepted."""
+        delivered = accepted + 1 if delivered is None else delivered
+        accepted = min(accepted, delivered)
+        self.accept_lengths.append(delivered)
         n = window - 1
         if len(self.drafted) < n:
             grow = n - len(self.drafted)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..files import umask_mode
 from .loader import checkpoint_shapes, load_model_config
 from .registry import family
 
@@ -47,6 +48,7 @@ def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
         else:
             tensors[name] = (torch.randn(shp, generator=gen) * 0.02).to(dtype)
     save_file(tensors, str(out_dir / "model.safetensors"))
+    umask_mode(out_dir / "model.safetensors")
     return out_dir
 
 

@@ -1,0 +1,143 @@
+"""What a new user's run broke, each through the real command line: context length, output paths,
+threads, the context's end, help and version, prompts from files and stdin, file modes, summaries."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+
+import torch
+
+from strata.engine.decode import Engine
+from strata.engine.runner import ModelRunner
+from strata.models.loader import load_target
+
+from conftest import run_cli
+
+
+def test_context_past_the_model_is_refused_unless_allowed(qwen3_dir, tmp_path):
+    r = run_cli("generate", "--model", qwen3_dir, "--prompt-ids", "1,2", "--max-model-len", "4096")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "--max-model-len 4096 exceeds the model's context of 512 tokens" in r.stderr
+    assert "--allow-long-context" in r.stderr
+    stats = tmp_path / "s.json"
+    r = run_cli("generate", "--model", qwen3_dir, "--prompt-ids", "1,2", "--max-model-len", "600",
+                "--allow-long-context", "--max-new-tokens", "4", "--stats-json", stats)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(stats.read_text())["new_tokens"] == 4
+
+
+def test_chunked_prefill_gives_the_same_logits_and_tokens(qwen3_dir, monkeypatch):
+    """Prefill memory is linear in the prompt because it runs in chunks; chunks change nothing."""
+    target = load_target(qwen3_dir)
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+    whole = Engine(target, max_len=512)
+    assert whole.runner.prefill_rows(150) >= 150  # a short prompt is one chunk
+    assert 64 <= whole.runner.prefill_rows(100_000) < whole.runner.prefill_rows(1000)
+    want = whole.runner.prefill(prompt)
+    out = whole.generate(prompt, 24).output_ids
+    monkeypatch.setattr(ModelRunner, "prefill_rows", lambda self, n: 16)
+    chunked = Engine(target, max_len=512)
+    got = chunked.runner.prefill(prompt)
+    assert (got.logits - want.logits).abs().max() <= 1e-5
+    assert chunked.generate(prompt, 24).output_ids == out
+
+
+def test_outputs_are_checked_before_the_work(qwen3_dir, tmp_path):
+    r = run_cli("generate", "--model", qwen3_dir, "--prompt-ids", "1,2", "--stats-json", tmp_path / "no" / "s.json")
+    assert r.returncode == 2 and "--stats-json" in r.stderr and "does not exist" in r.stderr and not r.stdout
+    r = run_cli("gate", "--stats-json", tmp_path, "--max-new-tokens", "2")
+    assert r.returncode == 2 and "is a folder" in r.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = run_cli("export-dflash", "src/strata/demo/drafter.gguf", blocker)
+    assert r.returncode == 2 and "exists and is a file" in r.stderr
+    r = run_cli("convert-dflash", tmp_path, tmp_path / "missing" / "d.gguf")
+    assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "missing").exists()
+    r = run_cli("bench", "--shape", "tiny", "--out", tmp_path / "missing" / "b.json")
+    assert r.returncode == 2 and "--out" in r.stderr and not (tmp_path / "missing").exists()
+    r = run_cli("init-random", tmp_path / "missing" / "m")
+    assert r.returncode == 2 and not (tmp_path / "missing").exists()
+
+
+def test_threads_default_to_one_and_follow_the_user(qwen3_dir, tmp_path):
+    stats = tmp_path / "s.json"
+    base = ["generate", "--model", qwen3_dir, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--stats-json", stats]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    for extra, omp, want in (([], None, 1), (["--threads", "2"], None, 2), ([], "2", 2)):
+        r = run_cli(*base, *extra, env={**env, **({"OMP_NUM_THREADS": omp} if omp else {})})
+        assert r.returncode == 0, r.stderr
+        assert json.loads(stats.read_text())["threads"] == want, (extra, omp)
+    r = run_cli(*base, "--threads", "0")
+    assert r.returncode == 2 and "--threads must be >= 1" in r.stderr
+
+
+def test_the_context_end_is_reported(tmp_path):
+    stats = tmp_path / "s.json"
+    r = run_cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "10000000", "--max-model-len", "40",
+                "--stats-json", stats)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(stats.read_text())
+    assert data["new_tokens"] == 40 + 1 - 3 and data["finish_reason"] == "length" and data["limit"] == "context"
+    assert "stopped at the end of the context (40 tokens, --max-model-len)" in r.stderr
+    r = run_cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--stats-json", stats)
+    assert json.loads(stats.read_text())["limit"] == "max_new_tokens" and "context" not in r.stderr
+
+
+def test_version_help_and_only_the_options_a_command_uses():
+    from strata import __version__
+    from strata.cli import build_parser
+
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"strata {__version__}"
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"strata {name}: {action.dest} has no help"
+    for command in ("gate", "parity", "taps", "bench"):
+        r = run_cli(command, "--temperature", "0.8")
+        assert r.returncode == 2 and "unrecognized arguments: --temperature" in r.stderr, command
+    assert run_cli("gate", "--prompt-lookup", "2").returncode == 2
+
+
+def test_prompt_from_a_file_and_from_stdin(tmp_path):
+    prompt = "def quicksort(arr):"
+    direct = run_cli("generate", prompt, "--max-new-tokens", "8", "--no-dflash")
+    path = tmp_path / "p.txt"
+    path.write_text(prompt)
+    from_file = run_cli("generate", "--prompt-file", path, "--max-new-tokens", "8", "--no-dflash")
+    from_stdin = run_cli("generate", "--prompt-file", "-", "--max-new-tokens", "8", "--no-dflash", input=prompt)
+    assert direct.returncode == 0 and direct.stdout == from_file.stdout == from_stdin.stdout
+    huge = "x = 1\n" * 35_000  # 210 KB: more than argv can carry
+    r = run_cli("generate", "--prompt-file", "-", "--no-dflash", input=huge)
+    assert r.returncode == 2 and "does not fit the context of 2048" in r.stderr  # it was read whole
+    r = run_cli("generate", "--prompt-file", tmp_path / "none.txt")
+    assert r.returncode == 2 and "--prompt-file" in r.stderr
+    r = run_cli("generate", prompt, "--prompt-file", path)
+    assert r.returncode == 2 and "exactly one of" in r.stderr
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    def umask_022():
+        os.umask(0o022)
+
+    assert run_cli("init-random", tmp_path / "m", preexec_fn=umask_022).returncode == 0
+    assert run_cli("export-dflash", "src/strata/demo/drafter.gguf", tmp_path / "e", preexec_fn=umask_022,
+                   cwd=os.getcwd()).returncode == 0
+    for path in (tmp_path / "m" / "model.safetensors", tmp_path / "e" / "model.safetensors",
+                 tmp_path / "e" / "config.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+def test_summary_of_one_token_and_the_round_split_on_the_cpu(tmp_path):
+    r = run_cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "1")
+    assert r.returncode == 0 and "no decode round" in r.stderr and "0.0 tok/s" not in r.stderr
+    stats = tmp_path / "s.json"
+    r = run_cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "24", "--stats-json", stats)
+    data = json.loads(stats.read_text())
+    assert data["rounds"] > 0 and data["draft_s"] > 0 and data["verify_s"] > 0
+    assert data["draft_s"] + data["verify_s"] <= data["decode_s"]
