@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -29,13 +30,14 @@ def free_port() -> int:
 
 
 class Live:
-    def __init__(self, tmp_path, *extra):
+    def __init__(self, tmp_path, *extra, api_key: str = "none", env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"serve-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(self.port), *extra],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=None if env is None else {**os.environ, **env})
         deadline = time.time() + 120
         while time.time() < deadline:
             try:
@@ -46,7 +48,7 @@ class Live:
             assert self.proc.poll() is None, self.log_path.read_text()
         else:
             raise AssertionError("server did not start: " + self.log_path.read_text())
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
 
     def stop(self):
         if self.proc.poll() is None:
@@ -170,6 +172,8 @@ def test_load_16_clients(live):
                                           "strata:spec_decode_num_draft_tokens_total",
                                           "strata:spec_decode_num_accepted_tokens_total")}
     ok_before = live.metric("strata:requests_total", '{endpoint="/v1/completions",status="200"}')
+    aborted = live.metric("strata:request_success_total", '{finish_reason="abort"}')
+    gone_before = live.metric("strata:requests_total", '{endpoint="/v1/completions",status="499"}')
     completed, failures = [], []
 
     def client(k):
@@ -184,6 +188,14 @@ def test_load_16_clients(live):
                             if i > 2:
                                 break
                     continue
+                if k in (3, 4) and j == 2:  # two give up on a non-streaming request
+                    try:
+                        httpx.post(live.url + "/v1/completions", timeout=0.5,
+                                   json={"prompt": p, "max_tokens": 400, "temperature": 0})
+                    except httpx.TimeoutException:
+                        continue
+                    failures.append("a vanishing client got its answer within 0.5 s")
+                    continue
                 if stream:
                     chunks = list(live.client.completions.create(model="strata-demo", prompt=p, max_tokens=12,
                                                                  temperature=0, stream=True))
@@ -197,7 +209,7 @@ def test_load_16_clients(live):
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(client, range(16)))
     assert not failures, failures
-    assert len(completed) == 16 * 5 - 3
+    assert len(completed) == 16 * 5 - 5
     for p, text, _ in completed:
         assert text == expected[p]
     t0 = time.time()
@@ -212,8 +224,14 @@ def test_load_16_clients(live):
                   for i in range(7))
     assert per_pos == live.metric("strata:spec_decode_num_accepted_tokens_total")
     tokens = after["strata:generation_tokens_total"] - before["strata:generation_tokens_total"]
-    assert 12 * len(completed) <= tokens <= 12 * len(completed) + 3 * 400
-    assert live.metric("strata:requests_total", '{endpoint="/v1/completions",status="200"}') - ok_before == 80
+    assert 12 * len(completed) <= tokens < 12 * len(completed) + 5 * 400  # the vanished work stopped early
+    t0 = time.time()  # each vanished request ends as an abort (the waiting ones before they start)
+    while live.metric("strata:request_success_total", '{finish_reason="abort"}') - aborted < 5:
+        assert time.time() - t0 < 20
+        time.sleep(0.05)
+    assert live.metric("strata:request_success_total", '{finish_reason="abort"}') - aborted == 5
+    assert live.metric("strata:requests_total", '{endpoint="/v1/completions",status="200"}') - ok_before == 78
+    assert live.metric("strata:requests_total", '{endpoint="/v1/completions",status="499"}') - gone_before == 2
 
 
 def test_full_queue_gets_429(tmp_path):
@@ -237,24 +255,222 @@ def test_full_queue_gets_429(tmp_path):
         server.stop()
 
 
-def test_sigterm_lets_the_stream_finish(tmp_path):
-    server = Live(tmp_path)
-    lines = []
+def test_shutdown_lets_in_flight_work_finish_then_cuts_the_rest_cleanly(tmp_path):
+    """SIGTERM: a request that finishes within --shutdown-timeout completes; past the deadline the one
+    running stops within a round and the one waiting never starts, each with an error (503 body; error
+    event, then [DONE]); the process exits 0 with no traceback."""
+    server = Live(tmp_path, "--shutdown-timeout", "3")
+    lines, results = {"short": [], "cut": []}, {}
 
-    def read():
+    def stream(name, tokens):
         with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
-                          json={"prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0, "stream": True}) as r:
+                          json={"prompt": PROMPTS[0], "max_tokens": tokens, "temperature": 0, "stream": True}) as r:
             for line in r.iter_lines():
-                lines.append(line)
+                lines[name].append(line)
 
-    t = threading.Thread(target=read)
-    t.start()
-    while len(lines) < 3:
+    def plain():
+        results["plain"] = httpx.post(server.url + "/v1/completions", timeout=120,
+                                      json={"prompt": PROMPTS[1], "max_tokens": 1900, "temperature": 0})
+
+    threads = [threading.Thread(target=stream, args=("short", 100))]
+    threads[0].start()
+    while len(lines["short"]) < 3:
         time.sleep(0.02)
+    threads += [threading.Thread(target=stream, args=("cut", 1900)), threading.Thread(target=plain)]
+    for t in threads[1:]:
+        t.start()
+    time.sleep(0.3)
     server.proc.send_signal(signal.SIGTERM)
-    t.join(timeout=120)
+    for t in threads:
+        t.join(timeout=120)
     assert server.proc.wait(timeout=60) == 0
-    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
-    final = json.loads([l for l in lines if l.startswith("data: {")][-1][6:])
-    assert final["choices"][0]["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 300
     server.log.close()
+    short = [json.loads(ln[6:]) for ln in lines["short"] if ln.startswith("data: {")]
+    assert lines["short"][-2:] == ["data: [DONE]", ""] or lines["short"][-1] == "data: [DONE]"
+    assert short[-1]["choices"][0]["finish_reason"] == "length" and short[-1]["usage"]["completion_tokens"] == 100
+    cut = [json.loads(ln[6:]) for ln in lines["cut"] if ln.startswith("data: {")]
+    assert cut[-1]["error"]["code"] == 503 and "shut down" in cut[-1]["error"]["message"]
+    assert "data: [DONE]" in lines["cut"]
+    assert results["plain"].status_code == 503 and results["plain"].json()["error"]["type"] == "server_error"
+    assert "Traceback" not in server.text_log()
+
+
+# ------------------------------------------------------------------ hardening (a load test and a bad client's tricks)
+
+def test_non_streaming_client_that_leaves_stops_its_generation(live):
+    aborted = live.metric("strata:request_success_total", '{finish_reason="abort"}')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 1500, "temperature": 0},
+                   timeout=1.5)
+    t0 = time.time()
+    while live.metric("strata:request_success_total", '{finish_reason="abort"}') == aborted:
+        assert time.time() - t0 < 10, "the generation did not stop after the client left"
+        time.sleep(0.05)
+    assert live.metric("strata:num_requests_running") == 0 and live.metric("strata:num_requests_waiting") == 0
+
+
+def test_running_and_waiting_are_counted_apart(live):
+    done = []
+    t = threading.Thread(target=lambda: done.append(httpx.post(
+        live.url + "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 300, "temperature": 0}, timeout=60)))
+    t.start()
+    t0 = time.time()
+    while live.metric("strata:num_requests_running") != 1:
+        assert time.time() - t0 < 10 and not done
+        time.sleep(0.02)
+    assert live.metric("strata:num_requests_waiting") == 0
+    t.join()
+    assert done[0].status_code == 200
+
+
+def test_accepted_counter_counts_delivered_tokens_only(live):
+    names = ("strata:spec_decode_num_drafts_total", "strata:spec_decode_num_accepted_tokens_total")
+    before = [live.metric(n) for n in names]
+    out = live.client.completions.create(model="strata-demo", prompt=PROMPTS[4], max_tokens=5, temperature=0)
+    drafts, accepted = (live.metric(n) - b for n, b in zip(names, before))
+    # every round commits its accepted candidates and a bonus; tokens past max_tokens are not counted
+    assert out.usage.completion_tokens - 1 <= drafts + accepted <= out.usage.completion_tokens
+    assert out.model_extra["strata"]["tau"] * out.model_extra["strata"]["rounds"] == out.usage.completion_tokens - 1
+
+
+def test_bodies_are_capped_and_a_big_prompt_does_not_stall_the_others(live):
+    big = b'{"prompt": "' + b"x" * (9 << 20) + b'"}'
+    r = httpx.post(live.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than 8388608 bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the cap applies while reading
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"y" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(live.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    finished = []
+
+    def post_big():
+        body = {"prompt": "def f(x):\n    return x\n" * 160_000, "max_tokens": 4}  # 3.8 MB to tokenize
+        finished.append(("big", httpx.post(live.url + "/v1/completions", json=body, timeout=120)))
+
+    t = threading.Thread(target=post_big)
+    t.start()
+    time.sleep(0.5)
+    health = httpx.get(live.url + "/health", timeout=60)
+    finished.append(("health", health))
+    t.join()
+    assert health.status_code == 200
+    assert [name for name, _ in finished] == ["health", "big"], "/health waited for the big request's tokenizing"
+    assert finished[1][1].status_code == 400 and "does not fit the context" in finished[1][1].json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ('{"prompt": "bad \\ud800 text"}', "prompt"),
+    ('{"prompt": "x", "seed": 1180591620717411303424, "temperature": 1}', "seed"),
+    ('{"prompt": "x", "seed": 1180591620717411303424, "temperature": 1, "stream": true}', "seed"),
+    ('{"prompt": "x", "max_tokens": true}', "max_tokens"),
+    ('{"prompt": "x", "temperature": -1}', "temperature"),
+    ('{"prompt": "x", "top_k": -2}', "top_k"),
+    ('{"prompt": "x", "max_tokens": 5000}', "max_tokens"),
+    ('{"prompt": "x", "temperature": true}', "temperature"),
+])
+def test_bad_values_are_400_with_their_param_and_counted(live, body, param):
+    before = live.metric("strata:requests_total", '{endpoint="/v1/completions",status="400"}')
+    r = httpx.post(live.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert live.metric("strata:requests_total", '{endpoint="/v1/completions",status="400"}') == before + 1
+
+
+def test_deep_json_bad_messages_and_unknown_routes(live):
+    deep = '{"prompt": ' + "[" * 10_000 + "]" * 10_000 + "}"
+    r = httpx.post(live.url + "/v1/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    for messages, needle in (([{"role": "banana", "content": "hi"}], "messages.0.role"),
+                             ([{"role": "user", "content": "bad \ud800"}], "messages")):
+        body = json.dumps({"messages": messages})
+        r = httpx.post(live.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and needle in (r.json()["error"]["param"] or ""), r.text
+    r = httpx.get(live.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(live.url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"]
+    for i in range(100):
+        httpx.get(live.url + f"/random/{i}/{time.time()}")
+    body = httpx.get(live.url + "/metrics").text
+    assert "/random/" not in body and 'endpoint="unmatched"' in body
+    assert len([ln for ln in body.splitlines() if ln.startswith("strata:requests_total{")]) < 30
+
+
+def test_api_gaps(live):
+    out = live.client.chat.completions.create(model="strata-demo", messages=[{"role": "user", "content": "sort"}],
+                                              max_completion_tokens=5, temperature=0)
+    assert out.usage.completion_tokens == 5
+    parts = live.client.chat.completions.create(
+        model="strata-demo", max_tokens=12, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "so"}, {"type": "text", "text": "rt"}]}])
+    plain = live.client.chat.completions.create(model="strata-demo", messages=[{"role": "user", "content": "sort"}],
+                                                max_tokens=12, temperature=0)
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    echo = live.client.completions.create(model="strata-demo", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                          echo=True)
+    plain = live.client.completions.create(model="strata-demo", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert echo.choices[0].text == PROMPTS[0] + plain.choices[0].text
+    streamed = live.client.completions.create(model="strata-demo", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                              echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == echo.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A server with a key (from the environment), short timeouts and greedy requests by default."""
+    server = Live(tmp_path_factory.mktemp("guarded"), "--timeout", "1", "--temperature", "0",
+                  "--max-body-bytes", "100000", api_key="sesame", env={"STRATA_API_KEY": "sesame"})
+    yield server
+    server.stop()
+    assert "Traceback" not in server.text_log()
+
+
+def test_api_key_content_type_and_host(guarded):
+    url = guarded.url + "/v1/completions"
+    body = {"prompt": "x", "max_tokens": 2}
+    r = httpx.post(url, json=body)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    key = {"Authorization": "Bearer sesame"}
+    assert httpx.post(url, json=body, headers=key).status_code == 200
+    assert httpx.get(guarded.url + "/health").status_code == 200
+    r = httpx.post(url, content=json.dumps(body), headers={**key, "content-type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    r = httpx.post(url, json=body, headers={**key, "host": "attacker.example"})
+    assert r.status_code == 403 and "Host header" in r.json()["error"]["message"]
+    assert httpx.post(url, json=body, headers={**key, "host": f"localhost:{guarded.port}"}).status_code == 200
+    out = guarded.client.completions.create(model="strata-demo", prompt=PROMPTS[0], max_tokens=12)
+    assert out.choices[0].text == generate_text(PROMPTS[0], 12)  # --temperature 0: requests without one are greedy
+
+
+def _closed_within(sock, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except OSError:
+        return False
+
+
+def test_slow_and_idle_connections_are_closed(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port)) as s:  # headers that never finish
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert _closed_within(s, 5)
+    with socket.create_connection(("127.0.0.1", guarded.port)) as s:  # a body that never finishes
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer sesame\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        s.settimeout(5)
+        assert s.recv(65536).startswith(b"HTTP/1.1 408")
+    with socket.create_connection(("127.0.0.1", guarded.port)) as s:  # idle after a request
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        s.settimeout(5)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        assert _closed_within(s, 5)
+    assert httpx.get(guarded.url + "/health").status_code == 200

@@ -42,7 +42,9 @@ class Tokenizer:
         return cls(folder) if (folder / "tokenizer.json").is_file() else None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """The ids of text. Through encode_batch, which releases the GIL while it works (a single encode
+        held it for seconds on a long prompt, stalling every other thread, the server's event loop too)."""
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

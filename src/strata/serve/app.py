@@ -1,16 +1,16 @@
 """The OpenAI-compatible app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 One engine, one sequence at a time: a single worker thread runs generations in arrival order, so
-requests never share cache state. Admission is bounded (429 past --max-queue). A stream whose client
-goes away is cancelled and stops within one decode round."""
+requests never share cache state. Admission is bounded (429 past --max-queue). A client that goes
+away, streaming or not, has its generation stopped within one decode round. Bodies are capped and
+read under a deadline; parsing and tokenizing run off the event loop, so a huge request never
+stalls the others or /health."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import signal
 import threading
 import time
 import uuid
@@ -18,28 +18,38 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import StrataError
 from ..engine.decode import Engine, GenerationResult
 from ..engine.sampling import SamplingParams
+from ..errors import StrataError
 from ..tokenizer import StreamDecoder, Tokenizer
+from .guard import APIError, Guard
 from .metrics import Metrics
 from .protocol import ChatRequest, CompletionRequest, error_body
 
 log = logging.getLogger("strata.serve")
 
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers, self.kind = status, message, param, headers, kind
+#: OpenAI's defaults for sampling fields a request leaves out (the server's own defaults come first)
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None}
 
 
 @dataclass
+class ServerConfig:
+    model_name: str
+    stop_ids: set[int] = field(default_factory=set)
+    max_queue: int = 64
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    timeout: float = 30.0  # to send a request's head and body
+    loopback: bool = True  # bound to a loopback address: Host headers must name it
+    defaults: dict = field(default_factory=dict)  # sampling defaults of requests that omit them
+
+
+@dataclass(eq=False)
 class Job:
     prompt_ids: list[int]
     max_tokens: int
@@ -48,16 +58,17 @@ class Job:
     stop_strings: list[str]
     tokenizer: Tokenizer | None
     loop: asyncio.AbstractEventLoop
+    echo: str = ""  # the prompt's text, ahead of the completion (echo)
     queue: asyncio.Queue | None = None  # text deltas for streaming; None at the end
     cancel: threading.Event = field(default_factory=threading.Event)
-    text: str = ""
-    emitted: int = 0
+    cut: bool = False  # stopped by the server's shutdown, not by the client
     stopped_by_string: bool = False
     result: GenerationResult | None = None
 
     def __post_init__(self):
         self.decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
         self.hold = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.text, self.emitted = self.echo, 0
 
     def on_tokens(self, ids: list[int]) -> None:
         if self.stopped_by_string:
@@ -67,22 +78,23 @@ class Job:
         else:
             self.text += self.decoder.push([i for i in ids if i not in self.stop_ids])
         for s in self.stop_strings:
-            at = self.text.find(s)
+            at = self.text.find(s, len(self.echo))
             if at >= 0:
                 self.text = self.text[:at]
                 self.stopped_by_string = True
                 self.cancel.set()
         safe = len(self.text) if self.stopped_by_string else len(self.text) - self.hold
-        if self.queue is not None and safe > self.emitted:
-            delta = self.text[self.emitted:safe]
-            self.emitted = safe
+        self.send(safe)
+
+    def send(self, upto: int) -> None:
+        if self.queue is not None and upto > self.emitted:
+            delta = self.text[self.emitted:upto]
+            self.emitted = upto
             self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
 
     def finish(self) -> None:
+        self.send(len(self.text))
         if self.queue is not None:
-            if len(self.text) > self.emitted:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, self.text[self.emitted:])
-                self.emitted = len(self.text)
             self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
     @property
@@ -91,34 +103,49 @@ class Job:
 
 
 class Server:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, model_name: str, stop_ids: set[int],
-                 max_queue: int = 64):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.stop_ids = set(stop_ids)
-        self.max_queue = max_queue
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, config: ServerConfig):
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.model_name = config.model_name
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-engine")
-        self.admitted = 0
+        self.jobs: set[Job] = set()
+        self.running = 0
         self.lock = threading.Lock()
         self.metrics = Metrics(engine.window)
         self.created = int(time.time())
+        self.draining = False  # SIGTERM: no new requests
+        self.cutting = False  # the shutdown deadline passed: in-flight work is stopped
 
     # -- admission
-    def admit(self) -> None:
+    def admit(self, job: Job) -> None:
         with self.lock:
-            if self.admitted >= self.max_queue:
-                raise APIError(429, f"the server is busy: {self.admitted} requests in flight (--max-queue "
-                                    f"{self.max_queue}); retry later", headers={"Retry-After": "1"},
+            if self.draining:
+                raise APIError(503, "the server is shutting down", kind="server_error")
+            if len(self.jobs) >= self.config.max_queue:
+                raise APIError(429, f"the server is busy: {len(self.jobs)} requests in flight (--max-queue "
+                                    f"{self.config.max_queue}); retry later", headers={"Retry-After": "1"},
                                kind="rate_limit_error")
-            self.admitted += 1
-            self.metrics.queue.set(self.admitted)
+            self.jobs.add(job)
+            self._gauges()
 
-    def release(self) -> None:
+    def release(self, job: Job) -> None:
         with self.lock:
-            self.admitted -= 1
-            self.metrics.queue.set(self.admitted)
+            self.jobs.discard(job)
+            self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.running.set(self.running)
+        self.metrics.waiting.set(len(self.jobs) - self.running)
+
+    def cut_all(self) -> None:
+        """The shutdown deadline: every admitted request stops within a round and says why."""
+        with self.lock:
+            self.cutting = True
+            for job in self.jobs:
+                job.cut = True
+                job.cancel.set()
 
     # -- request -> job
-    def build_job(self, req, prompt_ids: list[int], loop, default_max: int | None) -> Job:
+    def build_job(self, req, prompt_ids: list[int], loop, max_tokens: int | None, echo: str = "") -> Job:
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", kind="not_found_error")
@@ -126,85 +153,142 @@ class Server:
             raise APIError(400, "n must be 1 (several choices per request are not supported)", param="n")
         if req.logprobs or getattr(req, "top_logprobs", None):
             raise APIError(400, "logprobs are not supported", param="logprobs")
+        def pick(key: str):
+            """The request's value, else the server's default, else OpenAI's."""
+            for value in (getattr(req, key), self.config.defaults.get(key)):
+                if value is not None:
+                    return value
+            return OPENAI_DEFAULTS[key]
+
         try:
             self.engine.check_prompt(prompt_ids)
-            params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
+            params = SamplingParams(pick("temperature"), pick("top_k"), pick("top_p"), pick("seed"))
         except StrataError as e:
-            raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
-        max_tokens = req.max_tokens if req.max_tokens is not None else default_max
+            raise APIError(400, str(e), param=e.param or "prompt") from None
         room = self.engine.max_len - len(prompt_ids)
-        max_tokens = room if max_tokens is None else max_tokens
-        if max_tokens < 1:
+        if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"this model's context is {self.engine.max_len} tokens; the prompt has "
+                                f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more", param="max_tokens")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stops):
             raise APIError(400, "stop strings must not be empty", param="stop")
-        stop_ids = self.stop_ids | set(req.stop_token_ids or [])
-        return Job(prompt_ids, max_tokens, params, stop_ids, stops, self.tokenizer, loop)
+        stop_ids = self.config.stop_ids | set(req.stop_token_ids or [])
+        return Job(prompt_ids, max_tokens or room, params, stop_ids, stops, self.tokenizer, loop, echo)
 
     def run(self, job: Job) -> Job:
+        with self.lock:
+            self.running += 1
+            self._gauges()
         try:
-            job.result = self.engine.generate(job.prompt_ids, job.max_tokens, job.stop_ids, job.params,
-                                              on_tokens=job.on_tokens, should_stop=job.cancel.is_set)
+            if job.cancel.is_set():  # gone (or cut) while it waited
+                job.result = GenerationResult(job.prompt_ids, finish_reason="abort")
+            else:
+                job.result = self.engine.generate(job.prompt_ids, job.max_tokens, job.stop_ids, job.params,
+                                                  on_tokens=job.on_tokens, should_stop=job.cancel.is_set)
             self.metrics.record_generation(job.result)
         finally:
+            with self.lock:
+                self.running -= 1
+                self._gauges()
             job.finish()
         return job
 
     def submit(self, job: Job) -> asyncio.Future:
-        self.admit()
+        self.admit(job)
         fut = asyncio.wrap_future(self.worker.submit(self.run, job))
-        fut.add_done_callback(lambda _: self.release())
+        fut.add_done_callback(lambda _: self.release(job))
         return fut
 
-    def usage(self, job: Job) -> dict:
+    def usage(self, job: Job) -> tuple[dict, dict]:
         res = job.result
-        st = res.stats()
+        acc = res.acceptance
         return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": res.new_tokens,
                 "total_tokens": len(job.prompt_ids) + res.new_tokens}, {
-            "drafter": st["drafter"], "window": st["window"], "tau": st["tau"], "rounds": st["rounds"],
-            "acceptance_rate": st["acceptance_rate"], "per_position_acceptance": st["per_position_acceptance"]}
+            "drafter": res.drafter, "window": res.window, "tau": acc.tau, "rounds": acc.rounds,
+            "acceptance_rate": acc.acceptance_rate, "per_position_acceptance": acc.per_position}
 
 
-async def parse(request: Request, model):
-    raw = await request.body()
+def off_loop(fn, *args):
+    """CPU work (JSON parsing, validation, tokenizing) on a helper thread, so the event loop keeps serving."""
+    return asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refused past `limit` bytes (413) or when it does not arrive within `timeout` (408)."""
+    chunks, size = [], 0
+
+    async def read():
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s") from None
+    return b"".join(chunks)
+
+
+def decode_request(raw: bytes, model):
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise APIError(400, f"field '{where}': {err['msg']}", param=where) from None
 
 
+def encode(tokenizer: Tokenizer | None, text: str, param: str) -> list[int]:
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param=param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode ({e.reason} at character {e.start})", param=param) from None
+    return tokenizer.encode(text)
+
+
 def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="Strata", docs_url=None, redoc_url=None)
+    app = FastAPI(title="Strata", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    cfg = server.config
+    app.add_middleware(Guard, metrics=server.metrics, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+                       loopback=cfg.loopback)
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):
         return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status), status_code=exc.status,
                             headers=exc.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), "not_found_error" if exc.status_code == 404 else
+                                       "invalid_request_error", None, exc.status_code), status_code=exc.status_code)
+
     @app.exception_handler(Exception)
     async def internal_error(_, exc: Exception):
-        log.exception("internal error")
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
-
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        server.metrics.requests.labels(endpoint=request.url.path, status=str(response.status_code)).inc()
-        return response
+        log.error("internal error: %s: %s", type(exc).__name__, exc)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, 500),
+                            status_code=500)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return {"status": "draining" if server.draining else "ok"}
 
     @app.get("/metrics")
     async def metrics():
@@ -215,36 +299,42 @@ def create_app(server: Server) -> FastAPI:
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "strata", "max_model_len": server.engine.max_len}]}
 
-    def encode(text: str) -> list[int]:
-        if server.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids",
-                           param="prompt")
-        return server.tokenizer.encode(text)
-
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await parse(request, CompletionRequest)
+        req = await off_loop(decode_request, await read_body(request, cfg.max_body_bytes, cfg.timeout),
+                             CompletionRequest)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise APIError(400, "batched prompts are not supported: send one prompt", param="prompt")
             prompt = prompt[0]
-        ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
-        job = server.build_job(req, ids, asyncio.get_running_loop(), default_max=16)
+        if isinstance(prompt, str):
+            ids = await off_loop(encode, server.tokenizer, prompt, "prompt")
+            echo = prompt if req.echo else ""
+        else:
+            ids = list(prompt)
+            echo = ""
+            if req.echo and server.tokenizer is not None:
+                echo = await off_loop(server.tokenizer.decode, ids)
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(16, server.engine.max_len - len(ids))
+        job = server.build_job(req, ids, asyncio.get_running_loop(), max_tokens, echo)
         return await respond(request, req, job, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = await parse(request, ChatRequest)
+        req = await off_loop(decode_request, await read_body(request, cfg.max_body_bytes, cfg.timeout), ChatRequest)
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         if server.tokenizer is None or not server.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            text = server.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+            text = await off_loop(server.tokenizer.apply_chat_template, messages)
         except StrataError as e:
             raise APIError(400, str(e), param="messages") from None
-        job = server.build_job(req, encode(text), asyncio.get_running_loop(), default_max=None)
+        ids = await off_loop(encode, server.tokenizer, text, "messages")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        job = server.build_job(req, ids, asyncio.get_running_loop(), max_tokens)
         return await respond(request, req, job, chat=True)
 
     async def respond(request: Request, req, job: Job, chat: bool):
@@ -252,13 +342,20 @@ def create_app(server: Server) -> FastAPI:
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         t0 = time.perf_counter()
+        cut_message = "the server shut down before this request finished"
         if not req.stream:
             fut = server.submit(job)
-            try:
-                await fut
-            except asyncio.CancelledError:
-                job.cancel.set()
-                raise
+            gone = False
+            while not fut.done():  # a client that goes away stops its generation within a round
+                await asyncio.wait({fut}, timeout=0.05)
+                if not fut.done() and await request.is_disconnected():
+                    gone = True
+                    job.cancel.set()
+            await fut
+            if gone:  # nobody to answer: counted as nginx's "client closed request"
+                return Response(status_code=499)
+            if job.cut:
+                raise APIError(503, cut_message, kind="server_error")
             server.metrics.latency.observe(time.perf_counter() - t0)
             usage, extra = server.usage(job)
             choice = {"index": 0, "finish_reason": job.finish_reason, "logprobs": None}
@@ -272,7 +369,6 @@ def create_app(server: Server) -> FastAPI:
         job.queue = asyncio.Queue()
         fut = server.submit(job)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-
         role_sent = [False]
 
         def chunk(delta: str | None, finish: str | None, usage=None, extra=None) -> str:
@@ -297,39 +393,22 @@ def create_app(server: Server) -> FastAPI:
                         break
                     yield chunk(delta, None)
                 await fut
-                server.metrics.latency.observe(time.perf_counter() - t0)
-                usage, extra = server.usage(job)
-                yield chunk(None, job.finish_reason, usage, extra)
+                if job.cut:
+                    yield f"data: {json.dumps(error_body(cut_message, 'server_error', None, 503))}\n\n"
+                else:
+                    server.metrics.latency.observe(time.perf_counter() - t0)
+                    usage, extra = server.usage(job)
+                    yield chunk(None, job.finish_reason, usage, extra)
                 yield "data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                raise
             except Exception as e:  # noqa: BLE001 - a failed stream ends with an error event, not a crash
-                if isinstance(e, asyncio.CancelledError):
-                    raise
-                log.exception("stream failed")
+                log.error("stream failed: %s: %s", type(e).__name__, e)
                 yield f"data: {json.dumps(error_body(f'internal error: {type(e).__name__}', 'server_error'))}\n\n"
+                yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()  # a client that went away stops its generation within one round
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
-
-
-def serve_forever(server: Server, host: str, port: int, shutdown_timeout: float) -> None:
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """SIGTERM/SIGINT: stop accepting, let in-flight requests finish, then exit 0 (uvicorn itself
-        re-raises the signal after its shutdown, which would end the process with -15)."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            saved = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in saved.items():
-                    signal.signal(sig, handler)
-
-    config = uvicorn.Config(create_app(server), host=host, port=port, log_level="info",
-                            timeout_graceful_shutdown=shutdown_timeout)
-    GracefulServer(config).run()

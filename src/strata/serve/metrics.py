@@ -8,15 +8,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 class Metrics:
     def __init__(self, max_window: int):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("strata:requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=r)
+        self.requests = Counter("strata:requests", "HTTP requests by route (unmatched paths: 'unmatched') and "
+                                "status", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("strata:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("strata:generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("strata:request_success", "Finished generations by reason", ["finish_reason"],
                                 registry=r)
         self.latency = Histogram("strata:e2e_request_latency_seconds", "Request latency", registry=r,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.queue = Gauge("strata:num_requests_waiting", "Requests admitted and not yet finished", registry=r)
+        self.running = Gauge("strata:num_requests_running", "Requests being generated", registry=r)
+        self.waiting = Gauge("strata:num_requests_waiting", "Requests admitted and waiting for the engine", registry=r)
         self.drafts = Counter("strata:spec_decode_num_drafts", "Speculative rounds (drafts verified)", registry=r)
         self.draft_tokens = Counter("strata:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter("strata:spec_decode_num_accepted_tokens", "Draft tokens accepted",
