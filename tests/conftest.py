@@ -22,12 +22,13 @@ def hf_config(family: str, tie: bool = False, kv_heads: int = 2, vocab: int = 25
                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
                   tie_word_embeddings=tie, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None)
+    head_dim = kw.pop("head_dim", 16)
     common.update(kw)
     if family == "qwen3":
-        return transformers.Qwen3Config(head_dim=16, rope_theta=10000.0, **common)
+        return transformers.Qwen3Config(head_dim=head_dim, rope_theta=10000.0, **common)
     if family == "llama":
         return transformers.LlamaConfig(
-            head_dim=16, rope_theta=500000.0,
+            head_dim=head_dim, rope_theta=500000.0,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 64},
             **common)

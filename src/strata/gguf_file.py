@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .errors import ArtifactError
 
@@ -131,3 +132,43 @@ def read(path: Path) -> tuple[dict, list[TensorInfo]]:
     if len(set(names)) != len(names):
         raise ArtifactError(f"{where}: duplicate tensor names")
     return kv, infos
+
+
+def dequantizable() -> set:
+    import gguf
+    from gguf import quants
+
+    T = gguf.GGMLQuantizationType
+    return {t for t in T if t in quants._type_traits} | {T.F32, T.F16, T.BF16}
+
+
+def values(info: TensorInfo, shape: tuple, where: str) -> torch.Tensor:
+    """A tensor's values: F32/F16/BF16 as stored, quantized types (matrices only) dequantized to float32 by
+    gguf's reference (gguf.quants.dequantize)."""
+    import gguf
+    from gguf import quants
+
+    T = gguf.GGMLQuantizationType
+    if tuple(reversed(info.shape)) != shape:
+        raise ArtifactError(f"{where}: tensor '{info.name}' has shape {list(reversed(info.shape))} (GGML "
+                            f"{info.shape}), expected {list(shape)}")
+    allowed = {T.F32, T.F16, T.BF16} if len(shape) == 1 else dequantizable()
+    if info.type not in allowed:
+        names = sorted(t.name for t in allowed)
+        raise ArtifactError(f"{where}: tensor '{info.name}' has type {getattr(info.type, 'name', info.type)}, "
+                            f"expected one of {', '.join(names)}")
+    data = np.ascontiguousarray(info.data)
+    if info.type == T.BF16:
+        raw = data.view(np.uint16)
+        if raw.size != int(np.prod(shape)):
+            raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated")
+        return torch.from_numpy(raw.reshape(shape).copy()).view(torch.bfloat16)
+    if info.type in (T.F32, T.F16):
+        if data.size != int(np.prod(shape)):
+            raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated")
+        return torch.from_numpy(data.reshape(shape).copy())
+    block, type_size = gguf.GGML_QUANT_SIZES[info.type]
+    if shape[-1] % block or data.nbytes != int(np.prod(shape)) // block * type_size:
+        raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated or its rows are not whole "
+                            f"{info.type.name} blocks of {block}")
+    return torch.from_numpy(quants.dequantize(data, info.type).reshape(shape).astype(np.float32, copy=False))

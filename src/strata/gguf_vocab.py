@@ -72,6 +72,36 @@ class Vocab:
         if self.chat_template:
             writer.add_chat_template(self.chat_template)
 
+    def to_tokenizers(self, where):
+        """The tokenizers-library tokenizer that encodes as llama.cpp does with this vocabulary: byte-level
+        BPE with the merges, the pre-tokenizer llama.cpp names, added tokens kept whole."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        if self.model != "gpt2":
+            raise StrataError(f"{where}: tokenizer.ggml.model {self.model!r} is not supported (supported: gpt2, "
+                              f"byte-level BPE); give prompts as --prompt-ids")
+        split = {name: regex for regex, name in SPLIT_PRE.items()}
+        if self.pre == "gpt-2":
+            pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        elif self.pre in split:
+            pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split[self.pre]), behavior="isolated"),
+                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        else:
+            raise StrataError(f"{where}: tokenizer.ggml.pre {self.pre!r} is not supported (supported: gpt-2, "
+                              f"{', '.join(split)})")
+        vocab = {}
+        for i, t in enumerate(self.tokens):
+            vocab.setdefault(t, i)
+        merges = [tuple(m.split(" ", 1)) for m in self.merges]
+        tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=self.pre == "llama-bpe"))
+        tok.pre_tokenizer = pre
+        tok.decoder = decoders.ByteLevel()
+        kinds = list(zip(self.tokens, self.token_types))
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k == CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == USER_DEFINED])
+        return tok
+
     def difference(self, other: "Vocab") -> str | None:
         """Where two vocabularies differ (tokens and their types, merges), or None."""
         if len(self.tokens) != len(other.tokens):

@@ -1,4 +1,5 @@
-"""Text <-> token ids from a model folder's tokenizer.json, with its chat template when present."""
+"""Text <-> token ids: a model folder's tokenizer.json (with its chat template when present), or the
+vocabulary a GGUF file carries, rebuilt with the tokenizers library."""
 
 from __future__ import annotations
 
@@ -9,37 +10,54 @@ from .errors import StrataError
 
 
 class Tokenizer:
-    def __init__(self, folder: Path):
+    def __init__(self, tok, chat_template: str | None = None, special: dict[str, str] | None = None):
+        """tok: a tokenizers.Tokenizer; special: the text of bos_token / eos_token, for chat templates."""
+        self._tok, self.chat_template, self.special = tok, chat_template, dict(special or {})
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "Tokenizer | None":
+        folder = Path(folder)
+        return cls._read_folder(folder) if (folder / "tokenizer.json").is_file() else None
+
+    @classmethod
+    def from_gguf(cls, kv: dict, where) -> "Tokenizer | None":
+        """The vocabulary of a GGUF file's tokenizer.ggml.* keys, or None when it carries none."""
+        from .gguf_vocab import Vocab
+
+        vocab = Vocab.from_metadata(kv)
+        if vocab is None:
+            return None
+        special = {f"{k}_token": vocab.tokens[vocab.special[k]] for k in ("bos", "eos")
+                   if 0 <= vocab.special.get(k, -1) < len(vocab.tokens)}
+        return cls(vocab.to_tokenizers(where), vocab.chat_template, special)
+
+    @classmethod
+    def _read_folder(cls, folder: Path) -> "Tokenizer":
         from tokenizers import Tokenizer as HFTokenizer
 
         path = folder / "tokenizer.json"
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise StrataError(f"{path}: cannot load tokenizer ({e})") from None
-        self.chat_template = None
-        self.special: dict[str, str] = {}
+        chat_template, special = None, {}
         cfg_path = folder / "tokenizer_config.json"
         if cfg_path.is_file():
             try:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as e:
                 raise StrataError(f"{cfg_path}: not valid JSON ({e})") from None
-            self.chat_template = cfg.get("chat_template")
+            chat_template = cfg.get("chat_template")
             for key in ("bos_token", "eos_token"):
                 value = cfg.get(key)
                 if isinstance(value, dict):
                     value = value.get("content")
                 if isinstance(value, str):
-                    self.special[key] = value
+                    special[key] = value
         template_file = folder / "chat_template.jinja"
-        if self.chat_template is None and template_file.is_file():
-            self.chat_template = template_file.read_text(encoding="utf-8")
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> "Tokenizer | None":
-        folder = Path(folder)
-        return cls(folder) if (folder / "tokenizer.json").is_file() else None
+        if chat_template is None and template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+        return cls(tok, chat_template, special)
 
     def encode(self, text: str) -> list[int]:
         """The ids of text. Through encode_batch, which releases the GIL while it works (a single encode

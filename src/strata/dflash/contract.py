@@ -9,29 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import ArtifactError
+from ..gguf_names import LAYER
 
 ARCH = "dflash"
 
-# role: (Hugging Face suffix under layers.N., GGUF suffix under blk.N.)
-LAYER_ROLES = {
-    "attn_norm": ("input_layernorm.weight", "attn_norm.weight"),
-    "q": ("self_attn.q_proj.weight", "attn_q.weight"),
-    "k": ("self_attn.k_proj.weight", "attn_k.weight"),
-    "v": ("self_attn.v_proj.weight", "attn_v.weight"),
-    "o": ("self_attn.o_proj.weight", "attn_output.weight"),
-    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
-    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
-    "ffn_norm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
-    "gate": ("mlp.gate_proj.weight", "ffn_gate.weight"),
-    "up": ("mlp.up_proj.weight", "ffn_up.weight"),
-    "down": ("mlp.down_proj.weight", "ffn_down.weight"),
-}
-BIAS_ROLES = {
-    "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),
-    "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
-    "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
-    "o_bias": ("self_attn.o_proj.bias", "attn_output.bias"),
-}
+# role: (Hugging Face suffix under layers.N., GGUF suffix under blk.N.), from the shared name table
+_ROLE_SUFFIX = {"attn_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
+                "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight", "q_norm": "self_attn.q_norm.weight",
+                "k_norm": "self_attn.k_norm.weight", "ffn_norm": "post_attention_layernorm.weight",
+                "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
+LAYER_ROLES = {role: (hf, LAYER[hf]) for role, hf in _ROLE_SUFFIX.items()}
+BIAS_ROLES = {f"{r}_bias": (f"self_attn.{r}_proj.bias", LAYER[f"self_attn.{r}_proj.bias"]) for r in "qkvo"}
 GLOBAL_ROLES = {
     "fc": ("fc.weight", "fc.weight"),
     "hidden_norm": ("hidden_norm.weight", "enc.output_norm.weight"),

@@ -156,46 +156,6 @@ def config_from_gguf(kv: dict, where: str, fc_in: int | None) -> C.DFlashConfig:
     return cfg
 
 
-def _dequantizable() -> set:
-    import gguf
-    from gguf import quants
-
-    T = gguf.GGMLQuantizationType
-    return {t for t in T if t in quants._type_traits} | {T.F32, T.F16, T.BF16}
-
-
-def tensor_from(info: gguf_file.TensorInfo, shape: tuple, where: str) -> torch.Tensor:
-    """A tensor's values: F32/F16/BF16 as stored, quantized types dequantized to float32 by gguf's
-    reference (gguf.quants.dequantize)."""
-    import gguf
-    from gguf import quants
-
-    T = gguf.GGMLQuantizationType
-    if tuple(reversed(info.shape)) != shape:
-        raise ArtifactError(f"{where}: tensor '{info.name}' has shape {list(reversed(info.shape))} (GGML "
-                            f"{info.shape}), expected {list(shape)}")
-    allowed = {T.F32, T.F16, T.BF16} if len(shape) == 1 else _dequantizable()
-    if info.type not in allowed:
-        names = sorted(t.name for t in allowed)
-        raise ArtifactError(f"{where}: tensor '{info.name}' has type {getattr(info.type, 'name', info.type)}, "
-                            f"expected one of {', '.join(names)}")
-    data = np.ascontiguousarray(info.data)
-    if info.type == T.BF16:
-        raw = data.view(np.uint16)
-        if raw.size != int(np.prod(shape)):
-            raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated")
-        return torch.from_numpy(raw.reshape(shape).copy()).view(torch.bfloat16)
-    if info.type in (T.F32, T.F16):
-        if data.size != int(np.prod(shape)):
-            raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated")
-        return torch.from_numpy(data.reshape(shape).copy())
-    block, type_size = gguf.GGML_QUANT_SIZES[info.type]
-    if shape[-1] % block or data.nbytes != int(np.prod(shape)) // block * type_size:
-        raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated or its rows are not whole "
-                            f"{info.type.name} blocks of {block}")
-    return torch.from_numpy(quants.dequantize(data, info.type).reshape(shape).astype(np.float32, copy=False))
-
-
 def read_gguf(path: Path):
     from .artifact import Artifact
 
@@ -212,6 +172,6 @@ def read_gguf(path: Path):
     tensors, types = {}, {}
     for hf_name, shape in expected.items():
         info = by_name[hf_names[hf_name]]
-        tensors[hf_name] = tensor_from(info, shape, where)
+        tensors[hf_name] = gguf_file.values(info, shape, where)
         types[hf_name] = info.type.name
     return Artifact(cfg, tensors, path, "gguf", types=types, vocab=Vocab.from_metadata(kv))

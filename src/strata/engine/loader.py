@@ -16,7 +16,7 @@ from .config import EngineConfig
 
 @dataclass(frozen=True)
 class PairSpec:
-    model: str | None = None  # a target folder; None: the embedded demo pair
+    model: str | None = None  # a target folder or GGUF file; None: the embedded demo pair
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
     dflash: str | None = None  # a drafter (GGUF or Hugging Face folder); the demo's by default with the demo
@@ -56,7 +56,7 @@ class Pair:
 
     @property
     def label(self) -> str:
-        return "demo" if self.using_demo else self.model_dir.name
+        return "demo" if self.using_demo else (self.model_dir.stem if self.model_dir.is_file() else self.model_dir.name)
 
 
 def resolve(spec: PairSpec) -> tuple[Path, str | None, bool]:
@@ -81,7 +81,7 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     model_dir, dflash, using_demo = resolve(spec)
     engine.context(load_model_config(model_dir)[1])  # a bad context length is refused before the weights load
     target = load_target(model_dir, device=spec.torch_device(), dtype=spec.torch_dtype())
-    pair = Pair(target, Tokenizer.from_folder(model_dir), None, model_dir, using_demo, declared_stop_ids(target, model_dir))
+    pair = Pair(target, tokenizer_of(model_dir), None, model_dir, using_demo, declared_stop_ids(target, model_dir))
     if drafter:
         pair.drafter = load_drafter_for(spec, target, engine, dflash)
     return pair
@@ -99,13 +99,22 @@ def load_drafter_for(spec: PairSpec, target, engine: EngineConfig, dflash: str |
     return None
 
 
+def tokenizer_of(model: Path) -> Tokenizer | None:
+    """A folder's tokenizer.json, or the vocabulary a GGUF file carries."""
+    if model.is_file():
+        from .. import gguf_file
+
+        return Tokenizer.from_gguf(gguf_file.read(model)[0], model)
+    return Tokenizer.from_folder(model)
+
+
 def declared_stop_ids(target, model_dir: Path) -> set[int]:
-    """EOS ids from config.json and generation_config.json."""
+    """EOS ids from config.json and generation_config.json (a GGUF file: tokenizer.ggml.eos/eot)."""
     from ..models.config import read_json
 
     ids = set(target.cfg.eos_token_ids)
     gen_cfg = model_dir / "generation_config.json"
-    if gen_cfg.is_file():
+    if model_dir.is_dir() and gen_cfg.is_file():
         eos = read_json(gen_cfg, "generation_config.json").get("eos_token_id")
         if eos is not None:
             ids |= set([eos] if isinstance(eos, int) else eos)

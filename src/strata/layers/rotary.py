@@ -12,6 +12,7 @@ import torch
 class RopeConfig:
     theta: float = 10000.0
     scaling: dict | None = None  # {"rope_type": "llama3", "factor": ...} or None
+    factors: list[float] | None = None  # per-frequency divisors, as llama.cpp's rope_freqs tensor stores them
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, orig_max_pos_default: int = 8192) -> torch.Tensor:
@@ -56,6 +57,8 @@ class RotaryTable:
         if self.rope.scaling is not None:
             inv_freq = llama3_inv_freq(inv_freq, self.rope.scaling,
                                        self.rope.scaling.get("original_max_position_embeddings", 8192))
+        if self.rope.factors is not None:
+            inv_freq = inv_freq / torch.tensor(self.rope.factors, dtype=torch.float32)
         if self.cos is not None:
             self._outgrown += [self.cos, self.sin]
         freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)

@@ -131,6 +131,53 @@ def build_dense(cfg: ModelConfig) -> DecoderLM:
                            for i in range(cfg.num_layers)])
 
 
+def dense_gguf_config(fam, kv: dict, tensors: dict, where: str) -> ModelConfig:
+    """A dense decoder's hyper-parameters from llama.cpp's `{arch}.*` keys and its tensor table (vocabulary,
+    tied head, biases, RoPE factors). Keys that would change the computation in ways Strata does not
+    implement are refused by name."""
+    from ..errors import StrataError
+    from ..gguf_names import ROPE_FACTORS
+    from ..layers.rotary import RopeConfig
+
+    a = fam.gguf_arch
+
+    def need(key: str) -> int:
+        v = kv.get(f"{a}.{key}")
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise StrataError(f"{where}: metadata key '{a}.{key}' must be a positive integer, got {v!r}")
+        return v
+
+    for key, what in ((f"{a}.expert_count", "mixture-of-experts layers"), (f"{a}.attention.sliding_window",
+                      "sliding-window attention"), (f"{a}.rope.scaling.type", "RoPE scaling"),
+                      (f"{a}.attention.causal", "non-causal attention")):
+        if key in kv and kv[key] not in (None, "none", 0, True):
+            raise StrataError(f"{where}: metadata key '{key}' = {kv[key]!r} asks for {what}, which is not supported")
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    kv_heads = kv.get(f"{a}.attention.head_count_kv", heads)
+    head_dim = kv.get(f"{a}.attention.key_length", hidden // heads)
+    if kv.get(f"{a}.attention.value_length", head_dim) != head_dim:
+        raise StrataError(f"{where}: '{a}.attention.value_length' differs from key_length {head_dim}")
+    if kv.get(f"{a}.rope.dimension_count", head_dim) != head_dim:
+        raise StrataError(f"{where}: metadata key '{a}.rope.dimension_count' = {kv[f'{a}.rope.dimension_count']} "
+                          f"asks for partial RoPE (head dim {head_dim}), which is not supported")
+    if heads % kv_heads:
+        raise StrataError(f"{where}: head count {heads} is not a multiple of the kv head count {kv_heads}")
+    embd = tensors.get("token_embd.weight")
+    if embd is None or len(embd.shape) != 2:
+        raise StrataError(f"{where}: missing tensor 'token_embd.weight'")
+    factors = tensors.get(ROPE_FACTORS)
+    return ModelConfig(
+        family=fam.name, vocab_size=embd.shape[1], hidden_size=hidden, intermediate_size=need("feed_forward_length"),
+        num_layers=need("block_count"), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=float(kv.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(kv.get(f"{a}.context_length", 4096)),
+        rope=RopeConfig(float(kv.get(f"{a}.rope.freq_base", 10000.0)),
+                        factors=None if factors is None else [float(x) for x in factors.data.reshape(-1)]),
+        tie_word_embeddings="output.weight" not in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm=fam.qk_norm, bos_token_id=kv.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[kv[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in kv])
+
+
 class DenseFamily(Family):
     """A dense decoder of the Llama lineage, in transformers' checkpoint layout; subclasses name it and
     say whether it has q/k norms and which RoPE scalings it reads."""
@@ -146,3 +193,17 @@ class DenseFamily(Family):
 
     def hf_layout(self, cfg):
         return dense_hf_layout(cfg)
+
+    gguf_qk_permuted = False  # whether llama.cpp's converter interleaved each head's q/k rows
+
+    def gguf_config(self, kv, tensors, where):
+        return dense_gguf_config(self, kv, tensors, where)
+
+    def gguf_layout(self, cfg):
+        """dense_hf_layout under llama.cpp's names; q/k rows un-interleaved where the converter did that."""
+        from ..gguf_names import target_name
+
+        unpermute = {"self_attn.q_proj.weight": "unpermute_q", "self_attn.k_proj.weight": "unpermute_k"}
+        return {param: [(target_name(hf), shape, next((t for k, t in unpermute.items() if hf.endswith(k)), None)
+                         if self.gguf_qk_permuted else None) for hf, shape in sources]
+                for param, sources in dense_hf_layout(cfg).items()}

@@ -9,6 +9,8 @@ class Llama(DenseFamily):
     architectures = ("LlamaForCausalLM",)
     model_types = ("llama",)
     transformers_class = "LlamaForCausalLM"
+    gguf_arch = "llama"
+    gguf_qk_permuted = True  # llama.cpp's converter interleaves each head's q/k rows for its own RoPE
 
 
 register(Llama())

@@ -91,9 +91,12 @@ def unpack(state: dict[str, torch.Tensor], layout: dict[str, list[tuple[str, tup
 
 
 def load_model_config(folder: str | Path) -> tuple[Family, ModelConfig]:
+    """The family and hyper-parameters of a model folder or GGUF file, without its weights."""
     folder = Path(folder)
+    if folder.is_file():
+        return gguf_model(folder)[:2]
     if not folder.is_dir():
-        raise StrataError(f"{folder}: not a model folder")
+        raise StrataError(f"{folder}: not a model folder or GGUF file")
     path = folder / "config.json"
     hf = read_json(path, "config.json")
     fam = family_for(hf, path)
@@ -112,7 +115,56 @@ def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], d
 
 
 def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
-    folder = Path(path)
-    fam, cfg = load_model_config(folder)
-    state = pack(read_safetensors(folder), fam.hf_layout(cfg), dtype, folder)
+    """A Hugging Face folder, or a llama.cpp GGUF file (quantized tensors dequantized at load)."""
+    path = Path(path)
+    if path.is_file():
+        return load_gguf_target(path, device, dtype)
+    fam, cfg = load_model_config(path)
+    state = pack(read_safetensors(path), fam.hf_layout(cfg), dtype, path)
+    return instantiate(fam, cfg, state, device)
+
+
+def unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of q/k rows: per head its converter stores the two RoPE halves
+    pairwise ([h0[0], h1[0], h0[1], ...]); NeoX rotate-half wants them as halves."""
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def gguf_model(path: Path):
+    """(family, config, metadata, tensor table) of a GGUF target, or a one-line error."""
+    from .. import gguf_file
+    from .registry import family_for_gguf
+
+    kv, infos = gguf_file.read(path)
+    tensors = {i.name: i for i in infos}
+    fam = family_for_gguf(kv.get("general.architecture"), path)
+    return fam, fam.gguf_config(kv, tensors, str(path)), kv, tensors
+
+
+def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float32):
+    from .. import gguf_file
+    from ..errors import ArtifactError
+    from ..gguf_names import ROPE_FACTORS
+
+    try:
+        fam, cfg, _, tensors = gguf_model(path)
+        layout = fam.gguf_layout(cfg)
+        known = {name for sources in layout.values() for name, *_ in sources} | {ROPE_FACTORS}
+        unknown = sorted(set(tensors) - known)
+        if unknown:
+            raise StrataError(f"{path}: unexpected tensors {', '.join(unknown[:6])}{' ...' if len(unknown) > 6 else ''} "
+                              f"(a {fam.gguf_arch} file with parts Strata does not implement)")
+        heads = {"unpermute_q": cfg.num_heads, "unpermute_k": cfg.num_kv_heads}
+        state = {}
+        for param, sources in layout.items():
+            parts = []
+            for name, shape, transform in sources:
+                if name not in tensors:
+                    raise StrataError(f"{path}: missing tensor '{name}' (expected shape {list(shape)})")
+                t = gguf_file.values(tensors[name], shape, str(path)).to(dtype)
+                parts.append(unpermute(t, heads[transform]) if transform else t)
+            state[param] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    except ArtifactError as e:
+        raise StrataError(str(e)) from None
     return instantiate(fam, cfg, state, device)

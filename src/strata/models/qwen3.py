@@ -9,6 +9,7 @@ class Qwen3(DenseFamily):
     architectures = ("Qwen3ForCausalLM",)
     model_types = ("qwen3",)
     transformers_class = "Qwen3ForCausalLM"
+    gguf_arch = "qwen3"
     qk_norm = True
 
 

@@ -23,6 +23,7 @@ class Family:
     architectures: tuple[str, ...] = ()  # config.json "architectures" entries
     model_types: tuple[str, ...] = ()  # "model_type" values, for configs without architectures
     transformers_class = ""  # transformers' class for the same checkpoint (the bench's reference peer)
+    gguf_arch = ""  # llama.cpp's general.architecture for this family's GGUF files
 
     def config(self, hf: dict, where: Path) -> ModelConfig:
         raise NotImplementedError
@@ -32,6 +33,15 @@ class Family:
 
     def hf_layout(self, cfg: ModelConfig) -> dict[str, list[tuple[str, tuple]]]:
         """parameter name -> [(checkpoint tensor name, shape), ...], concatenated along dim 0 in order."""
+        raise NotImplementedError
+
+    def gguf_config(self, kv: dict, where: str) -> ModelConfig:
+        """Hyper-parameters from a llama.cpp GGUF file's metadata."""
+        raise NotImplementedError
+
+    def gguf_layout(self, cfg: ModelConfig) -> dict[str, list[tuple[str, tuple, str | None]]]:
+        """As hf_layout, for llama.cpp's tensor names; the third field names a row transform the
+        converter applied (undone at load), or None."""
         raise NotImplementedError
 
 
@@ -51,6 +61,14 @@ def families() -> dict[str, Family]:
 
 def family(name: str) -> Family:
     return families()[name]
+
+
+def family_for_gguf(arch, where) -> Family:
+    found = next((f for f in families().values() if f.gguf_arch and f.gguf_arch == arch), None)
+    if found is None:
+        supported = [f.gguf_arch for f in families().values() if f.gguf_arch]
+        raise StrataError(f"{where}: general.architecture {arch!r} is not supported; supported: {', '.join(supported)}")
+    return found
 
 
 def family_for(hf: dict, where: Path) -> Family:

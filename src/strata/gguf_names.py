@@ -1,0 +1,36 @@
+"""llama.cpp's tensor names for the Llama-lineage layers, beside their Hugging Face names: one table that
+the target loader and the DFlash contract both read (as gguf-py keeps a format's constants in one place)."""
+
+#: Hugging Face name under a layer (layers.N. / model.layers.N.) -> llama.cpp name under blk.N.
+LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+}
+#: a target's tensors outside the layers
+TARGET = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1+: the per-frequency divisors of its RoPE scaling
+
+
+def target_name(hf: str) -> str:
+    """A transformers checkpoint name of a dense target as llama.cpp names it."""
+    if hf in TARGET:
+        return TARGET[hf]
+    _, _, n, rest = hf.split(".", 3)  # model.layers.N.rest
+    return f"blk.{n}.{LAYER[rest]}"

@@ -1,0 +1,215 @@
+"""GGUF targets (llama.cpp's qwen3 and llama layouts), written here with the gguf package from checkpoints
+transformers wrote: they decode exactly like the same weights in a Hugging Face folder, their vocabulary
+tokenizes exactly like that folder's tokenizer.json, and DFlash on a quantized target equals target-only."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from safetensors.torch import load_file, save_file
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from strata.engine.decode import Engine
+from strata.models.loader import load_target
+from strata.tokenizer import Tokenizer as StrataTokenizer
+
+from conftest import run_cli, write_hf_drafter, write_hf_model
+from test_interop import random_blocks
+
+T = gguf.GGMLQuantizationType
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+         "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+TEXTS = ["def quicksort(arr):\n    return sorted(arr)", "  héllo wörld 日本 🙂\n\n\tx = 1", "<|endoftext|>class A:",
+         "it's   done\r\n", "12345 + 678"]
+
+
+def gguf_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    _, _, n, rest = hf.split(".", 3)
+    stem, kind = rest.rsplit(".", 1)
+    return f"blk.{n}.{LAYER[stem]}.{kind}"
+
+
+def interleave(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to a Llama q/k projection: per head, the two RoPE halves paired up."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def qwen2_tokenizer(folder, vocab: int):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS * 30 + ["def quicksort(arr):\n    return sorted(arr)\n"] * 40, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return tok
+
+
+def write_gguf_target(path, hf_dir, arch: str, matrix_type=T.F32, seed: int = 0) -> dict:
+    """The checkpoint in llama.cpp's layout (norms F32, matrices `matrix_type`, the folder's vocabulary).
+    Returns the values stored, under the checkpoint's names, in Strata's (un-interleaved) row order."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
+                       ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
+                       ("attention.key_length", cfg["head_dim"]), ("attention.value_length", cfg["head_dim"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", theta)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(cfg["vocab_size"])])
+    w.add_token_types([3 if by_id.get(i) == "<|endoftext|>" else 1 if i in by_id else 5
+                       for i in range(cfg["vocab_size"])])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m
+                        for m in json.loads((hf_dir / "tokenizer.json").read_text())["model"]["merges"]])
+    w.add_eos_token_id(tok.token_to_id("<|endoftext|>"))
+    if arch == "llama":  # Llama 3's RoPE scaling travels as per-frequency divisors, as llama.cpp stores it
+        import transformers
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.LlamaConfig.from_pretrained(hf_dir), "cpu")
+        d = cfg["head_dim"]
+        base = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        w.add_tensor("rope_freqs.weight", (base / scaled.float()).numpy())
+    gen = np.random.default_rng(seed)
+    stored = {}
+    for name, t in tensors.items():
+        t = t.float()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = interleave(t, heads if "q_proj" in name else kv_heads)
+        if t.dim() == 1 or matrix_type == T.F32:
+            arr, qtype, values = t.numpy(), T.F32, t
+        elif matrix_type in (T.F16, T.BF16):
+            half = t.to(torch.float16 if matrix_type == T.F16 else torch.bfloat16)
+            arr = half.view(torch.int16).numpy().view(np.uint16) if matrix_type == T.BF16 else half.numpy()
+            qtype, values = matrix_type, half.float()
+        else:
+            arr = quants.quantize(t.numpy(), matrix_type) if matrix_type in (T.Q8_0, T.Q4_0) else \
+                random_blocks(matrix_type, t.shape[0], t.shape[1], gen)
+            qtype, values = matrix_type, torch.from_numpy(quants.dequantize(arr, matrix_type).reshape(t.shape))
+        w.add_tensor(gguf_name(name), arr, raw_shape=arr.shape, raw_dtype=qtype)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            h = heads if "q_proj" in name else kv_heads
+            values = values.reshape(h, values.shape[0] // h // 2, 2, -1).transpose(1, 2).reshape(values.shape)
+        stored[name] = values
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def dequantized_folder(folder, hf_dir, stored):
+    """The same values as a Hugging Face folder: the reference a GGUF target must decode exactly like."""
+    folder.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_dir / f, folder / f)
+    save_file({k: v.contiguous() for k, v in stored.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf-target")
+    out = {}
+    for family in ("qwen3", "llama"):  # rows of 256: every k-quant block whole
+        path, _ = write_hf_model(d / family, family, seed=9, vocab=320, hidden_size=256, intermediate_size=256,
+                                 head_dim=64, layers=2)
+        qwen2_tokenizer(path, 320)
+        out[family] = path
+    return d, out
+
+
+@pytest.mark.parametrize("family,qtype", [("qwen3", T.F32), ("llama", T.F32), ("qwen3", T.BF16), ("llama", T.F16),
+                                          ("qwen3", T.Q8_0), ("llama", T.Q4_0), ("qwen3", T.Q4_K), ("llama", T.Q5_K),
+                                          ("qwen3", T.Q6_K), ("llama", T.IQ4_XS)], ids=lambda x: getattr(x, "name", x))
+def test_gguf_target_decodes_like_its_weights_in_a_folder(checkpoints, family, qtype):
+    d, hf = checkpoints
+    path = d / f"{family}-{qtype.name}.gguf"
+    stored = write_gguf_target(path, hf[family], family, qtype, seed=qtype.value)
+    ref_dir = dequantized_folder(d / f"{family}-{qtype.name}-ref", hf[family], stored)
+    got, ref = load_target(path), load_target(ref_dir)
+    for (name, a), b in zip(got.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+    prompt = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert Engine(got, max_len=128).generate(prompt, 24).output_ids == \
+        Engine(ref, max_len=128).generate(prompt, 24).output_ids
+
+
+def test_gguf_vocabulary_tokenizes_like_the_folder_and_drives_the_cli(checkpoints):
+    d, hf = checkpoints
+    path = d / "qwen3-tok.gguf"
+    stored = write_gguf_target(path, hf["qwen3"], "qwen3", T.Q8_0)
+    from strata.gguf_file import read
+
+    ours = StrataTokenizer.from_gguf(read(path)[0], path)
+    theirs = StrataTokenizer.from_folder(hf["qwen3"])
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
+    ref_dir = dequantized_folder(d / "qwen3-tok-ref", hf["qwen3"], stored)
+    a = run_cli("generate", "--model", path, "--prompt", TEXTS[0], "--max-new-tokens", "12")
+    b = run_cli("generate", "--model", ref_dir, "--prompt", TEXTS[0], "--max-new-tokens", "12")
+    assert a.returncode == 0 and a.stdout == b.stdout, a.stderr
+
+
+def test_dflash_on_a_quantized_target_equals_target_only(checkpoints):
+    d, hf = checkpoints
+    path = d / "qwen3-q4k-dflash.gguf"
+    write_gguf_target(path, hf["qwen3"], "qwen3", T.Q4_K, seed=5)
+    target = load_target(path)
+    drafter_dir = write_hf_drafter(d / "drafter", layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                                   intermediate=256, taps=(0, 1), num_target_layers=2, vocab=320, mask_token_id=319)
+    from strata.dflash.drafter import load_drafter
+
+    prompt = [5, 17, 200, 31, 7]
+    base = Engine(target, max_len=128).generate(prompt, 40).output_ids
+    for static in (False, True):
+        res = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, static=static)
+        assert res.generate(prompt, 40).output_ids == base
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda w: w.add_string("general.architecture", "mamba"), "general.architecture 'mamba' is not supported"),
+    (lambda w: w.add_uint32("qwen3.expert_count", 8), "'qwen3.expert_count' = 8 asks for mixture-of-experts"),
+    (lambda w: w.add_uint32("qwen3.rope.dimension_count", 32), "asks for partial RoPE"),
+])
+def test_gguf_targets_strata_cannot_run_are_refused_in_one_line(checkpoints, edit, needle, monkeypatch):
+    d, hf = checkpoints
+    path = d / "refused.gguf"
+    real = gguf.GGUFWriter.write_header_to_file
+
+    def with_edit(self, *a, **k):
+        if needle.startswith("general"):
+            self.kv_data[0].pop("general.architecture", None)
+        edit(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_header_to_file", with_edit)
+    write_gguf_target(path, hf["qwen3"], "qwen3")
+    monkeypatch.undo()
+    r = run_cli("generate", "--model", path, "--prompt-ids", "1,2")
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
