@@ -368,7 +368,7 @@ def cmd_bench(args) -> int:
 
     bench = BenchSpec(shape=args.shape, drafter_layers=args.drafter_layers, block_size=args.block_size,
                       prompt_len=args.prompt_len, prompt=args.prompt, new_tokens=args.new_tokens, runs=args.runs,
-                      hf=args.hf, profile=args.profile)
+                      hf=args.hf, profile=args.profile, quant=args.quant)
     out = check_output(args.out, what="--out") if args.out else None
     result = run_command(pair_spec(args), engine_config(args, args.spec), bench, "strata " + " ".join(sys.argv[1:]))
     for line in summary(result):
@@ -448,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="Strata target-only vs DFlash vs HF generate vs the bandwidth floor")
     be.add_argument("--shape", choices=["tiny", "qwen3-4b", "qwen3-8b"], help="random weights of a named shape")
+    be.add_argument("--quant", choices=["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"],
+                    help="with --shape: random valid GGUF blocks of this llama.cpp file type, kept quantized")
     be.add_argument("--drafter-layers", type=int, metavar="N", help="a random DFlash drafter of this many layers")
     be.add_argument("--block-size", type=int, default=16, help="block size of the random drafter (default 16)")
     be.add_argument("--prompt-len", type=int, default=512, metavar="N", help="random prompt tokens (without --prompt)")

@@ -28,10 +28,13 @@ class BenchSpec:
     runs: int = 3
     hf: str = "eager"
     profile: bool = False
+    quant: str | None = None  # with shape: a llama.cpp file type (Q4_K_M, Q8_0, ...) of random valid blocks
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.new_tokens < 1:
             raise StrataError("--prompt-len and --new-tokens must be >= 1")
+        if self.quant is not None and self.shape is None:
+            raise StrataError("--quant needs --shape (a GGUF model brings its own types: --model FILE.gguf)")
 
 
 def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command: str) -> dict:
@@ -41,8 +44,8 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     if bench.shape:
         if pair.model:
             raise StrataError("give --model or --shape, not both")
-        target = random_target(bench.shape, device=pair.torch_device(), dtype=pair.torch_dtype())
-        label, tokenizer, dflash = bench.shape, None, pair.dflash
+        target = random_target(bench.shape, device=pair.torch_device(), dtype=pair.torch_dtype(), quant=bench.quant)
+        label, tokenizer, dflash = bench.shape + (f"-{bench.quant}" if bench.quant else ""), None, pair.dflash
     else:
         loaded = load_pair(pair, engine, drafter=False)
         target, tokenizer, label = loaded.target, loaded.tokenizer, loaded.label
@@ -68,12 +71,13 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     else:
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, target.cfg.vocab_size, (bench.prompt_len,), generator=gen).tolist()
-    hf = () if bench.hf == "none" else tuple(bench.hf.split(","))
+    hf = () if bench.hf == "none" or bench.quant else tuple(bench.hf.split(","))  # no peer reads GGUF blocks
     result = run_bench(target, drafter, prompt, bench.new_tokens, window, engine, runs=bench.runs, hf_modes=hf,
                        profile=bench.profile, startup={"load_target_s": load_s, "load_drafter_s": drafter_s})
     result["model"] = label
     result["drafter"] = dflash or (f"random {bench.drafter_layers}-layer" if bench.drafter_layers else None)
     result["command"] = command
+    result["quant"] = bench.quant
     return result
 
 
@@ -87,7 +91,8 @@ def summary(result: dict) -> list[str]:
     window = result["window"]
     t = result["target_only"]
     lines = [f"floor {result['floor_tok_s']:.1f} tok/s ({result['copy_bandwidth_GBps']:.1f} GB/s copy, "
-             f"{result['weight_bytes'] / 1e6:.1f} MB weights)",
+             f"{result['bytes_per_token'] / 1e6:.1f} MB read per token of {result['weight_bytes'] / 1e6:.1f} MB "
+             f"weights)",
              f"target-only {t['tok_s']:.1f} tok/s ({result['ratios']['target_only_vs_floor']:.2f} of floor)"]
     if "target_only_without_triton" in result:
         lines.append(f"target-only without Strata's Triton kernels {result['target_only_without_triton']['tok_s']:.1f} "

@@ -21,6 +21,7 @@ from ..engine.decode import Engine
 from ..engine.drafter import OracleDrafter
 from ..errors import StrataError
 from ..layers.kernels import TritonKernels
+from ..layers.quant import weight_bytes
 from ..models.loader import unpack
 from ..models.registry import family
 
@@ -45,13 +46,19 @@ def copy_bandwidth(device, nbytes: int, reps: int = 10) -> float:
     return 2 * src.numel() * 4 / statistics.median(times)
 
 
-def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+def bytes_per_token(model, context: int) -> int:
+    """Bytes one decode step must read: every weight (quantized ones as stored) except the embedding table,
+    of which it reads one row, and the K/V of `context` cached positions."""
+    from ..layers.quant import QuantWeight
+
+    cfg = model.cfg
+    total = weight_bytes(model)
+    emb = model.embed_tokens.weight
+    if not cfg.tie_word_embeddings:
+        table = emb.nbytes if isinstance(emb, QuantWeight) else emb.numel() * emb.element_size()
+        total -= table - table // cfg.vocab_size
+    kv = 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=model.dtype).element_size()
+    return total + kv
 
 
 def random_drafter(target, layers: int, block_size: int, seed: int = 0) -> DFlashDrafter:
@@ -195,7 +202,8 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
     static, graphs, compile = config.static, config.graphs, config.compile
     bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20))
     wbytes = weight_bytes(target)
-    floor_s = wbytes / bw
+    token_bytes = bytes_per_token(target, len(prompt) + new_tokens // 2)
+    floor_s = token_bytes / bw
     max_len = len(prompt) + new_tokens + window + 1
     result = {
         "env": {"torch": torch.__version__, "python": platform.python_version(),
@@ -207,7 +215,8 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         "prompt_len": len(prompt), "new_tokens": new_tokens, "window": window, "runs": runs, "static": static,
         "cuda_graphs": static and graphs and device.type == "cuda", "attention": config.attention,
         "compiled_kernels": static and graphs and compile and device.type == "cuda",
-        "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "floor_ms_per_token": 1e3 * floor_s,
+        "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "bytes_per_token": token_bytes,
+        "floor_all_weights_tok_s": bw / wbytes, "floor_ms_per_token": 1e3 * floor_s,
         "floor_tok_s": 1 / floor_s, "startup_s": dict(startup or {}),
     }
     opts = replace(config, max_len=max_len, window=None, pad_rows=1)

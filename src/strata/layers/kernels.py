@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .quant import QuantWeight
 
 #: the elementwise groups a compiled set fuses, each one kernel
 GROUPS = ("rms_norm", "add_rms_norm", "norm_rotate_store", "norm_rotate_store_kv", "silu_mul", "masked_softmax")
@@ -31,11 +32,17 @@ class Kernels:
             if not hasattr(type(self), name):  # a subclass's own kernel stays; it falls back to self.groups
                 setattr(self, name, fn)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w^T (+ b); w a tensor, or a QuantWeight (GGUF blocks, dequantized in the kernels' registers)."""
+        if isinstance(w, QuantWeight):
+            return w.matmul(x, b)
         return F.linear(x, w, b)
 
-    def gate_up_silu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
         """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
+        if isinstance(gate_up, QuantWeight):
+            fused = gate_up.gate_up_silu(x)
+            return fused if fused is not None else self.silu_mul(gate_up.matmul(x))
         return self.silu_mul(self.linear(x, gate_up))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -72,12 +79,16 @@ class TritonKernels(Kernels):
         return slow()
 
     def linear(self, x, w, b=None):
+        if isinstance(w, QuantWeight):
+            return w.matmul(x, b)
         name = self._tk.projection_kernel(x, w)
         if name is None:
             return F.linear(x, w, b)
         return self._either(name, lambda: getattr(self._tk, name)(x, w, b), lambda: F.linear(x, w, b))
 
     def gate_up_silu(self, x, gate_up):
+        if isinstance(gate_up, QuantWeight):
+            return super().gate_up_silu(x, gate_up)
         name = self._tk.projection_kernel(x, gate_up)
         slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731
         if name is None:

@@ -12,6 +12,7 @@ from torch import nn
 from ..cache import KVCache
 from ..layers.kernels import EAGER, Kernels
 from ..layers.modules import Linear, RMSNorm, Step, causal_masks, run_layers
+from ..layers.quant import QuantWeight
 from ..layers.rotary import RotaryTable
 from .config import ModelConfig, dense_config
 from .registry import Family
@@ -55,7 +56,8 @@ class DecoderLM(nn.Module):
         return KVCache(cfg.num_layers, cells, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype, batch)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(tokens)
+        w = self.embed_tokens.weight
+        return w.embed(tokens) if isinstance(w, QuantWeight) else self.embed_tokens(tokens)
 
     def head(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         """Normed hidden states -> float32 logits; the drafter's head too (it has none of its own)."""

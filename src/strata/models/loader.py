@@ -103,22 +103,34 @@ def load_model_config(folder: str | Path) -> tuple[Family, ModelConfig]:
     return fam, fam.config(hf, path)
 
 
-def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], device) -> torch.nn.Module:
-    """The family's modules built without memory, the state assigned, moved to the device, frozen."""
+def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], device,
+                quant: dict | None = None) -> torch.nn.Module:
+    """The family's modules built without memory, the state assigned, quantized matrices (QuantWeights,
+    already on the device) put in place of their parameters, moved to the device, frozen."""
+    from ..layers.quant import replace_parameter
+
+    quant = dict(quant or {})
     if cfg.tie_word_embeddings:
         state = {**state, "lm_head.weight": state["embed_tokens.weight"]}
+        if "embed_tokens.weight" in quant:
+            quant["lm_head.weight"] = quant["embed_tokens.weight"]
     with torch.device("meta"):
         model = fam.build(cfg)
     model.load_state_dict(state, assign=True, strict=True)
+    for name, weight in quant.items():
+        replace_parameter(model, name, weight)
     model.tie_weights_()
     return model.to(device).eval().requires_grad_(False)
 
 
-def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
-    """A Hugging Face folder, or a llama.cpp GGUF file (quantized tensors dequantized at load)."""
+def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool | None = None):
+    """A Hugging Face folder, or a llama.cpp GGUF file. Its quantized matrices stay quantized on a GPU
+    (or with quantized=True: the Triton kernels then run, in the interpreter on the CPU) and are
+    dequantized at load on the CPU."""
     path = Path(path)
     if path.is_file():
-        return load_gguf_target(path, device, dtype)
+        return load_gguf_target(path, device, dtype, torch.device(device).type == "cuda" if quantized is None
+                                else quantized)
     fam, cfg = load_model_config(path)
     state = pack(read_safetensors(path), fam.hf_layout(cfg), dtype, path)
     return instantiate(fam, cfg, state, device)
@@ -142,10 +154,11 @@ def gguf_model(path: Path):
     return fam, fam.gguf_config(kv, tensors, str(path)), kv, tensors
 
 
-def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float32):
+def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool = False):
     from .. import gguf_file
     from ..errors import ArtifactError
     from ..gguf_names import ROPE_FACTORS
+    from ..layers.quant import QuantWeight
 
     try:
         fam, cfg, _, tensors = gguf_model(path)
@@ -156,15 +169,43 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
             raise StrataError(f"{path}: unexpected tensors {', '.join(unknown[:6])}{' ...' if len(unknown) > 6 else ''} "
                               f"(a {fam.gguf_arch} file with parts Strata does not implement)")
         heads = {"unpermute_q": cfg.num_heads, "unpermute_k": cfg.num_kv_heads}
-        state = {}
+        state, quant = {}, {}
         for param, sources in layout.items():
+            missing = [name for name, *_ in sources if name not in tensors]
+            if missing:
+                shape = next(s for n, s, _ in sources if n == missing[0])
+                raise StrataError(f"{path}: missing tensor '{missing[0]}' (expected shape {list(shape)})")
+            if quantized and all(QuantWeight.fits(tensors[n].type, s) and tuple(reversed(tensors[n].shape)) == s
+                                 for n, s, _ in sources):
+                quant[param] = quantized_weight(tensors, sources, heads, device, dtype)
+                state[param] = torch.empty(sum(s[0] for _, s, _ in sources), sources[0][1][1], device="meta",
+                                           dtype=dtype)
+                continue
             parts = []
             for name, shape, transform in sources:
-                if name not in tensors:
-                    raise StrataError(f"{path}: missing tensor '{name}' (expected shape {list(shape)})")
                 t = gguf_file.values(tensors[name], shape, str(path)).to(dtype)
                 parts.append(unpermute(t, heads[transform]) if transform else t)
             state[param] = parts[0] if len(parts) == 1 else torch.cat(parts)
     except ArtifactError as e:
         raise StrataError(str(e)) from None
-    return instantiate(fam, cfg, state, device)
+    return instantiate(fam, cfg, state, device, quant)
+
+
+def quantized_weight(tensors: dict, sources, heads: dict, device, dtype):
+    """A parameter's GGUF blocks on the device: its sources' rows (un-interleaved like the values would
+    be: whole rows are whole blocks), runs of one type joined into one segment."""
+    import numpy as np
+
+    from ..layers.quant import QuantWeight, Segment
+
+    segments = []
+    for name, shape, transform in sources:
+        info = tensors[name]
+        raw = torch.from_numpy(np.ascontiguousarray(info.data).reshape(shape[0], -1).copy())
+        if transform:
+            raw = unpermute(raw, heads[transform])
+        if segments and segments[-1].qtype == int(info.type):
+            segments[-1] = Segment(int(info.type), torch.cat([segments[-1].data, raw]))
+        else:
+            segments.append(Segment(int(info.type), raw))
+    return QuantWeight([Segment(s.qtype, s.data.to(device)) for s in segments], sources[0][1][1], dtype)

@@ -52,14 +52,19 @@ def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
     return out_dir
 
 
-def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: int = 0, **overrides):
-    """A random-weight target built directly on the device (no files: an 8B shape needs no download)."""
+def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: int = 0, quant: str | None = None,
+                  **overrides):
+    """A random-weight target built directly on the device (no files: an 8B shape needs no download). With
+    quant (a llama.cpp file type: Q4_K_M, Q8_0, ...) its matrices are random valid GGUF blocks of the
+    types that file type gives them, kept quantized."""
     fam = family("qwen3")
     cfg = fam.config(qwen3_config(**{**SHAPES[shape], **overrides}), Path(f"<random {shape}>"))
     with torch.device("meta"):
         model = fam.build(cfg)
-    model = model.to_empty(device=device).to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
+    if quant is not None:
+        quantize_randomly(model, cfg, quant, device, dtype, gen)
+    model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -67,3 +72,28 @@ def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: 
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02))
     return model.tie_weights_().eval().requires_grad_(False)
+
+
+def quantize_randomly(model, cfg, recipe: str, device, dtype, gen) -> None:
+    """Every matrix of a meta-built model replaced by random GGUF blocks as `recipe` types them."""
+    from ..errors import StrataError
+    from ..layers.quant import RECIPES, QuantWeight, Segment, random_blocks, recipe_types, replace_parameter
+
+    if recipe not in RECIPES:
+        raise StrataError(f"--quant: expected one of {', '.join(RECIPES)}, got {recipe!r}")
+    q_rows = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+    for name, p in list(model.named_parameters()):
+        if p.dim() != 2:
+            continue
+        rows, cols = p.shape
+        if cols % 256:
+            raise StrataError(f"--quant: matrix '{name}' has rows of {cols} values; the quantized kernels take "
+                              f"multiples of 256 (use a larger --shape)")
+        spans = {"all": rows, "qk": q_rows, "v": rows - q_rows}
+        segments = []
+        for t, role in recipe_types(recipe, name, cfg.num_layers):
+            blocks = random_blocks(t, spans[role], cols, device, gen)
+            if segments and segments[-1].qtype == t:  # one segment per run of a type: one kernel launch
+                blocks = torch.cat([segments.pop().data, blocks])
+            segments.append(Segment(t, blocks))
+        replace_parameter(model, name, QuantWeight(segments, cols, dtype))

@@ -1,0 +1,160 @@
+"""GGUF-quantized matrices kept quantized on the device.
+
+A QuantWeight is a [rows, cols] matrix as row segments of GGUF blocks, each segment of one GGML type:
+a fused q/k/v can join Q4_K and Q6_K rows (Q4_K_M does that). Kernel sets hand it to the Triton
+kernels of quant_kernels.py, which dequantize in registers; the float tensor never exists, except
+briefly for prefill-sized products (one matrix at a time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import quant_kernels as qk
+
+#: the types the device kernels take; other GGUF types are dequantized at load
+KERNEL_TYPES = set(qk.BLOCKS)
+#: rows up to which a product runs on the quantized kernels; larger ones (prefill) dequantize first
+KERNEL_MAX_ROWS = 16
+
+
+@dataclass
+class Segment:
+    qtype: int
+    data: torch.Tensor  # uint8 [rows, row_bytes]
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+
+class QuantWeight:
+    def __init__(self, segments: list[Segment], cols: int, dtype: torch.dtype):
+        """dtype: the activations' (outputs are written in it)."""
+        self.segments, self.cols, self.dtype = segments, cols, dtype
+
+    @classmethod
+    def fits(cls, qtype: int, shape: tuple) -> bool:
+        """Whether the device kernels take a matrix of this type and shape (their tiles are 256 wide)."""
+        return qtype in KERNEL_TYPES and len(shape) == 2 and shape[1] % qk.TILE == 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(s.rows for s in self.segments), self.cols)
+
+    @property
+    def device(self) -> torch.device:
+        return self.segments[0].data.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.data.numel() for s in self.segments)
+
+    def __getitem__(self, rows: slice) -> "QuantWeight":
+        """A row slice (a view): whole rows are whole blocks."""
+        start, stop, step = rows.indices(self.shape[0])
+        assert step == 1
+        out, at = [], 0
+        for s in self.segments:
+            lo, hi = max(start, at), min(stop, at + s.rows)
+            if lo < hi:
+                out.append(Segment(s.qtype, s.data[lo - at:hi - at]))
+            at += s.rows
+        return QuantWeight(out, self.cols, self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([qk.dequantize(s.data, s.qtype, self.cols) for s in self.segments]).to(self.dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., cols] @ W^T (+ bias)."""
+        flat = x.reshape(-1, self.cols)
+        if flat.shape[0] > KERNEL_MAX_ROWS:
+            y = torch.nn.functional.linear(flat, self.dequantize())
+        else:
+            parts = [qk.matmul(flat, s.data, s.qtype, s.rows) for s in self.segments]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a stacked gate/up matrix in one pass, or None when the two halves are not one
+        segment (or x has more rows than the kernels take)."""
+        flat = x.reshape(-1, self.cols)
+        if len(self.segments) != 1 or flat.shape[0] > KERNEL_MAX_ROWS:
+            return None
+        s = self.segments[0]
+        y = qk.matmul(flat, s.data, s.qtype, s.rows // 2, glu=True)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert len(self.segments) == 1
+        s = self.segments[0]
+        return qk.gather(s.data, s.qtype, self.cols, tokens, self.dtype)
+
+
+def replace_parameter(model: torch.nn.Module, name: str, weight) -> None:
+    """Put a QuantWeight where a parameter was (it is no tensor, so it lives as a plain attribute)."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    module._parameters.pop(attr, None)
+    setattr(module, attr, weight)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct weight: parameters and quantized matrices alike."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, QuantWeight) and id(value) not in seen:
+                seen.add(id(value))
+                total += value.nbytes
+    return total
+
+
+# Byte offsets of the float16 fields in each type's block (a random byte there could be Inf or NaN), and
+# their values in random blocks: weights of about the size of a N(0, 0.02) initialisation.
+_HALF_FIELDS = {qk.Q8_0: ([0], 3e-4), qk.Q4_0: ([0], 5e-3), qk.Q4_K: ([0, 2], 1e-4), qk.Q5_K: ([0, 2], 5e-5),
+                qk.Q6_K: ([208], 2e-5), qk.IQ4_XS: ([0], 2e-5)}
+
+
+def random_blocks(qtype: int, rows: int, cols: int, device, generator: torch.Generator) -> torch.Tensor:
+    """Valid GGUF blocks of random content: [rows, row_bytes] uint8 on the device."""
+    block, size = qk.BLOCKS[qtype]
+    raw = torch.randint(0, 256, (rows, cols // block, size), dtype=torch.uint8, device=device, generator=generator)
+    offsets, value = _HALF_FIELDS[qtype]
+    half = torch.tensor([value], dtype=torch.float16).view(torch.uint8).to(device)
+    for at in offsets:
+        raw[..., at:at + 2] = half
+    return raw.view(rows, -1)
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's Q4_K_M rule for the layers whose attn_v and ffn_down get Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+#: a file type: name -> (the type of most matrices, the type of the "more bits" ones and the LM head)
+RECIPES = {"Q8_0": (qk.Q8_0, qk.Q8_0), "Q4_0": (qk.Q4_0, qk.Q4_0), "Q4_K_M": (qk.Q4_K, qk.Q6_K),
+           "Q5_K_M": (qk.Q5_K, qk.Q6_K), "Q6_K": (qk.Q6_K, qk.Q6_K), "IQ4_XS": (qk.IQ4_XS, qk.IQ4_XS)}
+
+
+def recipe_types(recipe: str, param: str, layers: int) -> list[tuple[int, str]]:
+    """(type, rows' role) segments of a parameter of a dense decoder under a file type: q/k/v and gate/up
+    can split where the recipe gives v or down more bits."""
+    base, more = RECIPES[recipe]
+    if param == "lm_head.weight":
+        return [(more, "all")]
+    if param.startswith("layers."):
+        layer = int(param.split(".")[1])
+        extra = more if use_more_bits(layer, layers) else base
+        if param.endswith("qkv_proj.weight"):
+            return [(base, "qk"), (extra, "v")]
+        if param.endswith("down_proj.weight"):
+            return [(extra, "all")]
+    return [(base, "all")]

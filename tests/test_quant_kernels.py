@@ -1,0 +1,120 @@
+"""The kernels over GGUF blocks (layers/quant_kernels.py), run by Triton's interpreter on the CPU (the GPU
+runs the same source): dequantization bit for bit as gguf.quants.dequantize, for every type on valid
+blocks; the 1-row GEMV, the few-row GEMM, their gate/up variant and the embedding gather against torch
+on those values; and a GGUF target kept quantized decoding like the same file dequantized at load."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from strata.layers import quant_kernels as qk
+from strata.layers.ops import silu_mul
+from strata.layers.quant import QuantWeight, Segment, weight_bytes
+
+from conftest import write_hf_drafter
+from test_interop import random_blocks
+
+T = gguf.GGMLQuantizationType
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
+
+
+def blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
+    gen = np.random.default_rng(seed)
+    if qtype in (T.Q8_0, T.Q4_0):  # the reference quantizer exists for these: real blocks of real values
+        return quants.quantize(gen.standard_normal((rows, cols), dtype=np.float32), qtype)
+    return random_blocks(qtype, rows, cols, gen)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-9)).item()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_is_bit_exact_and_products_match(qtype):
+    raw = blocks(qtype, 6, 512, qtype.value)
+    ref = quants.dequantize(raw, qtype).astype(np.float32)
+    data = torch.from_numpy(raw.copy())
+    got = qk.dequantize(data, int(qtype), 512).numpy()
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    w = torch.from_numpy(ref)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, 512, generator=gen)
+        assert rel(qk.matmul(x, data, int(qtype), 6), x @ w.T) <= 1e-5
+        assert rel(qk.matmul(x, data, int(qtype), 3, glu=True), silu_mul(x @ w.T)) <= 1e-5
+    tokens = torch.tensor([[5, 0], [2, 2]])
+    assert torch.equal(qk.gather(data, int(qtype), 512, tokens, torch.float32), w[tokens])
+
+
+def test_quant_weight_segments_slices_and_bytes():
+    """A fused q/k/v of two types (as Q4_K_M makes), sliced by rows as a drafter's context path does."""
+    a, b = blocks(T.Q4_K, 4, 256, 1), blocks(T.Q6_K, 2, 256, 2)
+    w = QuantWeight([Segment(int(T.Q4_K), torch.from_numpy(a.copy())), Segment(int(T.Q6_K), torch.from_numpy(b.copy()))],
+                    256, torch.float32)
+    full = torch.cat([torch.from_numpy(quants.dequantize(a, T.Q4_K)), torch.from_numpy(quants.dequantize(b, T.Q6_K))])
+    assert w.shape == (6, 256) and w.nbytes == a.nbytes + b.nbytes
+    assert torch.equal(w.dequantize(), full)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
+    assert rel(w.matmul(x), x @ full.T) <= 2e-6
+    assert rel(w[3:5].matmul(x), x @ full[3:5].T) <= 2e-6
+    assert w.gate_up_silu(x) is None  # gate and up of different types take the two-step path
+    assert rel(w.matmul(torch.randn(40, 256)), torch.randn(40, 256) @ full.T) > 0  # prefill-sized: dequantized
+
+
+def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
+    """Target-only and DFlash (static steps) over Q4_K blocks; the interpreter runs a program per block of
+    rows, so the GEMV takes wide blocks here (the result does not depend on them)."""
+    from strata.dflash.drafter import load_drafter
+    from strata.engine.decode import Engine
+    from strata.models.loader import load_target
+
+    from conftest import write_hf_model
+    from test_gguf_target import qwen2_tokenizer, write_gguf_target
+
+    monkeypatch.setattr(qk, "GEMV_BLOCK_N", 128)
+    monkeypatch.setattr(qk, "SKINNY_BLOCK_N", 128)
+    hf, _ = write_hf_model(tmp_path / "hf", "qwen3", seed=4, vocab=320, hidden_size=256, intermediate_size=256,
+                           head_dim=64, layers=2)
+    qwen2_tokenizer(hf, 320)
+    path = tmp_path / "t.gguf"
+    write_gguf_target(path, hf, "qwen3", T.Q4_K, seed=7)
+    plain = load_target(path)
+    kept = load_target(path, quantized=True)
+    assert isinstance(kept.layers[0].self_attn.qkv_proj.weight, QuantWeight)
+    assert isinstance(kept.embed_tokens.weight, QuantWeight)
+    assert weight_bytes(kept) < weight_bytes(plain) / 3
+    prompt = [5, 17, 200, 31, 7, 99]
+    want = Engine(plain, max_len=64).generate(prompt, 8).output_ids
+    assert Engine(kept, max_len=64).generate(prompt, 8).output_ids == want
+    drafter = write_hf_drafter(tmp_path / "d", layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                               intermediate=256, taps=(0, 1), num_target_layers=2, vocab=320, mask_token_id=319)
+    spec = Engine(kept, load_drafter(drafter, kept, max_len=64), max_len=64, static=True, window=4)
+    assert spec.generate(prompt, 8).output_ids == Engine(kept, max_len=64, static=True, pad_rows=4).generate(
+        prompt, 8).output_ids
+
+
+def test_random_quantized_targets_follow_the_file_type_and_the_floor_counts_their_bytes():
+    """`strata bench --quant` builds these: Q4_K_M gives the LM head and the 'more bits' layers' v and down
+    Q6_K (llama.cpp's rule), the rest Q4_K; a token reads the blocks of every matrix but one embedding row."""
+    from strata.bench.run import bytes_per_token
+    from strata.layers.quant import use_more_bits
+    from strata.models.random_init import random_target
+
+    shape = dict(hidden_size=256, intermediate_size=256, head_dim=64, vocab_size=512, num_hidden_layers=8)
+    t = random_target("tiny", quant="Q4_K_M", **shape)
+    assert [s.qtype for s in t.lm_head.weight.segments] == [int(T.Q6_K)]
+    for i, layer in enumerate(t.layers):
+        more = use_more_bits(i, 8)
+        assert [s.qtype for s in layer.self_attn.qkv_proj.weight.segments] == \
+            ([int(T.Q4_K), int(T.Q6_K)] if more else [int(T.Q4_K)])
+        assert [s.qtype for s in layer.mlp.down_proj.weight.segments] == [int(T.Q6_K if more else T.Q4_K)]
+    assert [use_more_bits(i, 8) for i in range(8)] == [True, False, False, True, False, False, True, True]
+    blocks = weight_bytes(t)
+    emb = t.embed_tokens.weight.nbytes
+    kv = 2 * 8 * 100 * 2 * 64 * 4
+    assert bytes_per_token(t, 100) == blocks - emb + emb // 512 + kv
+    assert t.embed_tokens.weight.nbytes == 512 * 256 // 256 * 144

@@ -1,0 +1,80 @@
+"""Sweep the quantized GEMV and few-row GEMM kernels (layers/quant_kernels.py) on the Qwen3-8B shape's
+matrices of random valid GGUF blocks, on a CUDA device: achieved GB/s (bytes of blocks read per call
+over its time) for each type and configuration, against the device's copy bandwidth.
+
+usage: python tools/quant_sweep.py [--types Q4_K Q6_K Q8_0] [--out FILE.json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from strata.layers import quant_kernels as qk  # noqa: E402
+from strata.layers.quant import random_blocks  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+          "lm_head": (151936, 4096)}
+NAMES = {"Q8_0": qk.Q8_0, "Q4_0": qk.Q4_0, "Q4_K": qk.Q4_K, "Q5_K": qk.Q5_K, "Q6_K": qk.Q6_K, "IQ4_XS": qk.IQ4_XS}
+
+
+def timed(fn, reps: int = 20) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    copy = 2 * src.numel() / timed(lambda: src.clone())
+    results = {"copy_GBps": copy / 1e9, "runs": []}
+    print(f"copy bandwidth {copy / 1e9:.0f} GB/s")
+    for name in args.types:
+        qtype = NAMES[name]
+        for mat, (n, k) in SHAPES.items():
+            data = random_blocks(qtype, n, k, "cuda", gen)
+            dense = qk.dequantize(data, qtype, k)
+            for m in args.rows:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                want = x.float() @ dense.T
+                err = ((qk.matmul(x, data, qtype, n).float() - want).abs().max() / want.abs().max()).item()
+                results.setdefault("relative_error", {})[f"{name}-{mat}-{m}"] = err
+                configs = [(1, 2), (2, 2), (2, 4), (4, 4), (8, 4), (4, 8)] if m == 1 else \
+                    [(16, 4), (32, 4), (64, 4), (32, 8), (64, 8)]
+                best = None
+                for cfg in configs:
+                    try:
+                        s = timed(lambda: qk.matmul(x, data, qtype, n, config=cfg))
+                    except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses
+                        print(f"{name} {mat} m={m} {cfg}: {type(e).__name__}")
+                        continue
+                    gbps = data.numel() / s / 1e9
+                    results["runs"].append({"type": name, "matrix": mat, "rows": m, "config": cfg, "us": s * 1e6,
+                                            "GBps": gbps})
+                    if best is None or gbps > best[1]:
+                        best = (cfg, gbps, s)
+                print(f"{name:6} {mat:8} m={m:2}: best {best[0]} {best[2] * 1e6:8.1f} us {best[1]:7.0f} GB/s "
+                      f"({best[1] * 1e9 / copy:.2f} of copy), rel err {err:.1e}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
