@@ -1,8 +1,9 @@
 """Triton kernels over GGUF-quantized weights: the blocks stay as llama.cpp wrote them, in GPU memory,
 and each kernel dequantizes the tiles it needs in registers.
 
-Every kernel is built on one function, `_tile`: the float32 values of a [rows, 256] tile of a
-quantized matrix, computed in the same float32 operations, in the same order, as gguf's reference
+Every kernel is built on one function, `_halves`: the float32 values of a [rows, 256] tile of a
+quantized matrix (as two halves: each byte loaded once yields a value in each), computed in the same
+float32 operations, in the same order, as gguf's reference
 (`gguf.quants.dequantize`), so the dequantization kernel matches it bit for bit (the tests run it in
 Triton's interpreter). Over it: a 1-row GEMV and a few-row GEMM (a verify window, a drafter block) on
 tensor cores, both with the gate/up silu*up variant, an embedding gather, and a whole-matrix
@@ -29,63 +30,107 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def _tile(w_ptr, row_off, k0, tab_ptr, QTYPE: tl.constexpr):
-        """float32 values of columns k0..k0+255 of the rows whose byte offsets are row_off [R, 1]."""
-        k = tl.arange(0, 256)[None, :]
+    def _half_cols(QTYPE: tl.constexpr):
+        """Columns (within a 256-column tile) of the two halves _halves returns, in their order."""
+        if QTYPE == 8:  # Q8_0: blocks 0..3, then 4..7
+            c = tl.arange(0, 128)
+            lo, hi = c, c + 128
+        elif QTYPE == 2 or QTYPE == 23:  # Q4_0, IQ4_XS: per 32 weights, low nibbles first (16), high after
+            b = tl.arange(0, 8)[:, None]
+            t = tl.arange(0, 16)[None, :]
+            lo = tl.reshape(b * 32 + t, (128,))
+            hi = lo + 16
+        elif QTYPE == 14:  # Q6_K: low nibbles are the first and second quarter of each half of the block
+            h2 = tl.arange(0, 2)[:, None, None]
+            part = tl.arange(0, 2)[None, :, None]
+            l = tl.arange(0, 32)[None, None, :]
+            lo = tl.reshape(h2 * 128 + part * 32 + l, (128,))
+            hi = lo + 64
+        else:  # Q4_K, Q5_K: per 64 weights, the 32 low nibbles first
+            p = tl.arange(0, 4)[:, None]
+            l = tl.arange(0, 32)[None, :]
+            lo = tl.reshape(p * 64 + l, (128,))
+            hi = lo + 32
+        return lo, hi
+
+    @triton.jit
+    def _halves(w_ptr, row_off, k0, tab_ptr, QTYPE: tl.constexpr):
+        """float32 values of columns k0..k0+255 of the rows at byte offsets row_off [R, 1], as two [R, 128]
+        halves in _half_cols' column order: each byte read once gives a value in each half, and every
+        scale is decoded once per group of weights that shares it."""
+        R: tl.constexpr = row_off.shape[0]
         u8 = w_ptr
         i8 = w_ptr.to(tl.pointer_type(tl.int8))
         f16 = w_ptr.to(tl.pointer_type(tl.float16))
         u16 = w_ptr.to(tl.pointer_type(tl.uint16))
+        ro = row_off[:, :, None]
         if QTYPE == 8:  # Q8_0: d, then 32 int8
-            base = row_off + (k0 // 32 + k // 32) * 34
+            b = tl.arange(0, 4)[None, :, None]
+            l = tl.arange(0, 32)[None, None, :]
+            base_lo = ro + (k0 // 32 + b) * 34
+            base_hi = base_lo + 4 * 34
+            lo = tl.load(i8 + base_lo + 2 + l).to(tl.float32) * tl.load(f16 + base_lo // 2).to(tl.float32)
+            hi = tl.load(i8 + base_hi + 2 + l).to(tl.float32) * tl.load(f16 + base_hi // 2).to(tl.float32)
+        elif QTYPE == 2:  # Q4_0: d, then 16 bytes whose low nibbles are weights 0..15, high ones 16..31
+            base = ro + (k0 // 32 + tl.arange(0, 8)[None, :, None]) * 18
             d = tl.load(f16 + base // 2).to(tl.float32)
-            q = tl.load(i8 + base + 2 + k % 32).to(tl.float32)
-            out = q * d
-        elif QTYPE == 2:  # Q4_0: d, then 16 bytes: low nibbles are weights 0..15, high ones 16..31
-            base = row_off + (k0 // 32 + k // 32) * 18
-            j = k % 32
-            d = tl.load(f16 + base // 2).to(tl.float32)
-            q = ((tl.load(u8 + base + 2 + j % 16).to(tl.int32) >> (4 * (j // 16))) & 15) - 8
-            out = d * q.to(tl.float32)
+            byte = tl.load(u8 + base + 2 + tl.arange(0, 16)[None, None, :]).to(tl.int32)
+            lo = d * ((byte & 15) - 8).to(tl.float32)
+            hi = d * ((byte >> 4) - 8).to(tl.float32)
         elif QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, ...
-            base = row_off + (k0 // 256) * (144 if QTYPE == 12 else 176)
-            g = k // 32
-            i = g % 4
-            a = tl.load(u8 + base + 4 + i).to(tl.int32)
-            b = tl.load(u8 + base + 8 + i).to(tl.int32)
-            c = tl.load(u8 + base + 12 + i).to(tl.int32)
-            sc = tl.where(g < 4, a & 63, (c & 15) | ((a >> 2) & 48))
-            m = tl.where(g < 4, b & 63, (c >> 4) | ((b >> 2) & 48))
+            base = ro + (k0 // 256) * (144 if QTYPE == 12 else 176)
+            p = tl.arange(0, 4)[None, :, None]  # the pair of sub-blocks 2p (low nibbles), 2p+1 (high ones)
+            lo_first = p < 2  # sub-blocks 0..3 keep their 6 bits plainly; 4..7 are split over two bytes
+            a2 = tl.load(u8 + base + 4 + (2 * p + 1) % 4).to(tl.int32)
+            b2 = tl.load(u8 + base + 8 + (2 * p + 1) % 4).to(tl.int32)
+            c2 = tl.load(u8 + base + 12 + (2 * p + 1) % 4).to(tl.int32)
+            a1 = tl.load(u8 + base + 4 + (2 * p) % 4).to(tl.int32)
+            b1 = tl.load(u8 + base + 8 + (2 * p) % 4).to(tl.int32)
+            c1 = tl.load(u8 + base + 12 + (2 * p) % 4).to(tl.int32)
+            sc_lo = tl.where(lo_first, a1 & 63, (c1 & 15) | ((a1 >> 2) & 48))
+            m_lo = tl.where(lo_first, b1 & 63, (c1 >> 4) | ((b1 >> 2) & 48))
+            sc_hi = tl.where(lo_first, a2 & 63, (c2 & 15) | ((a2 >> 2) & 48))
+            m_hi = tl.where(lo_first, b2 & 63, (c2 >> 4) | ((b2 >> 2) & 48))
             d = tl.load(f16 + base // 2).to(tl.float32)
             dmin = tl.load(f16 + base // 2 + 1).to(tl.float32)
             qs = 16 if QTYPE == 12 else 48  # Q5_K: 32 bytes of fifth bits first
-            q = (tl.load(u8 + base + qs + (g // 2) * 32 + k % 32).to(tl.int32) >> (4 * (g % 2))) & 15
+            l = tl.arange(0, 32)[None, None, :]
+            byte = tl.load(u8 + base + qs + p * 32 + l).to(tl.int32)
+            q_lo = byte & 15
+            q_hi = byte >> 4
             if QTYPE == 13:
-                q = q | (((tl.load(u8 + base + 16 + k % 32).to(tl.int32) >> g) & 1) << 4)
-            out = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * m.to(tl.float32)
+                fifth = tl.load(u8 + base + 16 + l).to(tl.int32)
+                q_lo = q_lo | (((fifth >> (2 * p)) & 1) << 4)
+                q_hi = q_hi | (((fifth >> (2 * p + 1)) & 1) << 4)
+            lo = (d * sc_lo.to(tl.float32)) * q_lo.to(tl.float32) - dmin * m_lo.to(tl.float32)
+            hi = (d * sc_hi.to(tl.float32)) * q_hi.to(tl.float32) - dmin * m_hi.to(tl.float32)
         elif QTYPE == 14:  # Q6_K: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d
-            base = row_off + (k0 // 256) * 210
-            g = k // 32
-            s = g % 4
-            low = tl.load(u8 + base + (g // 4) * 64 + (s % 2) * 32 + k % 32).to(tl.int32)
-            high = tl.load(u8 + base + 128 + (g // 4) * 32 + k % 32).to(tl.int32)
-            q = (((low >> (4 * (s // 2))) & 15) | (((high >> (2 * s)) & 3) << 4)) - 32
+            base = ro[:, :, :, None] + (k0 // 256) * 210
+            h2 = tl.arange(0, 2)[None, :, None, None]
+            part = tl.arange(0, 2)[None, None, :, None]
+            l = tl.arange(0, 32)[None, None, None, :]
+            low = tl.load(u8 + base + h2 * 64 + part * 32 + l).to(tl.int32)
+            high = tl.load(u8 + base + 128 + h2 * 32 + l).to(tl.int32)
             d = tl.load(f16 + (base + 208) // 2).to(tl.float32)
-            sc = tl.load(i8 + base + 192 + k // 16).to(tl.float32)
-            out = (d * sc) * q.to(tl.float32)
+            first = h2 * 8 + part * 2 + l // 16  # the 16-weight group's scale, low-nibble half
+            q_lo = ((low & 15) | (((high >> (2 * part)) & 3) << 4)) - 32
+            q_hi = ((low >> 4) | (((high >> (2 * part + 4)) & 3) << 4)) - 32
+            lo = (d * tl.load(i8 + base + 192 + first).to(tl.float32)) * q_lo.to(tl.float32)
+            hi = (d * tl.load(i8 + base + 196 + first).to(tl.float32)) * q_hi.to(tl.float32)
         else:  # IQ4_XS: d, 16 bits of scale highs, 4 bytes of scale lows, 128 bytes of 4-bit table indices
-            base = row_off + (k0 // 256) * 136
-            j = k // 32
-            t = k % 32
+            base = ro + (k0 // 256) * 136
+            j = tl.arange(0, 8)[None, :, None]
             d = tl.load(f16 + base // 2).to(tl.float32)
-            hi = (tl.load(u16 + base // 2 + 1).to(tl.int32) >> (2 * j)) & 3
-            lo = (tl.load(u8 + base + 4 + j // 2).to(tl.int32) >> (4 * (j % 2))) & 15
-            scale = (lo | (hi << 4)) - 32
-            q = (tl.load(u8 + base + 8 + 16 * j + t % 16).to(tl.int32) >> (4 * (t // 16))) & 15
-            out = (d * scale.to(tl.float32)) * tl.load(tab_ptr + q).to(tl.float32)
-        return out
+            sh = (tl.load(u16 + base // 2 + 1).to(tl.int32) >> (2 * j)) & 3
+            sl = (tl.load(u8 + base + 4 + j // 2).to(tl.int32) >> (4 * (j % 2))) & 15
+            dl = d * ((sl | (sh << 4)) - 32).to(tl.float32)
+            byte = tl.load(u8 + base + 8 + 16 * j + tl.arange(0, 16)[None, None, :]).to(tl.int32)
+            lo = dl * tl.load(tab_ptr + (byte & 15)).to(tl.float32)
+            hi = dl * tl.load(tab_ptr + (byte >> 4)).to(tl.float32)
+        return tl.reshape(lo, (R, 128)), tl.reshape(hi, (R, 128))
 
-    globals()["_tile"] = _tile  # the kernels below call it by name: Triton resolves names in module globals
+    globals()["_half_cols"] = _half_cols  # the kernels call these by name: Triton resolves names in
+    globals()["_halves"] = _halves  # module globals
 
     @triton.jit
     def dequant_kernel(w_ptr, tab_ptr, out_ptr, N, K, row_bytes, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -93,18 +138,21 @@ def _build():
         rmask = rows[:, None] < N
         row_off = tl.where(rmask, rows[:, None] * row_bytes, 0)
         k0 = tl.program_id(1) * 256
-        cols = k0 + tl.arange(0, 256)[None, :]
-        tl.store(out_ptr + rows[:, None] * K + cols, _tile(w_ptr, row_off, k0, tab_ptr, QTYPE), mask=rmask)
+        lo, hi = _halves(w_ptr, row_off, k0, tab_ptr, QTYPE)
+        cols_lo, cols_hi = _half_cols(QTYPE)
+        tl.store(out_ptr + rows[:, None] * K + k0 + cols_lo[None, :], lo, mask=rmask)
+        tl.store(out_ptr + rows[:, None] * K + k0 + cols_hi[None, :], hi, mask=rmask)
 
     @triton.jit
     def gather_kernel(tok_ptr, w_ptr, tab_ptr, out_ptr, K, row_bytes, QTYPE: tl.constexpr):
         """One token's embedding row, dequantized and written in out's dtype."""
         t = tl.program_id(0)
         row_off = tl.load(tok_ptr + t).to(tl.int64) * row_bytes + tl.zeros([1, 1], dtype=tl.int64)
+        cols_lo, cols_hi = _half_cols(QTYPE)
         for k0 in range(0, K, 256):
-            vals = _tile(w_ptr, row_off, k0, tab_ptr, QTYPE)
-            cols = k0 + tl.arange(0, 256)[None, :]
-            tl.store(out_ptr + t * K + cols, vals.to(out_ptr.dtype.element_ty))
+            lo, hi = _halves(w_ptr, row_off, k0, tab_ptr, QTYPE)
+            tl.store(out_ptr + t * K + k0 + cols_lo[None, :], lo.to(out_ptr.dtype.element_ty))
+            tl.store(out_ptr + t * K + k0 + cols_hi[None, :], hi.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, tab_ptr, y_ptr, N, K, row_bytes, QTYPE: tl.constexpr, GLU: tl.constexpr,
@@ -113,13 +161,17 @@ def _build():
         rmask = rows < N
         row_off = tl.where(rmask, rows * row_bytes, 0)[:, None]
         up_off = tl.where(rmask, (rows + N) * row_bytes, 0)[:, None]
-        acc = tl.zeros([BLOCK_N, 256], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, 256], dtype=tl.float32)
+        cols_lo, cols_hi = _half_cols(QTYPE)
+        acc = tl.zeros([BLOCK_N, 128], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, 128], dtype=tl.float32)
         for k0 in range(0, K, 256):
-            x = tl.load(x_ptr + k0 + tl.arange(0, 256)).to(tl.float32)[None, :]
-            acc += _tile(w_ptr, row_off, k0, tab_ptr, QTYPE) * x
+            x_lo = tl.load(x_ptr + k0 + cols_lo).to(tl.float32)[None, :]
+            x_hi = tl.load(x_ptr + k0 + cols_hi).to(tl.float32)[None, :]
+            lo, hi = _halves(w_ptr, row_off, k0, tab_ptr, QTYPE)
+            acc += lo * x_lo + hi * x_hi
             if GLU:
-                acc_up += _tile(w_ptr, up_off, k0, tab_ptr, QTYPE) * x
+                lo, hi = _halves(w_ptr, up_off, k0, tab_ptr, QTYPE)
+                acc_up += lo * x_lo + hi * x_hi
         out_ty = y_ptr.dtype.element_ty
         y = tl.sum(acc, axis=1)
         if GLU:
@@ -137,16 +189,20 @@ def _build():
         up_off = tl.where(nmask, (cols + N) * row_bytes, 0)[:, None]
         m = tl.arange(0, BLOCK_M)
         mmask = m < M
+        cols_lo, cols_hi = _half_cols(QTYPE)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, 256):
-            x = tl.load(x_ptr + m[:, None] * stride_x + k0 + tl.arange(0, 256)[None, :], mask=mmask[:, None],
-                        other=0.0)
-            w = _tile(w_ptr, row_off, k0, tab_ptr, QTYPE).to(x.dtype)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            xrow = x_ptr + m[:, None] * stride_x + k0
+            x_lo = tl.load(xrow + cols_lo[None, :], mask=mmask[:, None], other=0.0)
+            x_hi = tl.load(xrow + cols_hi[None, :], mask=mmask[:, None], other=0.0)
+            lo, hi = _halves(w_ptr, row_off, k0, tab_ptr, QTYPE)
+            acc = tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), acc, input_precision=PRECISION)
+            acc = tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), acc, input_precision=PRECISION)
             if GLU:
-                u = _tile(w_ptr, up_off, k0, tab_ptr, QTYPE).to(x.dtype)
-                acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
+                lo, hi = _halves(w_ptr, up_off, k0, tab_ptr, QTYPE)
+                acc_up = tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), acc_up, input_precision=PRECISION)
+                acc_up = tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), acc_up, input_precision=PRECISION)
         out_ty = y_ptr.dtype.element_ty
         y = acc
         if GLU:
