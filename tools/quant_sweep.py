@@ -56,8 +56,7 @@ def main() -> None:
                 want = x.float() @ dense.T
                 err = ((qk.matmul(x, data, qtype, n).float() - want).abs().max() / want.abs().max()).item()
                 results.setdefault("relative_error", {})[f"{name}-{mat}-{m}"] = err
-                configs = [(1, 2), (2, 2), (2, 4), (4, 4), (8, 4), (4, 8)] if m == 1 else \
-                    [(16, 4), (32, 4), (64, 4), (32, 8), (64, 8)]
+                configs = qk.GEMV_CONFIGS if m == 1 else qk.SKINNY_CONFIGS
                 best = None
                 for cfg in configs:
                     try:

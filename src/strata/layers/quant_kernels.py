@@ -78,7 +78,7 @@ def _build():
             lo = d * ((byte & 15) - 8).to(tl.float32)
             hi = d * ((byte >> 4) - 8).to(tl.float32)
         elif QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, ...
-            base = ro + (k0 // 256) * (144 if QTYPE == 12 else 176)
+            base = ro + (k0 // 256) * (144 + 32 * (QTYPE - 12))  # Q4_K 144 bytes, Q5_K 176
             p = tl.arange(0, 4)[None, :, None]  # the pair of sub-blocks 2p (low nibbles), 2p+1 (high ones)
             lo_first = p < 2  # sub-blocks 0..3 keep their 6 bits plainly; 4..7 are split over two bytes
             a2 = tl.load(u8 + base + 4 + (2 * p + 1) % 4).to(tl.int32)
@@ -93,7 +93,7 @@ def _build():
             m_hi = tl.where(lo_first, b2 & 63, (c2 >> 4) | ((b2 >> 2) & 48))
             d = tl.load(f16 + base // 2).to(tl.float32)
             dmin = tl.load(f16 + base // 2 + 1).to(tl.float32)
-            qs = 16 if QTYPE == 12 else 48  # Q5_K: 32 bytes of fifth bits first
+            qs = 16 + 32 * (QTYPE - 12)  # Q5_K: 32 bytes of fifth bits first
             l = tl.arange(0, 32)[None, None, :]
             byte = tl.load(u8 + base + qs + p * 32 + l).to(tl.int32)
             q_lo = byte & 15
@@ -210,7 +210,19 @@ def _build():
             y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
         tl.store(y_ptr + m[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=mmask[:, None] & nmask[None, :])
 
-    return {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel}
+    kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel}
+    if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
+        kernels["gemv_tuned"] = triton.autotune(
+            [triton.Config({"BLOCK_N": b}, num_warps=w) for b, w in GEMV_CONFIGS], key=["N", "K"])(gemv_kernel)
+        kernels["skinny_tuned"] = triton.autotune(
+            [triton.Config({"BLOCK_N": b}, num_warps=w) for b, w in SKINNY_CONFIGS], key=["M", "N", "K"])(skinny_kernel)
+    return kernels
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 _TABLES: dict = {}
@@ -256,9 +268,12 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
     return out.view(*tokens.shape, cols)
 
 
-#: (rows of W per program, warps): the GEMV's (few rows: many programs stream the weight), the few-row GEMM's
-GEMV_BLOCK_N, GEMV_WARPS = 2, 4
-SKINNY_BLOCK_N, SKINNY_WARPS = 32, 4
+#: (rows of W per program, warps) the device tries at first use: the GEMV's (few rows, many programs to
+#: stream the weight) and the few-row GEMM's; the interpreter takes the first of each
+GEMV_CONFIGS = [(2, 4), (2, 2), (4, 2), (8, 2), (4, 4), (8, 4), (16, 4), (16, 8)]
+SKINNY_CONFIGS = [(32, 4), (16, 4), (64, 4), (32, 8), (64, 8)]
+GEMV_BLOCK_N, GEMV_WARPS = GEMV_CONFIGS[0]
+SKINNY_BLOCK_N, SKINNY_WARPS = SKINNY_CONFIGS[0]
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
@@ -271,14 +286,14 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     kernels = _build()
     tab = _table(x.device)
-    if rows == 1:
-        block_n, warps = config or (GEMV_BLOCK_N, GEMV_WARPS)
-        kernels["gemv"][(_cdiv(n, block_n),)](x, data, tab, y, n, k, data.stride(0), QTYPE=qtype, GLU=glu,
-                                              BLOCK_N=block_n, num_warps=warps)
+    name = "gemv" if rows == 1 else "skinny"
+    args = (x, data, tab, y, n, k, data.stride(0)) if rows == 1 else \
+        (x, data, tab, y, rows, n, k, data.stride(0), x.stride(0), y.stride(0))
+    extra = {} if rows == 1 else {"BLOCK_M": max(16, 1 << (rows - 1).bit_length()),
+                                  "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+    if config is None and f"{name}_tuned" in kernels:
+        kernels[f"{name}_tuned"][lambda meta: (_cdiv(n, meta["BLOCK_N"]),)](*args, QTYPE=qtype, GLU=glu, **extra)
     else:
-        block_n, warps = config or (SKINNY_BLOCK_N, SKINNY_WARPS)
-        kernels["skinny"][(_cdiv(n, block_n),)](
-            x, data, tab, y, rows, n, k, data.stride(0), x.stride(0), y.stride(0), QTYPE=qtype, GLU=glu,
-            BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
+        block_n, warps = config or ((GEMV_BLOCK_N, GEMV_WARPS) if rows == 1 else (SKINNY_BLOCK_N, SKINNY_WARPS))
+        kernels[name][(_cdiv(n, block_n),)](*args, QTYPE=qtype, GLU=glu, BLOCK_N=block_n, num_warps=warps, **extra)
     return y
