@@ -118,3 +118,35 @@ def test_random_quantized_targets_follow_the_file_type_and_the_floor_counts_thei
     kv = 2 * 8 * 100 * 2 * 64 * 4
     assert bytes_per_token(t, 100) == blocks - emb + emb // 512 + kv
     assert t.embed_tokens.weight.nbytes == 512 * 256 // 256 * 144
+
+
+def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization_does(tmp_path, monkeypatch):
+    from strata.dflash.artifact import load_artifact
+    from strata.dflash.drafter import DFlashDrafter
+    from strata.models.loader import load_target
+
+    from conftest import forward_at, observe, propose, write_hf_model
+    from test_gguf_target import qwen2_tokenizer
+    from test_interop import write_lcpp_gguf
+
+    monkeypatch.setattr(qk, "GEMV_BLOCK_N", 128)
+    monkeypatch.setattr(qk, "SKINNY_BLOCK_N", 128)
+    target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
+                                   head_dim=64, layers=2)
+    qwen2_tokenizer(target_dir, 320)
+    src = write_hf_drafter(tmp_path / "d", layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256,
+                           taps=(0, 1), num_target_layers=2, vocab=320, mask_token_id=319, tokenizer=False)
+    path = tmp_path / "d.gguf"
+    write_lcpp_gguf(path, src, target_dir, matrix_type=T.Q4_K)
+    target = load_target(target_dir)
+    art = load_artifact(path)
+    plain, kept = DFlashDrafter(art, target, max_len=64), DFlashDrafter(art, target, max_len=64, quantized=True)
+    assert isinstance(kept.model.layers[0].self_attn.qkv_proj.weight, QuantWeight)
+    assert isinstance(kept.model.fc.weight, QuantWeight) and not isinstance(plain.model.fc.weight, QuantWeight)
+    ids = torch.tensor([5, 17, 200, 31, 7, 99, 3])
+    taps = forward_at(target, ids, 0, target.make_cache(64), [0, 1]).taps
+    for d in (plain, kept):
+        observe(d, ids.tolist(), 0, taps)
+    want, got = propose(plain, 12, 7, 4), propose(kept, 12, 7, 4)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert rel(got.logits, want.logits) <= 1e-4

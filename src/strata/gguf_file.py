@@ -172,3 +172,8 @@ def values(info: TensorInfo, shape: tuple, where: str) -> torch.Tensor:
         raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated or its rows are not whole "
                             f"{info.type.name} blocks of {block}")
     return torch.from_numpy(quants.dequantize(data, info.type).reshape(shape).astype(np.float32, copy=False))
+
+
+def rows_of_blocks(info: TensorInfo, shape: tuple) -> torch.Tensor:
+    """A quantized matrix's bytes as stored: uint8 [rows, row_bytes] (each row whole blocks)."""
+    return torch.from_numpy(np.ascontiguousarray(info.data).reshape(shape[0], -1).copy())

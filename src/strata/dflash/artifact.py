@@ -24,6 +24,7 @@ class Artifact:
     fmt: str  # "gguf" or "hf"
     types: dict[str, str] = field(default_factory=dict)  # GGUF type names (GGUF files), else torch dtypes
     vocab: Vocab | None = None  # the vocabulary a GGUF file carries
+    blocks: dict = field(default_factory=dict)  # quantized tensors' GGUF blocks: name -> (GGML type, uint8 rows)
 
     @property
     def parameter_count(self) -> int:

@@ -13,7 +13,8 @@ import torch
 from ..cache import aligned_cells
 from ..engine.drafter import Commit, Drafter, DraftRequest, Proposal
 from ..layers.modules import Step
-from ..models.loader import pack
+from ..layers.quant import QuantWeight, replace_parameter
+from ..models.loader import pack, quantized_weight
 from .artifact import Artifact, check_against_target, load_artifact
 from .model import DFlashModel, hf_layout
 
@@ -23,18 +24,32 @@ class DFlashDrafter(Drafter):
     limit = "block size"
     on_device = True
 
-    def __init__(self, art: Artifact, target, window_cells: int = 32768, max_len: int | None = None):
+    def __init__(self, art: Artifact, target, window_cells: int = 32768, max_len: int | None = None,
+                 quantized: bool | None = None):
         """window_cells: how many context cells before the block a full-attention layer sees (sliding
-        layers keep their own window). max_len: the longest context it will serve."""
+        layers keep their own window). max_len: the longest context it will serve. quantized: keep a
+        quantized GGUF drafter's matrices in their blocks for the quantized kernels (default: on a GPU)."""
         cfg = art.cfg
         check_against_target(cfg, target.cfg, str(art.source), art.vocab)
         self.cfg, self.target, self.source = cfg, target, art.source
         self.tap_layers = list(cfg.target_layer_ids)
         self.max_window = cfg.block_size
         self.window_cells = window_cells
+        layout = hf_layout(cfg)
+        quant = {}
+        if target.device.type == "cuda" if quantized is None else quantized:
+            quant = {param: quantized_weight([art.blocks[n] for n, _ in sources], sources[0][1][1], target.device,
+                                             target.dtype)
+                     for param, sources in layout.items()
+                     if all(n in art.blocks and QuantWeight.fits(art.blocks[n][0], s) for n, s in sources)}
         with torch.device("meta"):
             model = DFlashModel(cfg)
-        model.load_state_dict(pack(art.tensors, hf_layout(cfg), target.dtype, art.source), assign=True, strict=True)
+        state = pack(art.tensors, {p: s for p, s in layout.items() if p not in quant}, target.dtype, art.source)
+        state.update({p: torch.empty(sum(s[0] for _, s in layout[p]), layout[p][0][1][1], device="meta")
+                      for p in quant})
+        model.load_state_dict(state, assign=True, strict=True)
+        for param, weight in quant.items():
+            replace_parameter(model, param, weight)
         self.model = model.to(target.device).eval().requires_grad_(False)
         self.max_len = max_len or target.cfg.max_position_embeddings
         self.cache = self.model.make_cache(aligned_cells(self.max_len + cfg.block_size))

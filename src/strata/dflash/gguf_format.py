@@ -169,9 +169,11 @@ def read_gguf(path: Path):
     cfg = config_from_gguf(kv, where, fc.shape[0] if fc is not None and len(fc.shape) == 2 else None)
     expected = C.expected_tensors(cfg, "hf")
     C.check_tensor_set(hf_names, expected, where)
-    tensors, types = {}, {}
+    tensors, types, blocks = {}, {}, {}
     for hf_name, shape in expected.items():
         info = by_name[hf_names[hf_name]]
         tensors[hf_name] = gguf_file.values(info, shape, where)
         types[hf_name] = info.type.name
-    return Artifact(cfg, tensors, path, "gguf", types=types, vocab=Vocab.from_metadata(kv))
+        if info.type.name not in ("F32", "F16", "BF16"):
+            blocks[hf_name] = (int(info.type), gguf_file.rows_of_blocks(info, shape))
+    return Artifact(cfg, tensors, path, "gguf", types=types, vocab=Vocab.from_metadata(kv), blocks=blocks)

@@ -177,7 +177,9 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
                 raise StrataError(f"{path}: missing tensor '{missing[0]}' (expected shape {list(shape)})")
             if quantized and all(QuantWeight.fits(tensors[n].type, s) and tuple(reversed(tensors[n].shape)) == s
                                  for n, s, _ in sources):
-                quant[param] = quantized_weight(tensors, sources, heads, device, dtype)
+                parts = [(int(tensors[n].type), gguf_file.rows_of_blocks(tensors[n], s)) for n, s, _ in sources]
+                parts = [(t, unpermute(raw, heads[tr]) if tr else raw) for (t, raw), (_, _, tr) in zip(parts, sources)]
+                quant[param] = quantized_weight(parts, sources[0][1][1], device, dtype)
                 state[param] = torch.empty(sum(s[0] for _, s, _ in sources), sources[0][1][1], device="meta",
                                            dtype=dtype)
                 continue
@@ -191,21 +193,15 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
     return instantiate(fam, cfg, state, device, quant)
 
 
-def quantized_weight(tensors: dict, sources, heads: dict, device, dtype):
-    """A parameter's GGUF blocks on the device: its sources' rows (un-interleaved like the values would
-    be: whole rows are whole blocks), runs of one type joined into one segment."""
-    import numpy as np
-
+def quantized_weight(parts: list[tuple[int, torch.Tensor]], cols: int, device, dtype):
+    """A parameter's GGUF blocks on the device: its sources' (type, uint8 rows) in order, runs of one type
+    joined into one segment."""
     from ..layers.quant import QuantWeight, Segment
 
     segments = []
-    for name, shape, transform in sources:
-        info = tensors[name]
-        raw = torch.from_numpy(np.ascontiguousarray(info.data).reshape(shape[0], -1).copy())
-        if transform:
-            raw = unpermute(raw, heads[transform])
-        if segments and segments[-1].qtype == int(info.type):
-            segments[-1] = Segment(int(info.type), torch.cat([segments[-1].data, raw]))
+    for qtype, raw in parts:
+        if segments and segments[-1].qtype == qtype:
+            segments[-1] = Segment(qtype, torch.cat([segments[-1].data, raw]))
         else:
-            segments.append(Segment(int(info.type), raw))
-    return QuantWeight([Segment(s.qtype, s.data.to(device)) for s in segments], sources[0][1][1], dtype)
+            segments.append(Segment(qtype, raw))
+    return QuantWeight([Segment(s.qtype, s.data.to(device)) for s in segments], cols, dtype)
