@@ -3,6 +3,7 @@ gguf's reader allocates for it, then the metadata as Python values and the tenso
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,12 +114,21 @@ def field_value(field):
 
 
 def read(path: Path) -> tuple[dict, list[TensorInfo]]:
-    """(metadata key -> value, tensor table) of a GGUF file, or ArtifactError naming what is wrong."""
+    """(metadata key -> value, tensor table) of a GGUF file, or ArtifactError naming what is wrong. The
+    tensors' data are views of the memory-mapped file; a file read again unchanged is not parsed again
+    (loading a target reads its configuration, vocabulary and tensors)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no such file")
+    stat = path.stat()
+    return _read(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _read(path: Path, size: int, mtime: int) -> tuple[dict, list[TensorInfo]]:
     import gguf
 
     where = str(path)
-    if not path.is_file():
-        raise ArtifactError(f"{where}: no such file")
     check_counts(path)
     try:
         reader = gguf.GGUFReader(str(path))
