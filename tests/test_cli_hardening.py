@@ -88,11 +88,12 @@ def test_the_context_end_is_reported(tmp_path):
 
 def test_version_help_and_only_the_options_a_command_uses():
     from strata import __version__
-    from strata.cli import build_parser
+    from strata import cli
+    from strata.cli_options import build_parser
 
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"strata {__version__}"
-    parser = build_parser()
+    parser = build_parser(cli)
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     for name, sub in commands.items():
         for action in sub._actions:
