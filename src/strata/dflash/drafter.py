@@ -23,6 +23,7 @@ class DFlashDrafter(Drafter):
     name = "dflash"
     limit = "block size"
     on_device = True
+    gives_logits = True
 
     def __init__(self, art: Artifact, target, window_cells: int = 32768, max_len: int | None = None,
                  quantized: bool | None = None):

@@ -22,6 +22,7 @@ class EngineConfig:
     triton: bool = True  # with compile: Strata's Triton kernels where their shapes allow
     attention: str = "grouped"  # attention of the static steps: "grouped" or "sdpa"
     pad_rows: int = 1  # target-only decoding in windows of this many rows (see ModelRunner)
+    tree: int | None = None  # tree verification with this many nodes (engine/tree.py); None: the chain
     draft_sampling: str = "sample"  # sampled decoding: draw candidates from q, or take its argmax
     profile: bool = False  # time the draft and verify parts of each round (waits for the device)
 
@@ -35,6 +36,8 @@ class EngineConfig:
             raise StrataError(f"--max-model-len must be >= 2, got {self.max_len}")
         if self.pad_rows < 1:
             raise StrataError(f"pad_rows must be >= 1, got {self.pad_rows}")
+        if self.tree is not None and self.tree < 1:
+            raise StrataError(f"--tree must be >= 1, got {self.tree}")
 
     def context(self, target_cfg) -> int:
         """The context length: max_len, refused past the model's own unless allow_long_context."""
@@ -47,10 +50,20 @@ class EngineConfig:
     def window_for(self, drafter) -> int:
         """The verify window with this drafter (1 without one), or a one-line error."""
         if drafter is None or drafter.max_window == 1:
-            if self.window is not None:
-                raise StrataError("--spec needs a drafter (--dflash or --prompt-lookup)")
+            if self.window is not None or self.tree is not None:
+                raise StrataError(f"--{'spec' if self.window is not None else 'tree'} needs a drafter (--dflash"
+                                  f"{' or --prompt-lookup' if self.window is not None else ''})")
             return 1
         w = self.window if self.window is not None else drafter.window
         if not 2 <= w <= drafter.max_window:
             raise StrataError(f"--spec {w}: must be between 2 and the drafter's {drafter.limit} {drafter.max_window}")
+        if self.tree is not None:
+            from .tree import largest_budget
+
+            if not drafter.gives_logits:
+                raise StrataError(f"--tree needs a drafter that scores its candidates (DFlash); the {drafter.name} "
+                                  f"drafter does not")
+            if self.tree > largest_budget(w - 1):
+                raise StrataError(f"--tree {self.tree}: a tree of depth {w - 1} holds at most "
+                                  f"{largest_budget(w - 1)} nodes")
         return w

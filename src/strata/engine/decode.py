@@ -46,6 +46,7 @@ class GenerationResult:
     drafter: str = "none"
     window: int = 1
     acceptance: Acceptance = field(default_factory=Acceptance)
+    tree: int | None = None  # tree verification's nodes per round
     draft_s: float = 0.0  # on a GPU measured only with EngineConfig(profile=True)
     verify_s: float = 0.0
 
@@ -67,7 +68,9 @@ class GenerationResult:
         return {"prompt_ids": self.prompt_ids, "output_ids": self.output_ids, "new_tokens": self.new_tokens,
                 "finish_reason": self.finish_reason, "limit": self.limit, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
                 "tok_s": self.tok_s, "drafter": self.drafter, "window": self.window,
-                **self.acceptance.summary(), "draft_s": self.draft_s, "verify_s": self.verify_s}
+                **self.acceptance.summary(), "draft_s": self.draft_s, "verify_s": self.verify_s,
+                **({} if self.tree is None else {"tree": self.tree,
+                                                 "nodes_verified": self.acceptance.rounds * (self.tree + 1)})}
 
 
 class Engine:
@@ -119,13 +122,18 @@ class Engine:
         kv_len = runner.kv_len(pos, w)
         runner.start_round(anchor, pos)
         marks = [self._clock()]
-        cands, q = self._draft(anchor, pos, w - 1, kv_len, params, gen)
-        marks.append(self._clock())
-        out, positions, greedy = runner.verify(cands, w, kv_len)
-        if params.greedy:
-            packed = greedy
+        if runner.tree is not None:  # greedy only (generate refuses sampling)
+            logits = runner.draft(anchor, pos, w - 1, kv_len).logits
+            marks.append(self._clock())
+            out, positions, packed = runner.verify_tree(logits, kv_len)
         else:
-            packed = speculative_accept(process(out.logits[:w], params), runner.candidates[:w - 1], q, gen)
+            cands, q = self._draft(anchor, pos, w - 1, kv_len, params, gen)
+            marks.append(self._clock())
+            out, positions, greedy = runner.verify(cands, w, kv_len)
+            if params.greedy:
+                packed = greedy
+            else:
+                packed = speculative_accept(process(out.logits[:w], params), runner.candidates[:w - 1], q, gen)
         values = packed.tolist()  # the round's one host synchronisation
         outcome = RoundOutcome(values[0], values[1], values[2:], w)
         runner.cache.commit(pos + outcome.accepted + 1)
@@ -147,8 +155,12 @@ class Engine:
         self.check_prompt(prompt_ids)
         if max_new_tokens < 1:
             raise StrataError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if self.config.tree is not None and not params.greedy:
+            raise StrataError("sampled decoding (temperature > 0) is not supported with --tree: a lossless tree "
+                              "needs recursive rejection over siblings, which Strata does not implement; use the "
+                              "chain (no --tree) to sample", "temperature")
         runner = self.runner
-        res = GenerationResult(list(prompt_ids), drafter=self.drafter.name, window=self.window,
+        res = GenerationResult(list(prompt_ids), drafter=self.drafter.name, window=self.window, tree=self.config.tree,
                                acceptance=Acceptance(drafted=[0] * (self.window - 1),
                                                      accepted=[0] * (self.window - 1)))
         gen = None if params.greedy else params.generator(self.target.device)

@@ -53,6 +53,8 @@ class Drafter:
     default_window: int | None = None
     #: HF layer ids whose residual stream the drafter wants from every target forward
     tap_layers: list[int] | None = None
+    #: whether proposals carry logits for every position (what tree verification branches on)
+    gives_logits = False
     #: The device contract. True: propose and observe read only the tensor fields of their argument
     #: (anchor_t, pos_t, taps, positions) and the fixed ones (n, kv_len, kernels), and only launch
     #: device work, so the model runner may capture them in CUDA graphs and replay them each round.

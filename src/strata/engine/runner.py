@@ -76,27 +76,32 @@ class ModelRunner:
         self.probe = None  # the parity tool's: sees every stage of the drafter's steps (never captured)
         self.max_len = cfg.context(target.cfg)
         self.static = cfg.static
+        self.tree = cfg.tree  # tree verification: nodes per round (the anchor adds a row)
         self.rows = max(window, cfg.pad_rows) if cfg.static else window
+        if self.tree is not None:
+            self.rows = self.tree + 1
         dev = target.device
-        self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if cfg.static else self.max_len)
+        spare = self.static or self.tree is not None  # rows that may sit past the context for a moment
+        self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if spare else self.max_len)
         self.graphs = CudaGraphs(dev, enabled=cfg.graphs and cfg.static)
         self.kernels = select_kernels(dev, cfg.static, cfg.graphs, cfg.compile, cfg.triton, cfg.attention)
         self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.candidates = torch.zeros(window - 1, dtype=torch.long, device=dev)
-        self.padding = torch.zeros(self.rows - window, dtype=torch.long, device=dev)
+        self.padding = torch.zeros(max(0, self.rows - window), dtype=torch.long, device=dev)
         self.offsets = torch.arange(self.rows, device=dev)
 
     def window_at(self, pos: int) -> int:
         """Tokens verified by the round at pos: fixed in the static layout (cells past the context are
-        spare), shrinking at the context's end in the dynamic one."""
-        return self.window if self.static else min(self.window, self.max_len - pos)
+        spare), shrinking at the context's end in the dynamic one. A tree keeps its depth (its cache has
+        spare cells)."""
+        return self.window if self.static or self.tree is not None else min(self.window, self.max_len - pos)
 
     def kv_len(self, pos: int, rows: int) -> int:
         """Cells the steps of a round at pos read: exactly those written (dynamic), or the power of two
         (at least 256) that holds them (static: a handful of captured graphs serve every length)."""
         if not self.static:
-            return pos + rows
+            return pos + (self.rows if self.tree is not None else rows)
         return min(self.bucket(pos + self.rows), self.cache.cells)
 
     @staticmethod
@@ -161,6 +166,39 @@ class ModelRunner:
             return out, positions, greedy_accept(out.logits[:w], cands)
 
         return self.graphs.run(("verify", kv_len), step) if self.static else step()
+
+    def verify_tree(self, logits: torch.Tensor, kv_len: int):
+        """Tree verification: the tree built from the drafter's logits [D, V], the target over all its rows
+        under the ancestor mask, its argmax walked down the tree, and the accepted path moved into position
+        order: its K/V into cells pos+1.., its taps into rows 1... Returns (ForwardOut with the path's taps,
+        the path's positions, the outcome [a, next, path tokens (D)]), all on the device."""
+        from .tree import build, walk
+
+        depths = self.window - 1
+        dev = self.target.device
+        span = torch.arange(self.rows, device=dev)
+        path_span = torch.arange(depths + 1, device=dev)
+        cells = torch.arange(kv_len, device=dev)
+
+        def step():
+            tree = build(self.anchor, logits[:depths], self.tree)
+            rel = (cells - self.pos).clamp(0, self.tree)
+            in_tree = (cells >= self.pos) & (cells <= self.pos + self.tree)
+            mask = (cells < self.pos)[None, :] | (in_tree[None, :] & tree.ancestors[:, rel])
+            out = self.target(tree.tokens, Step(self.pos + tree.depth, kv_len, self.kernels, cells=self.pos + span,
+                                                masks={None: mask}), self.cache, self.drafter.tap_layers)
+            outcome = walk(tree, out.logits.argmax(-1), depths)
+            path = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), outcome[2:]])
+            src, dst = self.pos + path, self.pos + path_span
+            for kv in self.cache.layers:  # the path's rows, gathered first: a row's target cell is never later
+                k_rows, v_rows = kv.k.index_select(-3, src), kv.v.index_select(-3, src)
+                kv.k.index_copy_(-3, dst, k_rows)
+                kv.v.index_copy_(-3, dst, v_rows)
+            taps = None if out.taps is None else out.taps.index_select(0, path)
+            packed = torch.cat([outcome[:2], tree.tokens.index_select(0, outcome[2:])])
+            return ForwardOut(None, taps), dst, packed
+
+        return self.graphs.run(("tree", kv_len), step) if self.static else step()
 
     def observe(self, start: int, tokens: list[int], taps, positions: torch.Tensor, kv_len: int) -> None:
         """The drafter hears the round's commit; a device-side drafter's observe is captured with the

@@ -65,9 +65,9 @@ class DecoderLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, step: Step, cache: KVCache, taps=(), logits: str = "all") -> ForwardOut:
         """tokens [..., T] at step.positions: their K/V are written to the cache, every row attends over
-        the cells up to its position, and `taps` (HF layer ids: feature l is the residual stream after
+        the cells up to its position (or as step.masks says: a tree's rows see their ancestors), and `taps` (HF layer ids: feature l is the residual stream after
         decoder layer l) come back concatenated. logits: "all" rows, the "last" row, or "none"."""
-        step = step.for_layers(self.rotary.at(step.positions), causal_masks(step))
+        step = step.for_layers(self.rotary.at(step.positions), causal_masks(step) if step.masks is None else None)
         wanted = {layer: slot for slot, layer in enumerate(taps or ())}
         x, pending, tapped = run_layers(self.layers, self.embed(tokens), step, cache, wanted)
         out = None

@@ -1,0 +1,90 @@
+"""Tree verification (DDTree, arXiv 2604.12989): the drafter's per-position distributions of one pass give
+a tree of candidate continuations instead of a chain; the target verifies every node in one forward
+under an ancestor-only mask and its own argmax walks the tree, so the output stays the target's.
+
+All of it runs on the device in static shapes (no host value read), so the runner captures it in a
+CUDA graph per budget:
+- `build`: the N best prefixes by cumulative log-probability over the per-depth top-k. The best-first
+  search the paper describes (pop the best node, push its next sibling and its first child) selects
+  exactly the N highest-scoring prefixes, since a prefix scores at least as high as any extension of it;
+  a beam of N per depth holds every prefix that can be among them, and a global top-N picks them.
+- `walk`: the accepted path, following the target's argmax from the anchor through the children.
+Row 0 of a tree is the anchor (depth 0); rows 1..N are nodes in order of depth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: tokens each depth offers the search (the paper's per-position top-k)
+TOP_K = 8
+#: a prefix's score falls by at least this per depth, so ties never rank a node above its parent
+DEPTH_PENALTY = 1e-4
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor  # [N+1] int64: the anchor, then each node's token
+    depth: torch.Tensor  # [N+1] int64: 0 for the anchor
+    parent: torch.Tensor  # [N+1] int64: the parent's row (the anchor is its own)
+    ancestors: torch.Tensor  # [N+1, N+1] bool: row j is an ancestor of row i, or i itself
+
+
+def largest_budget(depths: int, top_k: int = TOP_K) -> int:
+    """The most nodes a tree of this depth can hold with top_k tokens a depth."""
+    return sum(top_k ** d for d in range(1, depths + 1))
+
+
+def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = TOP_K) -> Tree:
+    """anchor [1]; logits [D, V] the drafter's for depths 1..D; budget N nodes (at most largest_budget)."""
+    depths, _ = logits.shape
+    dev = logits.device
+    k = min(top_k, logits.shape[-1])
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    vals, idx = torch.topk(logq, k, dim=-1)  # [D, k]
+    beam = torch.full((budget,), float("-inf"), device=dev)
+    beam[0] = 0.0  # depth 0: the anchor alone
+    scores, tokens, parents = [], [], []
+    for d in range(depths):
+        cand = beam[:, None] + vals[d][None, :] - DEPTH_PENALTY  # [N, k]
+        top = torch.topk(cand.reshape(-1), budget)
+        beam = top.values
+        scores.append(beam)
+        tokens.append(idx[d][top.indices % k])
+        parents.append(top.indices // k)  # the slot in the previous depth's beam
+    score = torch.stack(scores)  # [D, N]
+    chosen = torch.topk(score.reshape(-1), budget).indices
+    chosen = chosen[torch.argsort(chosen)]  # by depth, then beam slot: parents come before children
+    d_of, slot_of = chosen // budget, chosen % budget
+    row_of = torch.full((depths, budget), -1, dtype=torch.long, device=dev)
+    row_of[d_of, slot_of] = torch.arange(1, budget + 1, device=dev)
+    parent_slot = torch.stack(parents)[d_of, slot_of]
+    parent = torch.where(d_of == 0, 0, row_of[(d_of - 1).clamp_min(0), parent_slot])
+    parent = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), parent])
+    rows = budget + 1
+    anc = torch.eye(rows, dtype=torch.bool, device=dev)
+    for _ in range(depths):  # pointer jumping: each pass adds one more generation of ancestors
+        anc = anc | anc[parent]
+    return Tree(torch.cat([anchor, torch.stack(tokens)[d_of, slot_of]]),
+                torch.cat([torch.zeros(1, dtype=torch.long, device=dev), d_of + 1]), parent, anc)
+
+
+def walk(tree: Tree, best: torch.Tensor, depths: int) -> torch.Tensor:
+    """The accepted path: from the anchor, the child whose token is the target's argmax at its parent,
+    while there is one. best [N+1] the target's argmax per row. Returns [a, next, r_1..r_D] (int64):
+    the accepted depth, the target's token after the path, and the path's rows (0 past the path)."""
+    rows = tree.tokens.shape[0]
+    cur = torch.zeros((), dtype=torch.long, device=best.device)
+    alive = torch.ones((), dtype=torch.bool, device=best.device)
+    path = []
+    for _ in range(depths):
+        hit = (tree.parent == cur) & (tree.tokens == best[cur]) & (torch.arange(rows, device=best.device) > 0)
+        step = alive & hit.any()
+        nxt = torch.argmax(hit.to(torch.int64))
+        cur = torch.where(step, nxt, cur)
+        alive = step
+        path.append(torch.where(step, nxt, 0))
+    path = torch.stack(path)
+    a = (path > 0).sum()
+    return torch.cat([a.view(1), best[cur].view(1), path])
