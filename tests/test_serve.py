@@ -474,3 +474,16 @@ def test_slow_and_idle_connections_are_closed(guarded):
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
         assert _closed_within(s, 5)
     assert httpx.get(guarded.url + "/health").status_code == 200
+
+
+def test_a_tree_server_answers_greedy_and_refuses_sampling(tmp_path):
+    server = Live(tmp_path, "--tree", "16")
+    try:
+        got = server.client.completions.create(model="strata-demo", prompt=PROMPTS[0], max_tokens=24)
+        assert got.choices[0].text == generate_text(PROMPTS[0], 24)  # requests without temperature: greedy
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.completions.create(model="strata-demo", prompt=PROMPTS[0], max_tokens=4, temperature=0.8)
+        assert e.value.body["param"] == "temperature" and "--tree" in e.value.body["message"]
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0 and "Traceback" not in server.text_log()

@@ -142,3 +142,42 @@ def test_what_a_tree_refuses(pair):
         Engine(target, load_drafter(drafter_dir, target, max_len=256), max_len=256, tree=9, window=2)
     with pytest.raises(StrataError, match="--tree needs a drafter"):
         Engine(target, max_len=256, tree=8)
+
+
+def test_cli_generate_gate_and_their_refusals(tmp_path):
+    """The demo pair: `generate --tree` prints what the chain prints, `gate --tree` passes and reports the
+    budget, and what a tree cannot do is one line, exit 2, before any work."""
+    prompt = "def quicksort(arr):"
+    chain = run_cli("generate", prompt, "--max-new-tokens", "40", "--ids")
+    tree = run_cli("generate", prompt, "--max-new-tokens", "40", "--ids", "--tree", "16")
+    assert chain.returncode == tree.returncode == 0, tree.stderr
+    assert tree.stdout == chain.stdout and "tree of 16 nodes" in tree.stderr
+    prompts = tmp_path / "p.json"
+    prompts.write_text('["class Stack:", "import os\\n"]')
+    stats = tmp_path / "gate.json"
+    gate = run_cli("gate", "--tree", "32", "--prompts", prompts, "--max-new-tokens", "24", "--stats-json", stats)
+    assert gate.returncode == 0 and "gate: PASS (2/2 identical)" in gate.stdout, gate.stdout + gate.stderr
+    assert "tree of 32 nodes" in gate.stdout and '"tree": 32' in stats.read_text()
+    for args, needle in ((["--temperature", "0.7"], "not supported with --tree"),
+                         (["--prompt-lookup", "3", "--no-dflash"], "--tree needs a drafter that scores"),
+                         (["--spec", "2", "--tree", "9"], "a tree of depth 1 holds at most 8 nodes")):
+        r = run_cli("generate", prompt, "--tree", "8", *args)
+        assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+
+
+def test_bench_sweeps_budgets_against_the_chain(tmp_path):
+    import json
+
+    prompts = tmp_path / "p.json"
+    prompts.write_text('["def fibonacci(n):", "class Stack:"]')
+    out = tmp_path / "tree.json"
+    r = run_cli("bench", "--tree", "4", "32", "--prompts", prompts, "--new-tokens", "24", "--runs", "1",
+                "--prompt-len", "16", "--hf", "none", "--out", out)
+    assert r.returncode == 0, r.stderr
+    sweep = json.loads(out.read_text())["tree_sweep"]
+    assert sweep["prompts"] == 2 and set(sweep["budgets"]) == {"4", "32"} and sweep["chain"]["nodes"] == 7
+    for n, row in sweep["budgets"].items():
+        assert row["identical_to_chain"] and row["verify_rows"] == int(n) + 1 and row["tok_s"] > 0
+    assert sweep["budgets"]["32"]["tau"] > sweep["chain"]["tau"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert run_cli("bench", "--tree", "4", "--no-dflash").returncode == 2

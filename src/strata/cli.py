@@ -30,7 +30,8 @@ def engine_config(args, window: int | None = None):
     return EngineConfig(max_len=args.max_model_len, allow_long_context=args.allow_long_context, window=window,
                         static=args.static or (args.device == "cuda" and not args.eager), graphs=not args.no_graphs,
                         compile=not args.no_compile, triton=not args.no_triton, attention=args.attention,
-                        draft_sampling=getattr(args, "draft_sampling", "sample"))
+                        draft_sampling=getattr(args, "draft_sampling", "sample"),
+                        tree=args.tree if isinstance(args.tree, int) else None)
 
 
 def sampling_params(args):
@@ -76,6 +77,7 @@ def cmd_generate(args) -> int:
 
     text = prompt_text(args)
     params = sampling_params(args)
+    engine_config(args).check_sampling(params)
     if args.stats_json:
         check_output(args.stats_json, what="--stats-json")
     pair, config = load(args, window=args.spec)
@@ -110,7 +112,8 @@ def cmd_generate(args) -> int:
     line = f"prompt {len(prompt_ids)} tokens, new {res.new_tokens} tokens, prefill {res.prefill_s * 1e3:.1f} ms, "
     line += f"decode {res.tok_s:.1f} tok/s" if stats["rounds"] else "no decode round"
     if stats["rounds"] and engine.window > 1:
-        line += f", tau {stats['tau']:.2f}, acceptance {stats['acceptance_rate']:.2f} (W={engine.window})"
+        line += f", tau {stats['tau']:.2f}, acceptance {stats['acceptance_rate']:.2f} (W={engine.window}"
+        line += ")" if res.tree is None else f", tree of {res.tree} nodes)"
     if res.limit == "context":
         line += f"; stopped at the end of the context ({engine.max_len} tokens, --max-model-len)"
     print(line, file=sys.stderr)
@@ -232,7 +235,8 @@ def cmd_gate(args) -> int:
               f", tau {st.tau:.2f}, acceptance {st.acceptance_rate:.2f}")
     report = gate_report(records, len(prompts), args.max_new_tokens)
     for w, agg in report["windows"].items():
-        print(f"W={w}: tau {agg['tau']:.3f} over {agg['rounds']} rounds; acceptance by position "
+        print(f"W={w}{'' if config.tree is None else f', tree of {config.tree} nodes'}: tau {agg['tau']:.3f} over "
+              f"{agg['rounds']} rounds; acceptance by position "
               + " ".join(f"{p:.2f}" for p in agg["per_position_acceptance"]))
     print(f"gate: {'PASS' if report['failures'] == 0 else 'FAIL'} "
           f"({len(records) - report['failures']}/{len(records)} identical)")
@@ -275,6 +279,8 @@ def cmd_serve(args) -> int:
         if value < low:
             raise StrataError(f"{name} must be >= {low}, got {value}")
     defaults = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "seed") if getattr(args, k) is not None}
+    if args.tree is not None:
+        defaults.setdefault("temperature", 0.0)  # a tree verifies greedy requests only
     if defaults:
         from .engine.sampling import SamplingParams
 
@@ -299,7 +305,8 @@ def cmd_bench(args) -> int:
 
     bench = BenchSpec(shape=args.shape, drafter_layers=args.drafter_layers, block_size=args.block_size,
                       prompt_len=args.prompt_len, prompt=args.prompt, new_tokens=args.new_tokens, runs=args.runs,
-                      hf=args.hf, profile=args.profile, quant=args.quant)
+                      hf=args.hf, profile=args.profile, quant=args.quant, trees=tuple(args.tree or ()),
+                      prompts=args.prompts)
     out = check_output(args.out, what="--out") if args.out else None
     result = run_command(pair_spec(args), engine_config(args, args.spec), bench, "strata " + " ".join(sys.argv[1:]))
     for line in summary(result):

@@ -22,7 +22,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "were no faster for models up to 0.7 GB and 4-6x slower while another process was busy)")
 
 
-def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool = True) -> None:
+def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool = True, tree: str | None = "one") -> None:
+    """tree: "one" budget, "many" (bench's sweep) or None (commands that verify no tree)."""
     g = p.add_argument_group("drafter")
     g.add_argument("--dflash", metavar="DRAFTER", help="DFlash drafter: a GGUF file or a Hugging Face folder "
                                                        "(default with the demo target: the demo drafter)")
@@ -35,6 +36,15 @@ def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool
     if lookup:
         g.add_argument("--prompt-lookup", type=int, metavar="N",
                        help="prompt-lookup drafting with n-grams up to N (instead of a DFlash drafter)")
+    if tree == "one":
+        g.add_argument("--tree", type=int, metavar="N",
+                       help="tree verification: a draft tree of N nodes from each DFlash pass (greedy only; "
+                            "default: the chain)")
+    elif tree == "many":
+        g.add_argument("--tree", type=int, nargs="+", metavar="N",
+                       help="also measure tree verification with these node budgets (DFlash drafter)")
+    else:
+        p.set_defaults(tree=None)
     if not spec:
         p.set_defaults(spec=None)
     if not lookup:
@@ -154,13 +164,15 @@ def build_parser(commands) -> argparse.ArgumentParser:
     be.add_argument("--prompt-len", type=int, default=512, metavar="N", help="random prompt tokens (without --prompt)")
     be.add_argument("--prompt", help="a text prompt instead of random tokens (models with a tokenizer)")
     be.add_argument("--new-tokens", type=int, default=256, metavar="N", help="tokens generated per run (default 256)")
+    be.add_argument("--prompts", metavar="FILE", help="the --tree sweep's prompts: a JSON list of strings or one per "
+                                                      "line (default: the demo's held-out prompts, else the bench's)")
     be.add_argument("--runs", type=int, default=3, help="timed runs per method (median reported)")
     be.add_argument("--hf", default="eager", help="transformers generate modes: eager,static or none")
     be.add_argument("--out", metavar="FILE", help="write the result JSON here, and a PNG plot beside it "
                                                   "(without it the results are only printed)")
     be.add_argument("--profile", action="store_true", help="GPU: kernel time vs wall time of each captured step")
     add_model_args(be)
-    add_drafter_args(be)
+    add_drafter_args(be, tree="many")
     add_layout_args(be)
     be.set_defaults(func=commands.cmd_bench)
 
@@ -169,7 +181,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
     pa.add_argument("--plant-bug", metavar="LAYER:STAGE",
                     help="self-test: perturb LAYER:STAGE (e.g. 0:q_roped, :logits) in the runtime")
     add_model_args(pa)
-    add_drafter_args(pa, lookup=False)
+    add_drafter_args(pa, lookup=False, tree=None)
     add_layout_args(pa)
     pa.set_defaults(func=commands.cmd_parity)
 
@@ -182,7 +194,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
                     help="tokens generated after the prompt and checked (default 32)")
     ta.add_argument("--min-cos", type=float, default=0.9999, help="lowest cosine that passes (default 0.9999)")
     add_model_args(ta)
-    add_drafter_args(ta, spec=False, lookup=False)
+    add_drafter_args(ta, spec=False, lookup=False, tree=None)
     add_layout_args(ta)
     ta.set_defaults(func=commands.cmd_taps)
 

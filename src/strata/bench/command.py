@@ -4,7 +4,7 @@ random, or none), the prompt, one run of run_bench, the JSON and plot, and the l
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ from ..engine.loader import PairSpec, load_drafter_for, load_pair, resolve
 from ..errors import StrataError
 from ..files import write_json_atomic
 from .plot import plot
-from .run import random_drafter, run_bench, sync
+from .run import random_drafter, run_bench, sync, tree_sweep
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,18 @@ class BenchSpec:
     hf: str = "eager"
     profile: bool = False
     quant: str | None = None  # with shape: a llama.cpp file type (Q4_K_M, Q8_0, ...) of random valid blocks
+    trees: tuple[int, ...] = ()  # tree budgets swept against the chain (tree_sweep)
+    prompts: str | None = None  # the sweep's prompt file (default: the demo's held-out prompts, or the bench's)
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.new_tokens < 1:
             raise StrataError("--prompt-len and --new-tokens must be >= 1")
         if self.quant is not None and self.shape is None:
             raise StrataError("--quant needs --shape (a GGUF model brings its own types: --model FILE.gguf)")
+        if self.prompts is not None and (self.shape is not None or not self.trees):
+            raise StrataError("--prompts: the --tree sweep's prompts need --tree and a model with a tokenizer")
+        if any(n < 1 for n in self.trees):
+            raise StrataError(f"--tree: budgets must be >= 1, got {min(self.trees)}")
 
 
 def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command: str) -> dict:
@@ -46,6 +52,7 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
             raise StrataError("give --model or --shape, not both")
         target = random_target(bench.shape, device=pair.torch_device(), dtype=pair.torch_dtype(), quant=bench.quant)
         label, tokenizer, dflash = bench.shape + (f"-{bench.quant}" if bench.quant else ""), None, pair.dflash
+        loaded = None
     else:
         loaded = load_pair(pair, engine, drafter=False)
         target, tokenizer, label = loaded.target, loaded.tokenizer, loaded.label
@@ -71,9 +78,17 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     else:
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, target.cfg.vocab_size, (bench.prompt_len,), generator=gen).tolist()
+    if bench.trees:
+        for n in bench.trees:  # refused before any timing: no drafter, one without logits, too many nodes
+            replace(engine, tree=n).window_for(drafter)
     hf = () if bench.hf == "none" or bench.quant else tuple(bench.hf.split(","))  # no peer reads GGUF blocks
     result = run_bench(target, drafter, prompt, bench.new_tokens, window, engine, runs=bench.runs, hf_modes=hf,
                        profile=bench.profile, startup={"load_target_s": load_s, "load_drafter_s": drafter_s})
+    if bench.trees:
+        from ..prompts import prompt_set
+
+        prompts = prompt_set(loaded, None, bench.prompts) if loaded is not None and bench.prompt is None else [prompt]
+        result["tree_sweep"] = tree_sweep(target, drafter, prompts, bench.new_tokens, window, bench.trees, engine)
     result["model"] = label
     result["drafter"] = dflash or (f"random {bench.drafter_layers}-layer" if bench.drafter_layers else None)
     result["command"] = command
@@ -106,6 +121,15 @@ def summary(result: dict) -> list[str]:
         lines.append(f"DFlash W={window}: {d['tok_s']:.1f} tok/s, tau {d['tau']:.2f}, "
                      f"x{result['ratios']['dflash_vs_target_only']:.2f}; round: draft {d['split']['draft_ms']:.2f} ms, "
                      f"verify {d['split']['verify_ms']:.2f} ms")
+    sweep = result.get("tree_sweep")
+    if sweep:
+        c = sweep["chain"]
+        lines.append(f"tree sweep on {sweep['prompts']} prompts x {sweep['new_tokens']} tokens, W={sweep['window']}: "
+                     f"chain {c['tok_s']:.1f} tok/s, tau {c['tau']:.2f}, verify {c['verify_ms']:.2f} ms")
+        for n, r in sweep["budgets"].items():
+            lines.append(f"  tree of {n} nodes: {r['tok_s']:.1f} tok/s (x{r['tok_s_vs_chain']:.2f}), tau {r['tau']:.2f} "
+                         f"(x{r['tau_vs_chain']:.2f}), verify {r['verify_ms']:.2f} ms, "
+                         f"{'identical' if r['identical_to_chain'] else 'DIFFERENT'} output")
     for mode, r in (result.get("hf") or {}).items():
         if isinstance(r, dict) and "tok_s" in r:
             lines.append(f"HF generate ({mode}): {r['tok_s']:.1f} tok/s (first call {r['first_call_s']:.1f} s)")

@@ -21,7 +21,9 @@ def plot(result: dict, path: Path) -> None:
         if isinstance(r, dict) and "tok_s" in r:
             names.append(f"HF generate ({mode})")
             values.append(r["tok_s"])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sweep = result.get("tree_sweep")
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(18 if sweep else 12, 4.5))
+    ax1, ax2 = axes[0], axes[1]
     bars = ax1.barh(names, values, color=["#999999"] + ["#3b75af"] * (len(names) - 1))
     ax1.bar_label(bars, fmt="%.0f", padding=3)
     ax1.set_xlabel("tokens / s")
@@ -37,6 +39,31 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylim(0, 1.05)
     ax2.legend()
     ax2.set_title("acceptance by position")
+    if sweep:
+        tree_panel(axes[2], sweep)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def tree_panel(ax, sweep: dict) -> None:
+    """tau and tokens/s by tree budget, the chain's as dashed lines."""
+    budgets = [int(n) for n in sweep["budgets"]]
+    rows = list(sweep["budgets"].values())
+    ax.plot(budgets, [r["tau"] for r in rows], marker="o", color="#3b75af", label="tau")
+    ax.axhline(sweep["chain"]["tau"], color="#3b75af", linestyle="--", label=f"chain tau {sweep['chain']['tau']:.2f}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("tree nodes N")
+    ax.set_ylabel("tau (tokens per round)")
+    speed = ax.twinx()
+    speed.plot(budgets, [r["tok_s"] for r in rows], marker="s", color="#d9730d", label="tok/s")
+    speed.axhline(sweep["chain"]["tok_s"], color="#d9730d", linestyle="--",
+                  label=f"chain {sweep['chain']['tok_s']:.0f} tok/s")
+    speed.set_ylabel("tokens / s")
+    speed.set_ylim(bottom=0)
+    lines = ax.get_legend_handles_labels()
+    more = speed.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="lower right")
+    ax.set_title(f"tree budget sweep: {sweep['prompts']} prompts x {sweep['new_tokens']} tokens, W={sweep['window']}",
+                 fontsize=9)

@@ -19,6 +19,7 @@ from ..dflash.train import TrainConfig, drafter_config_for, init_drafter
 from ..engine.config import EngineConfig
 from ..engine.decode import Engine
 from ..engine.drafter import OracleDrafter
+from ..engine.stats import Acceptance
 from ..errors import StrataError
 from ..layers.kernels import TritonKernels
 from ..layers.quant import weight_bytes
@@ -284,3 +285,35 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         if isinstance(r, dict):
             r.pop("output_ids", None)
     return result
+
+
+def tree_sweep(target, drafter, prompts: list[list[int]], new_tokens: int, window: int, budgets,
+               config: EngineConfig = EngineConfig()) -> dict:
+    """The chain and a tree of each budget on a prompt set at one window: tau over every round, tokens/s
+    over every prompt's decoding, the round's draft / verify split, and whether each tree's outputs equal
+    the chain's. On a GPU the set runs once untimed first (each kv_len bucket captures its graphs)."""
+    opts = replace(config, window=window, pad_rows=1)
+    out = {"prompts": len(prompts), "new_tokens": new_tokens, "window": window, "budgets": {}}
+    chain_outputs = None
+    for n in (None, *budgets):
+        engine = Engine(target, drafter, config=opts, tree=n)
+        for p in (prompts if target.device.type == "cuda" else prompts[:1]):
+            engine.generate(p, new_tokens if target.device.type == "cuda" else 2)
+        acc, tokens, secs, outputs = Acceptance(), 0, 0.0, []
+        for p in prompts:
+            sync(target.device)
+            r = engine.generate(p, new_tokens)
+            acc, tokens, secs = acc.merge(r.acceptance), tokens + r.new_tokens, secs + r.decode_s
+            outputs.append(r.output_ids)
+        row = {"nodes": n or window - 1, "verify_rows": (n or window - 1) + 1, "tau": acc.tau, "rounds": acc.rounds,
+               "tok_s": tokens / secs if secs else 0.0, "per_position_acceptance": acc.per_position,
+               **round_split(engine, prompts[0], new_tokens)}
+        if n is None:
+            chain_outputs = outputs
+            out["chain"] = row
+        else:
+            row["identical_to_chain"] = outputs == chain_outputs
+            row["tau_vs_chain"] = acc.tau / out["chain"]["tau"] if out["chain"]["tau"] else 0.0
+            row["tok_s_vs_chain"] = row["tok_s"] / out["chain"]["tok_s"] if out["chain"]["tok_s"] else 0.0
+            out["budgets"][str(n)] = row
+    return out

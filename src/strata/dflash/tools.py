@@ -180,14 +180,16 @@ def gate(target, drafter, prompts: list[list[int]], windows: list[int], max_new_
     """Target-only vs DFlash greedy for every prompt and W, on the engines `config` describes. Yields a
     GateRecord per (prompt, W).
 
-    In the static layout target-only runs padded to W rows (see ModelRunner), so both sides round alike."""
-    base_engine = None if config.static else Engine(target, config=config)
+    In the static layout target-only runs padded to the verify's rows (W, or a tree's N+1; see ModelRunner),
+    so both sides round alike."""
+    base_engine = None if config.static else Engine(target, config=config, tree=None)
     engines = {}
     for i, prompt in enumerate(prompts):
         base = None if config.static else base_engine.generate(prompt, max_new_tokens, stop_ids)
         for w in windows:
             if w not in engines:  # built once per W: on a GPU each holds its captured graphs
-                engines[w] = (Engine(target, config=config, pad_rows=w) if config.static else None,
+                rows = w if config.tree is None else config.tree + 1  # the verify's rows
+                engines[w] = (Engine(target, config=config, pad_rows=rows, tree=None) if config.static else None,
                               Engine(target, drafter, config=config, window=w))
             padded, drafted = engines[w]
             if config.static:
@@ -200,11 +202,12 @@ def gate(target, drafter, prompts: list[list[int]], windows: list[int], max_new_
 
 
 def gate_report(records: list[GateRecord], prompts: int, max_new_tokens: int) -> dict:
-    """The gate's summary: failures, and tau and acceptance by position per window over all prompts."""
+    """The gate's summary: failures, and tau and acceptance by position per window over all prompts (and the
+    tree's node budget when it verified trees)."""
     by_window: dict[int, Acceptance] = {}
     for rec in records:
         by_window[rec.window] = by_window.get(rec.window, Acceptance()).merge(rec.dflash.acceptance)
-    return {"prompts": prompts, "max_new_tokens": max_new_tokens,
+    return {"prompts": prompts, "max_new_tokens": max_new_tokens, "tree": records[0].dflash.tree if records else None,
             "failures": sum(not r.identical for r in records),
             "windows": {str(w): {"tau": a.tau, "rounds": a.rounds, "per_position_acceptance": a.per_position}
                         for w, a in by_window.items()},

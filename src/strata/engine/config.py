@@ -39,6 +39,13 @@ class EngineConfig:
         if self.tree is not None and self.tree < 1:
             raise StrataError(f"--tree must be >= 1, got {self.tree}")
 
+    def check_sampling(self, params) -> None:
+        """Tree verification is greedy: lossless sampling over a tree needs recursive rejection across
+        siblings (SpecInfer), which Strata does not implement, so a sampled request is refused."""
+        if self.tree is not None and not params.greedy:
+            raise StrataError("sampled decoding (temperature > 0) is not supported with --tree (its verification "
+                              "is greedy); drop --tree to sample with the chain", "temperature")
+
     def context(self, target_cfg) -> int:
         """The context length: max_len, refused past the model's own unless allow_long_context."""
         trained = target_cfg.max_position_embeddings

@@ -155,10 +155,7 @@ class Engine:
         self.check_prompt(prompt_ids)
         if max_new_tokens < 1:
             raise StrataError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if self.config.tree is not None and not params.greedy:
-            raise StrataError("sampled decoding (temperature > 0) is not supported with --tree: a lossless tree "
-                              "needs recursive rejection over siblings, which Strata does not implement; use the "
-                              "chain (no --tree) to sample", "temperature")
+        self.config.check_sampling(params)
         runner = self.runner
         res = GenerationResult(list(prompt_ids), drafter=self.drafter.name, window=self.window, tree=self.config.tree,
                                acceptance=Acceptance(drafted=[0] * (self.window - 1),

@@ -163,6 +163,7 @@ class Server:
         try:
             self.engine.check_prompt(prompt_ids)
             params = SamplingParams(pick("temperature"), pick("top_k"), pick("top_p"), pick("seed"))
+            self.engine.config.check_sampling(params)
         except StrataError as e:
             raise APIError(400, str(e), param=e.param or "prompt") from None
         room = self.engine.max_len - len(prompt_ids)
