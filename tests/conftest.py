@@ -169,3 +169,13 @@ def propose(drafter, anchor: int, pos: int, n: int, kv_len: int | None = None, k
 
     return drafter.propose(DraftRequest(anchor, pos, n, torch.tensor([anchor]), torch.tensor([pos]),
                                         kv_len or pos + n + 1, kernels or EAGER))
+
+
+def small_pair(d: Path):
+    """The tests' small qwen3 target and a 2-layer drafter that reaches useful acceptance on it:
+    (target folder, drafter folder, loaded target)."""
+    from strata.models.loader import load_target
+
+    target_dir, _ = write_hf_model(d / "target", "qwen3", seed=21)
+    drafter_dir = write_hf_drafter(d / "drafter", layers=2, taps=(0, 2), block_size=8, seed=4, scale=0.2)
+    return target_dir, drafter_dir, load_target(target_dir)

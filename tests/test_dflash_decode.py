@@ -13,17 +13,14 @@ from strata.models.loader import load_target
 from strata.engine.decode import Engine
 from strata.engine.drafter import Drafter, OracleDrafter, Proposal
 
-from conftest import cache_equal, forward_at, observe, propose, run_cli, write_hf_drafter, write_hf_model
+from conftest import cache_equal, forward_at, observe, propose, run_cli, small_pair, write_hf_drafter
 
 PROMPTS = {1: [17], 7: [3, 99, 14, 250, 8, 8, 41]}
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pair")
-    target_dir, _ = write_hf_model(d / "target", "qwen3", seed=21)
-    drafter_dir = write_hf_drafter(d / "drafter", layers=2, taps=(0, 2), block_size=8, seed=4, scale=0.2)
-    target = load_target(target_dir)
+    target_dir, drafter_dir, target = small_pair(tmp_path_factory.mktemp("pair"))
     gen = torch.Generator().manual_seed(9)
     prompts = dict(PROMPTS)
     prompts[60] = torch.randint(0, 256, (60,), generator=gen).tolist()

@@ -14,9 +14,8 @@ from strata.engine.drafter import Drafter, Proposal
 from strata.engine.sampling import SamplingParams
 from strata.engine.tree import DEPTH_PENALTY, TOP_K, build
 from strata.errors import StrataError
-from strata.models.loader import load_target
 
-from conftest import run_cli, write_hf_drafter, write_hf_model
+from conftest import run_cli, small_pair
 
 
 def best_first(logq: torch.Tensor, budget: int) -> set:
@@ -95,10 +94,7 @@ def expected_lengths(oracle: RankedOracle, budget: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tree")
-    target_dir, _ = write_hf_model(d / "target", "qwen3", seed=21)
-    drafter_dir = write_hf_drafter(d / "drafter", layers=2, taps=(0, 2), block_size=8, seed=4, scale=0.2)
-    target = load_target(target_dir)
+    target_dir, drafter_dir, target = small_pair(tmp_path_factory.mktemp("tree"))
     prompt = [3, 99, 14, 250, 8, 8, 41]
     base = Engine(target, max_len=256).generate(prompt, 48).output_ids
     return target_dir, drafter_dir, target, prompt, base
