@@ -75,8 +75,8 @@ def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
     from conftest import write_hf_model
     from test_gguf_target import qwen2_tokenizer, write_gguf_target
 
-    monkeypatch.setattr(qk, "GEMV_BLOCK_N", 128)
-    monkeypatch.setattr(qk, "SKINNY_BLOCK_N", 128)
+    monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
+    monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     hf, _ = write_hf_model(tmp_path / "hf", "qwen3", seed=4, vocab=320, hidden_size=256, intermediate_size=256,
                            head_dim=64, layers=2)
     qwen2_tokenizer(hf, 320)
@@ -129,8 +129,8 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
     from test_gguf_target import qwen2_tokenizer
     from test_interop import write_lcpp_gguf
 
-    monkeypatch.setattr(qk, "GEMV_BLOCK_N", 128)
-    monkeypatch.setattr(qk, "SKINNY_BLOCK_N", 128)
+    monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
+    monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
                                    head_dim=64, layers=2)
     qwen2_tokenizer(target_dir, 320)

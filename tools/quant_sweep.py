@@ -38,6 +38,7 @@ def timed(fn, reps: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
+    ap.add_argument("--matrices", nargs="+", default=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -48,7 +49,8 @@ def main() -> None:
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s")
     for name in args.types:
         qtype = NAMES[name]
-        for mat, (n, k) in SHAPES.items():
+        for mat in args.matrices:
+            n, k = SHAPES[mat]
             data = random_blocks(qtype, n, k, "cuda", gen)
             dense = qk.dequantize(data, qtype, k)
             for m in args.rows:
@@ -61,12 +63,16 @@ def main() -> None:
                 for cfg in configs:
                     try:
                         s = timed(lambda: qk.matmul(x, data, qtype, n, config=cfg))
+                        cfg_err = ((qk.matmul(x, data, qtype, n, config=cfg).float() - want).abs().max()
+                                   / want.abs().max()).item()
                     except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses
                         print(f"{name} {mat} m={m} {cfg}: {type(e).__name__}")
                         continue
                     gbps = data.numel() / s / 1e9
                     results["runs"].append({"type": name, "matrix": mat, "rows": m, "config": cfg, "us": s * 1e6,
-                                            "GBps": gbps})
+                                            "GBps": gbps, "relative_error": cfg_err})
+                    if cfg_err > 0.05:
+                        print(f"{name} {mat} m={m} {cfg}: WRONG, relative error {cfg_err:.2e}")
                     if best is None or gbps > best[1]:
                         best = (cfg, gbps, s)
                 print(f"{name:6} {mat:8} m={m:2}: best {best[0]} {best[2] * 1e6:8.1f} us {best[1]:7.0f} GB/s "

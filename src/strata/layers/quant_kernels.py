@@ -156,7 +156,9 @@ def _build():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, tab_ptr, y_ptr, N, K, row_bytes, QTYPE: tl.constexpr, GLU: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+        """UNROLL 256-column tiles per step, their loads independent of each other: a program keeps that
+        many tiles of bytes in flight. A tile past K re-reads the last one (its x is 0) and adds nothing."""
         rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rmask = rows < N
         row_off = tl.where(rmask, rows * row_bytes, 0)[:, None]
@@ -164,14 +166,17 @@ def _build():
         cols_lo, cols_hi = _half_cols(QTYPE)
         acc = tl.zeros([BLOCK_N, 128], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, 128], dtype=tl.float32)
-        for k0 in range(0, K, 256):
-            x_lo = tl.load(x_ptr + k0 + cols_lo).to(tl.float32)[None, :]
-            x_hi = tl.load(x_ptr + k0 + cols_hi).to(tl.float32)[None, :]
-            lo, hi = _halves(w_ptr, row_off, k0, tab_ptr, QTYPE)
-            acc += lo * x_lo + hi * x_hi
-            if GLU:
-                lo, hi = _halves(w_ptr, up_off, k0, tab_ptr, QTYPE)
-                acc_up += lo * x_lo + hi * x_hi
+        for k_step in range(0, K, 256 * UNROLL):
+            for u in tl.static_range(UNROLL):
+                k0 = k_step + 256 * u
+                kw = tl.minimum(k0, K - 256)
+                x_lo = tl.load(x_ptr + kw + cols_lo, mask=k0 + cols_lo < K, other=0.0).to(tl.float32)[None, :]
+                x_hi = tl.load(x_ptr + kw + cols_hi, mask=k0 + cols_hi < K, other=0.0).to(tl.float32)[None, :]
+                lo, hi = _halves(w_ptr, row_off, kw, tab_ptr, QTYPE)
+                acc += lo * x_lo + hi * x_hi
+                if GLU:
+                    lo, hi = _halves(w_ptr, up_off, kw, tab_ptr, QTYPE)
+                    acc_up += lo * x_lo + hi * x_hi
         out_ty = y_ptr.dtype.element_ty
         y = tl.sum(acc, axis=1)
         if GLU:
@@ -181,7 +186,8 @@ def _build():
 
     @triton.jit
     def skinny_kernel(x_ptr, w_ptr, tab_ptr, y_ptr, M, N, K, row_bytes, stride_x, stride_y, QTYPE: tl.constexpr,
-                      GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                      GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                      UNROLL: tl.constexpr):
         """y [M, N] = x [M, K] @ W^T for a few rows: each weight tile dequantized once, then on tensor cores."""
         cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         nmask = cols < N
@@ -192,17 +198,20 @@ def _build():
         cols_lo, cols_hi = _half_cols(QTYPE)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, 256):
-            xrow = x_ptr + m[:, None] * stride_x + k0
-            x_lo = tl.load(xrow + cols_lo[None, :], mask=mmask[:, None], other=0.0)
-            x_hi = tl.load(xrow + cols_hi[None, :], mask=mmask[:, None], other=0.0)
-            lo, hi = _halves(w_ptr, row_off, k0, tab_ptr, QTYPE)
-            acc = tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), acc, input_precision=PRECISION)
-            acc = tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), acc, input_precision=PRECISION)
-            if GLU:
-                lo, hi = _halves(w_ptr, up_off, k0, tab_ptr, QTYPE)
-                acc_up = tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), acc_up, input_precision=PRECISION)
-                acc_up = tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), acc_up, input_precision=PRECISION)
+        for k_step in range(0, K, 256 * UNROLL):  # tiles in flight together, as in gemv_kernel
+            for u in tl.static_range(UNROLL):
+                k0 = k_step + 256 * u
+                kw = tl.minimum(k0, K - 256)
+                xrow = x_ptr + m[:, None] * stride_x + kw
+                x_lo = tl.load(xrow + cols_lo[None, :], mask=mmask[:, None] & (k0 + cols_lo < K)[None, :], other=0.0)
+                x_hi = tl.load(xrow + cols_hi[None, :], mask=mmask[:, None] & (k0 + cols_hi < K)[None, :], other=0.0)
+                lo, hi = _halves(w_ptr, row_off, kw, tab_ptr, QTYPE)
+                acc = tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), acc, input_precision=PRECISION)
+                acc = tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), acc, input_precision=PRECISION)
+                if GLU:
+                    lo, hi = _halves(w_ptr, up_off, kw, tab_ptr, QTYPE)
+                    acc_up = tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), acc_up, input_precision=PRECISION)
+                    acc_up = tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), acc_up, input_precision=PRECISION)
         out_ty = y_ptr.dtype.element_ty
         y = acc
         if GLU:
@@ -213,9 +222,11 @@ def _build():
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
-            [triton.Config({"BLOCK_N": b}, num_warps=w) for b, w in GEMV_CONFIGS], key=["N", "K"])(gemv_kernel)
+            [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
+            key=["N", "K", "QTYPE", "GLU"])(gemv_kernel)
         kernels["skinny_tuned"] = triton.autotune(
-            [triton.Config({"BLOCK_N": b}, num_warps=w) for b, w in SKINNY_CONFIGS], key=["M", "N", "K"])(skinny_kernel)
+            [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
+            key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
     return kernels
 
 
@@ -270,16 +281,16 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
 
 #: (rows of W per program, warps) the device tries at first use: the GEMV's (few rows, many programs to
 #: stream the weight) and the few-row GEMM's; the interpreter takes the first of each
-GEMV_CONFIGS = [(2, 4), (2, 2), (4, 2), (8, 2), (4, 4), (8, 4), (16, 4), (16, 8)]
-SKINNY_CONFIGS = [(32, 4), (16, 4), (64, 4), (32, 8), (64, 8)]
-GEMV_BLOCK_N, GEMV_WARPS = GEMV_CONFIGS[0]
-SKINNY_BLOCK_N, SKINNY_WARPS = SKINNY_CONFIGS[0]
+#: (rows of W per program, warps, 256-column tiles in flight); the interpreter takes the first
+GEMV_CONFIGS = [(2, 4, 4), (1, 2, 4), (2, 2, 4), (4, 2, 4), (2, 4, 8), (4, 4, 8), (8, 4, 4), (2, 2, 1), (8, 2, 1),
+                (16, 8, 1)]
+SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (32, 8, 4), (64, 4, 1), (32, 4, 1)]
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
-           config: tuple[int, int] | None = None) -> torch.Tensor:
+           config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
-    the result silu(gate) * up [M, n]). config: (rows of W per program, warps), for sweeps."""
+    the result silu(gate) * up [M, n]). config: (rows of W per program, warps, tiles in flight), for sweeps."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()
@@ -294,6 +305,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     if config is None and f"{name}_tuned" in kernels:
         kernels[f"{name}_tuned"][lambda meta: (_cdiv(n, meta["BLOCK_N"]),)](*args, QTYPE=qtype, GLU=glu, **extra)
     else:
-        block_n, warps = config or ((GEMV_BLOCK_N, GEMV_WARPS) if rows == 1 else (SKINNY_BLOCK_N, SKINNY_WARPS))
-        kernels[name][(_cdiv(n, block_n),)](*args, QTYPE=qtype, GLU=glu, BLOCK_N=block_n, num_warps=warps, **extra)
+        block_n, warps, unroll = config or (GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS)[0]
+        kernels[name][(_cdiv(n, block_n),)](*args, QTYPE=qtype, GLU=glu, BLOCK_N=block_n, UNROLL=unroll,
+                                            num_warps=warps, **extra)
     return y
