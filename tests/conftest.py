@@ -26,6 +26,8 @@ def hf_config(family: str, tie: bool = False, kv_heads: int = 2, vocab: int = 25
     common.update(kw)
     if family == "qwen3":
         return transformers.Qwen3Config(head_dim=head_dim, rope_theta=10000.0, **common)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(head_dim=head_dim, rope_theta=10000.0, **common)
     if family == "llama":
         return transformers.LlamaConfig(
             head_dim=head_dim, rope_theta=500000.0,
@@ -41,12 +43,15 @@ def write_hf_model(path: Path, family: str = "qwen3", seed: int = 0, max_shard_s
 
     torch.manual_seed(seed)
     cfg = hf_config(family, **kw)
-    cls = transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.LlamaForCausalLM
+    cls = {"qwen3": transformers.Qwen3ForCausalLM, "llama": transformers.LlamaForCausalLM,
+           "qwen3_moe": transformers.Qwen3MoeForCausalLM}[family]
     model = cls(cfg).eval()
     with torch.no_grad():  # norms at 1.0 hide bugs in their use: randomise them
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # a decisive router: each token's experts differ
+                p.mul_(25.0)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)
     return path, model

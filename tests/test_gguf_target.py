@@ -28,7 +28,7 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
 TEXTS = ["def quicksort(arr):\n    return sorted(arr)", "  héllo wörld 日本 🙂\n\n\tx = 1", "<|endoftext|>class A:",
          "it's   done\r\n", "12345 + 678"]
 
@@ -41,6 +41,30 @@ def gguf_name(hf: str) -> str:
     _, _, n, rest = hf.split(".", 3)
     stem, kind = rest.rsplit(".", 1)
     return f"blk.{n}.{LAYER[stem]}.{kind}"
+
+
+EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def stack_experts(tensors: dict) -> dict:
+    """Per-expert checkpoint matrices stacked into llama.cpp's 3-D blk.N.ffn_*_exps tensors (as its
+    converter does); the rest unchanged."""
+    out, stacks = {}, {}
+    for name, t in tensors.items():
+        parts = name.split(".")  # model.layers.N.mlp.experts.E.part.weight
+        if len(parts) == 8 and parts[4] == "experts":
+            stacks.setdefault(f"blk.{parts[2]}.{EXPERT_PARTS[parts[6]]}.weight", {})[int(parts[5])] = t
+        else:
+            out[name] = t
+    for name, by_expert in stacks.items():
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+def unstack_experts(name: str, values: torch.Tensor) -> dict:
+    _, n, kind, _ = name.split(".")
+    part = next(p for p, k in EXPERT_PARTS.items() if k == kind)
+    return {f"model.layers.{n}.mlp.experts.{e}.{part}.weight": values[e] for e in range(values.shape[0])}
 
 
 def interleave(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -94,13 +118,27 @@ def write_gguf_target(path, hf_dir, arch: str, matrix_type=T.F32, seed: int = 0)
         d = cfg["head_dim"]
         base = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         w.add_tensor("rope_freqs.weight", (base / scaled.float()).numpy())
+    if arch == "qwen3moe":
+        w.add_uint32(f"{arch}.expert_count", cfg.get("num_experts", cfg.get("num_local_experts")))
+        w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+    tensors = stack_experts(tensors)
     gen = np.random.default_rng(seed)
     stored = {}
     for name, t in tensors.items():
         t = t.float()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = interleave(t, heads if "q_proj" in name else kv_heads)
-        if t.dim() == 1 or matrix_type == T.F32:
+        if t.dim() == 3:  # stacked experts: the matrices' type, each expert's rows whole blocks
+            flat = t.reshape(-1, t.shape[-1])
+            arr = quants.quantize(flat.numpy(), matrix_type) if matrix_type != T.F32 else flat.numpy()
+            values = torch.from_numpy(quants.dequantize(arr, matrix_type).reshape(t.shape).copy()) \
+                if matrix_type != T.F32 else t
+            arr = arr.reshape(*t.shape[:2], -1)
+            w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=matrix_type if matrix_type != T.F32 else T.F32)
+            stored.update(unstack_experts(name, values))
+            continue
+        if t.dim() == 1 or matrix_type == T.F32 or name.endswith("mlp.gate.weight"):  # routers stay F32
             arr, qtype, values = t.numpy(), T.F32, t
         elif matrix_type in (T.F16, T.BF16):
             half = t.to(torch.float16 if matrix_type == T.F16 else torch.bfloat16)

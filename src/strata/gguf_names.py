@@ -18,7 +18,10 @@ LAYER = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.bias": "attn_output.bias",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # a mixture-of-experts router
 }
+#: a mixture-of-experts layer's stacked experts, llama.cpp's 3-D tensors under blk.N.
+EXPERTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
 #: a target's tensors outside the layers
 TARGET = {
     "model.embed_tokens.weight": "token_embd.weight",

@@ -22,10 +22,12 @@ ATTENTION_KINDS = ("grouped", "sdpa")
 
 
 class Kernels:
-    def __init__(self, compiled: bool = False, attention: str = "sdpa"):
+    def __init__(self, compiled: bool = False, attention: str = "sdpa", static: bool = False):
         """attention: "sdpa" (PyTorch's kernel, any batch) or "grouped" (two matmuls per K/V head for one
-        sequence: 1.4x faster decode than SDPA on the H200 for an 8B shape)."""
+        sequence: 1.4x faster decode than SDPA on the H200 for an 8B shape). static: the steps may be
+        captured in CUDA graphs, so nothing may read a device value on the host (MoE routing)."""
         self.attention = attention
+        self.static = static
         self.groups = {name: _compiled_or_eager(getattr(ops, name)) if compiled else getattr(ops, name)
                        for name in GROUPS}
         for name, fn in self.groups.items():
@@ -37,6 +39,15 @@ class Kernels:
         if isinstance(w, QuantWeight):
             return w.matmul(x, b)
         return F.linear(x, w, b)
+
+    def sparse_moe(self, h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   top_k: int, renormalize: bool) -> torch.Tensor:
+        """A mixture-of-experts MLP over rows h [..., H]: routed, then the experts run over their rows (eager)
+        or gathered per row in static shapes (static)."""
+        flat = h.reshape(-1, h.shape[-1])
+        weights, experts = ops.route(flat, router, top_k, renormalize)
+        run = ops.experts_gathered if self.static else ops.experts_routed
+        return run(flat, gate_up, down, weights, experts).view(h.shape)
 
     def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
         """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
@@ -59,7 +70,7 @@ class TritonKernels(Kernels):
     groups eager (the tests' interpreter runs)."""
 
     def __init__(self, compiled: bool = True, attention: str = "grouped"):
-        super().__init__(compiled=compiled, attention=attention)
+        super().__init__(compiled=compiled, attention=attention, static=True)
         from . import triton_kernels
 
         self._tk = triton_kernels
@@ -141,9 +152,10 @@ def select_kernels(device, static: bool, graphs: bool, compile: bool, triton: bo
         return EAGER
     on_gpu = torch.device(device).type == "cuda"
     if not (on_gpu and graphs and compile):
-        return Kernels(attention=attention)
+        return Kernels(attention=attention, static=True)
     use_triton = triton and available(device)
     key = (use_triton, attention)
     if key not in _SHARED:
-        _SHARED[key] = TritonKernels(attention=attention) if use_triton else Kernels(compiled=True, attention=attention)
+        _SHARED[key] = TritonKernels(attention=attention) if use_triton else \
+            Kernels(compiled=True, attention=attention, static=True)
     return _SHARED[key]

@@ -139,6 +139,24 @@ class MLP(nn.Module):
         return self.down_proj(kernels.gate_up_silu(h, self.gate_up_proj.weight), kernels)
 
 
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's MLP: a router over `experts` SwiGLU experts, each row's top_k of them weighted and summed.
+    The experts' matrices are stacked: [2, E, I, H] every expert's gate, then every expert's up (as a
+    dense MLP's gate_up_proj keeps up at a fixed row offset), and [E, H, I] down; the kernels decide how
+    they run (Kernels.sparse_moe)."""
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Linear(hidden, experts)
+        self.gate_up_proj = nn.Parameter(torch.empty(2, experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
+
+    def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
+        return kernels.sparse_moe(h, self.gate.weight, self.gate_up_proj, self.down_proj, self.top_k,
+                                  self.renormalize)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm transformer layer (Qwen3/Llama layout, also the DFlash drafter's).
 
@@ -146,13 +164,15 @@ class DecoderLayer(nn.Module):
     group (`pending`), and the model adds the last one inside its final norm's."""
 
     def __init__(self, index: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
-                 eps: float, bias: bool = False, qk_norm: bool = True, window: int | None = None):
+                 eps: float, bias: bool = False, qk_norm: bool = True, window: int | None = None,
+                 mlp: nn.Module | None = None):
+        """mlp: the layer's MLP when it is not the dense SwiGLU of `intermediate` (a SparseMoE)."""
         super().__init__()
         self.index, self.window = index, window
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = Attention(index, hidden, heads, kv_heads, head_dim, eps, bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = MLP(hidden, intermediate)
+        self.mlp = mlp if mlp is not None else MLP(hidden, intermediate)
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, step: Step, kv: LayerKV):
         kernels, i = step.kernels, self.index

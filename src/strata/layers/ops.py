@@ -97,3 +97,46 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     probs = softmax(scores, mask, d ** -0.5).view(hk, t * g, s)
     out = torch.bmm(probs, v.permute(1, 0, 2))  # [Hkv, T*G, D]
     return out.view(hk, t, g, d).permute(1, 0, 2, 3).reshape(t, h * d)
+
+
+def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):
+    """Qwen3-MoE routing of rows h [N, H]: the router's logits in h's dtype, softmax in float32, the top-k
+    (renormalised to sum 1 when asked), cast back. Returns (weights [N, k], experts [N, k] int64)."""
+    logits = F.linear(h, router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+def experts_routed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                   experts: torch.Tensor) -> torch.Tensor:
+    """Each expert that a row was routed to, over its rows only; a row's weighted outputs summed from zero
+    in ascending expert order (transformers' order). The host reads which experts were hit, so this is
+    the eager path. h [N, H]; gate_up [2, E, I, H] (every expert's gate, then every expert's up); down
+    [E, H, I]; weights, experts [N, k]."""
+    out = torch.zeros_like(h)
+    for e in torch.unique(experts).tolist():
+        rows, slot = torch.where(experts == e)
+        x = h[rows]
+        y = F.linear(F.silu(F.linear(x, gate_up[0, e])) * F.linear(x, gate_up[1, e]), down[e])
+        out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
+    return out
+
+
+def experts_gathered(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                     experts: torch.Tensor) -> torch.Tensor:
+    """experts_routed in static shapes, with no host read (CUDA-graph safe): slot by slot, every row's
+    expert matrices gathered on the device and applied as batched matrix-vector products, the slots
+    summed in ascending expert order as experts_routed does."""
+    order = torch.argsort(experts, dim=-1, stable=True)
+    experts, weights = experts.gather(-1, order), weights.gather(-1, order)
+    out = torch.zeros_like(h)
+    x = h[:, :, None]
+    for j in range(experts.shape[-1]):
+        e = experts[:, j]
+        a = F.silu(torch.bmm(gate_up[0, e], x)) * torch.bmm(gate_up[1, e], x)
+        y = torch.bmm(down[e], a)[..., 0] * weights[:, j, None]
+        out = out + y.to(out.dtype)
+    return out

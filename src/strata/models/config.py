@@ -11,6 +11,17 @@ from ..layers.rotary import RopeConfig
 
 
 @dataclass
+class MoeConfig:
+    """A mixture-of-experts MLP's shape: which layers have one, how many experts, how many a token uses."""
+
+    experts: int
+    top_k: int
+    intermediate: int  # each expert's
+    renormalize: bool  # the top-k weights rescaled to sum to 1 (norm_topk_prob)
+    layers: list[int]  # the sparse layers; the others keep the dense MLP of intermediate_size
+
+
+@dataclass
 class ModelConfig:
     family: str
     vocab_size: int
@@ -29,6 +40,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    moe: MoeConfig | None = None
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -116,6 +116,9 @@ def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], d
             quant["lm_head.weight"] = quant["embed_tokens.weight"]
     with torch.device("meta"):
         model = fam.build(cfg)
+    shapes = {name: p.shape for name, p in model.state_dict().items()}
+    state = {name: t.reshape(shapes[name]) if name in shapes and t.shape != shapes[name]
+             and t.numel() == shapes[name].numel() else t for name, t in state.items()}  # stacked experts
     model.load_state_dict(state, assign=True, strict=True)
     for name, weight in quant.items():
         replace_parameter(model, name, weight)

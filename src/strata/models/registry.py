@@ -12,7 +12,7 @@ from ..errors import StrataError
 from .config import ModelConfig
 
 #: modules under strata.models that each register one or more families on import
-FAMILY_MODULES = ("qwen3", "llama")
+FAMILY_MODULES = ("qwen3", "llama", "qwen3_moe")
 
 
 class Family:

@@ -1,0 +1,104 @@
+"""Qwen3-MoE: Qwen3's attention with a mixture-of-experts MLP (a softmax router, top-k SwiGLU experts) in
+the layers that decoder_sparse_step and mlp_only_layers name; transformers' Qwen3MoeForCausalLM and
+llama.cpp's qwen3moe layout."""
+
+from __future__ import annotations
+
+from ..errors import StrataError
+from ..layers.modules import DecoderLayer, SparseMoE
+from .config import MoeConfig, require
+from .decoder import DecoderLM, DenseFamily, dense_gguf_config
+from .registry import register
+
+
+def expert_sources(hf: str, moe: MoeConfig, hidden: int) -> dict[str, list[tuple[str, tuple]]]:
+    """A sparse layer's checkpoint tensors (transformers' per-expert names), in the order SparseMoE stacks
+    them: every expert's gate, every expert's up, every expert's down."""
+    e, i = range(moe.experts), moe.intermediate
+    return {"gate": [(f"{hf}mlp.experts.{n}.gate_proj.weight", (i, hidden)) for n in e],
+            "up": [(f"{hf}mlp.experts.{n}.up_proj.weight", (i, hidden)) for n in e],
+            "down": [(f"{hf}mlp.experts.{n}.down_proj.weight", (hidden, i)) for n in e]}
+
+
+class Qwen3Moe(DenseFamily):
+    name = "qwen3_moe"
+    architectures = ("Qwen3MoeForCausalLM",)
+    model_types = ("qwen3_moe",)
+    transformers_class = "Qwen3MoeForCausalLM"
+    gguf_arch = "qwen3moe"
+    qk_norm = True
+
+    def config(self, hf, where):
+        cfg = super().config(hf, where)
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if not isinstance(experts, int) or experts <= 0:
+            raise StrataError(f"{where}: field 'num_experts' must be a positive integer, got {experts!r}")
+        top_k = require(hf, "num_experts_per_tok", where)
+        if top_k > experts:
+            raise StrataError(f"{where}: num_experts_per_tok {top_k} exceeds num_experts {experts}")
+        step = hf.get("decoder_sparse_step", 1)
+        if not isinstance(step, int) or step <= 0:
+            raise StrataError(f"{where}: field 'decoder_sparse_step' must be a positive integer, got {step!r}")
+        dense = set(hf.get("mlp_only_layers") or [])
+        cfg.moe = MoeConfig(experts, top_k, require(hf, "moe_intermediate_size", where),
+                            bool(hf.get("norm_topk_prob", False)),
+                            [n for n in range(cfg.num_layers) if n not in dense and (n + 1) % step == 0])
+        return cfg
+
+    def gguf_config(self, kv, tensors, where):
+        a = self.gguf_arch
+        plain = {k: v for k, v in kv.items() if k != f"{a}.expert_count"}
+        cfg = dense_gguf_config(self, plain, tensors, where)
+        experts, top_k = kv.get(f"{a}.expert_count"), kv.get(f"{a}.expert_used_count")
+        inter = kv.get(f"{a}.expert_feed_forward_length")
+        for key, v in ((f"{a}.expert_count", experts), (f"{a}.expert_used_count", top_k),
+                       (f"{a}.expert_feed_forward_length", inter)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise StrataError(f"{where}: metadata key '{key}' must be a positive integer, got {v!r}")
+        scale = kv.get(f"{a}.expert_weights_scale", 0.0)
+        if scale not in (0, 0.0, 1, 1.0):
+            raise StrataError(f"{where}: metadata key '{a}.expert_weights_scale' = {scale!r} scales the experts' "
+                              f"weights, which is not supported")
+        sparse = [n for n in range(cfg.num_layers) if f"blk.{n}.ffn_gate_inp.weight" in tensors]
+        # llama.cpp's qwen3moe graph always renormalises the top-k weights (as Qwen3-MoE's norm_topk_prob)
+        cfg.moe = MoeConfig(experts, top_k, inter, True, sparse)
+        return cfg
+
+    def build(self, cfg):
+        moe = cfg.moe
+        return DecoderLM(cfg, [DecoderLayer(
+            n, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.rms_norm_eps, cfg.attention_bias, cfg.qk_norm,
+            mlp=SparseMoE(cfg.hidden_size, moe.intermediate, moe.experts, moe.top_k, moe.renormalize)
+            if n in moe.layers else None) for n in range(cfg.num_layers)])
+
+    def hf_layout(self, cfg):
+        out = super().hf_layout(cfg)
+        h = cfg.hidden_size
+        for n in cfg.moe.layers:
+            hf, param = f"model.layers.{n}.", f"layers.{n}."
+            for name in ("gate_up_proj.weight", "down_proj.weight"):
+                del out[param + "mlp." + name]
+            src = expert_sources(hf, cfg.moe, h)
+            out[param + "mlp.gate.weight"] = [(hf + "mlp.gate.weight", (cfg.moe.experts, h))]
+            out[param + "mlp.gate_up_proj"] = src["gate"] + src["up"]
+            out[param + "mlp.down_proj"] = src["down"]
+        return out
+
+    def gguf_layout(self, cfg):
+        from ..gguf_names import EXPERTS
+
+        out = {param: sources for param, sources in super().gguf_layout(cfg).items()
+               if not any(param == f"layers.{n}.mlp.{m}" for n in cfg.moe.layers
+                          for m in ("gate_up_proj.weight", "down_proj.weight"))}
+        e, i, h = cfg.moe.experts, cfg.moe.intermediate, cfg.hidden_size
+        for n in cfg.moe.layers:
+            blk, param = f"blk.{n}.", f"layers.{n}.mlp."
+            out[param + "gate.weight"] = [(blk + "ffn_gate_inp.weight", (e, h), None)]
+            out[param + "gate_up_proj"] = [(blk + EXPERTS["gate"], (e, i, h), None),
+                                           (blk + EXPERTS["up"], (e, i, h), None)]
+            out[param + "down_proj"] = [(blk + EXPERTS["down"], (e, h, i), None)]
+        return out
+
+
+register(Qwen3Moe())

@@ -1,0 +1,99 @@
+"""Qwen3-MoE targets: token for token against transformers' own Qwen3MoeForCausalLM on tiny random
+checkpoints it writes, eager and in static shapes; DFlash and prompt lookup identical to target-only; the
+llama.cpp layout (stacked 3-D experts) decoding like the folder it came from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from strata.dflash.drafter import load_drafter
+from strata.engine.decode import Engine
+from strata.engine.prompt_lookup import PromptLookupDrafter
+from strata.errors import StrataError
+from strata.models.loader import load_target
+
+from conftest import write_hf_drafter, write_hf_model
+from test_gguf_target import dequantized_folder, qwen2_tokenizer, write_gguf_target
+
+PROMPTS = [[3, 99, 14, 250, 8, 8, 41], [17], [5, 6, 7, 5, 6, 7, 5, 6]]
+SHAPES = {  # renormalised top-k, one dense layer / plain top-k, every second layer sparse
+    "a": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+              mlp_only_layers=[1]),
+    "b": dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=False,
+              decoder_sparse_step=2),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe")
+    return {name: write_hf_model(d / name, "qwen3_moe", seed=3 + i, **kw) for i, (name, kw) in enumerate(SHAPES.items())}
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_greedy_equals_transformers_eager_and_static(checkpoints, name):
+    path, hf = checkpoints[name]
+    target = load_target(path)
+    sparse = [n for n, layer in enumerate(target.layers) if hasattr(layer.mlp, "gate")]
+    assert sparse == ([0, 2] if name == "a" else [1])
+    for prompt in PROMPTS:
+        want = hf_greedy(hf, prompt, 40)
+        assert Engine(target, max_len=128).generate(prompt, 40).output_ids == want, prompt
+        assert Engine(target, max_len=128, static=True).generate(prompt, 40).output_ids == want, prompt
+
+
+def test_dflash_and_prompt_lookup_equal_target_only(checkpoints, tmp_path):
+    path, _ = checkpoints["a"]
+    target = load_target(path)
+    drafter_dir = write_hf_drafter(tmp_path / "drafter", layers=2, taps=(0, 2), block_size=8, seed=4, scale=0.2)
+    for static in (False, True):
+        for prompt in PROMPTS:
+            base = Engine(target, max_len=128, static=static, pad_rows=8).generate(prompt, 48)
+            for drafter in (load_drafter(drafter_dir, target, max_len=128), PromptLookupDrafter(3)):
+                res = Engine(target, drafter, max_len=128, static=static, window=8).generate(prompt, 48)
+                assert res.output_ids == base.output_ids, (static, drafter.name, prompt)
+    tree = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, tree=16).generate(PROMPTS[0], 48)
+    assert tree.output_ids == Engine(target, max_len=128).generate(PROMPTS[0], 48).output_ids
+
+
+@pytest.mark.parametrize("matrix_type", [T.F32, T.Q8_0])
+def test_llama_cpp_layout_decodes_like_its_folder(tmp_path, matrix_type):
+    """llama.cpp's qwen3moe file (router F32, experts stacked as 3-D tensors) against the same values as
+    a Hugging Face folder; every layer sparse, as llama.cpp's qwen3moe graph has them."""
+    hf, _ = write_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, vocab=320, hidden_size=256, intermediate_size=256,
+                           head_dim=64, layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                           norm_topk_prob=True)
+    qwen2_tokenizer(hf, 320)
+    stored = write_gguf_target(tmp_path / "t.gguf", hf, "qwen3moe", matrix_type)
+    folder = dequantized_folder(tmp_path / "deq", hf, stored)
+    gguf_target, ref = load_target(tmp_path / "t.gguf"), load_target(folder)
+    assert gguf_target.cfg.moe == ref.cfg.moe
+    for prompt in PROMPTS[:2]:
+        assert Engine(gguf_target, max_len=128).generate(prompt, 32).output_ids == \
+            Engine(ref, max_len=128).generate(prompt, 32).output_ids
+
+
+def test_bad_moe_configs_are_one_line_errors(checkpoints, tmp_path):
+    import json
+    import shutil
+
+    path, _ = checkpoints["b"]
+    for field, value, needle in (("num_experts_per_tok", 7, "exceeds num_experts 6"),
+                                 ("moe_intermediate_size", None, "missing field 'moe_intermediate_size'"),
+                                 ("decoder_sparse_step", 0, "'decoder_sparse_step' must be a positive integer")):
+        bad = tmp_path / field
+        shutil.copytree(path, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg[field] = value
+        if value is None:
+            del cfg[field]
+        (bad / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(StrataError, match=needle):
+            load_target(bad)
