@@ -97,3 +97,25 @@ def test_bad_moe_configs_are_one_line_errors(checkpoints, tmp_path):
         (bad / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(StrataError, match=needle):
             load_target(bad)
+
+
+def test_bench_moe_shape_counts_the_experts_a_token_reads(tmp_path):
+    import json
+
+    from conftest import run_cli
+    from strata.bench.run import bytes_per_token
+    from strata.models.random_init import random_target
+
+    target = random_target("tiny-moe")
+    moe, cfg = target.cfg.moe, target.cfg
+    experts = sum(p.numel() * 4 for layer in target.layers for p in (layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    table = cfg.vocab_size * cfg.hidden_size * 4
+    total = sum(p.numel() * 4 for p in target.parameters())
+    kv = 2 * cfg.num_layers * 10 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert bytes_per_token(target, 10) == total - experts * (1 - moe.top_k / moe.experts) - table + table // cfg.vocab_size + kv
+    out = tmp_path / "moe.json"
+    r = run_cli("bench", "--shape", "tiny-moe", "--drafter-layers", "1", "--block-size", "8", "--prompt-len", "16",
+                "--new-tokens", "16", "--runs", "1", "--hf", "eager", "--out", out)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["hf"]["eager"]["identical_to_strata"] and result["dflash_oracle"]["identical_to_target_only"]

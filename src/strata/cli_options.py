@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from .models.shapes import SHAPES
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
@@ -156,7 +158,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
     sv.set_defaults(func=commands.cmd_serve)
 
     be = sub.add_parser("bench", help="Strata target-only vs DFlash vs HF generate vs the bandwidth floor")
-    be.add_argument("--shape", choices=["tiny", "qwen3-4b", "qwen3-8b"], help="random weights of a named shape")
+    be.add_argument("--shape", choices=list(SHAPES), help="random weights of a named shape")
     be.add_argument("--quant", choices=["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"],
                     help="with --shape: random valid GGUF blocks of this llama.cpp file type, kept quantized")
     be.add_argument("--drafter-layers", type=int, metavar="N", help="a random DFlash drafter of this many layers")
@@ -236,7 +238,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
 
     r = sub.add_parser("init-random", help="write a random-weight model of a named shape (HF layout)")
     r.add_argument("out_dir", help="the folder to write")
-    r.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-4b", "qwen3-8b"], help="the shape (default tiny)")
+    r.add_argument("--shape", default="tiny", choices=list(SHAPES), help="the shape (default tiny)")
     r.add_argument("--seed", type=int, default=0, help="seed of the weights")
     r.set_defaults(func=commands.cmd_init_random)
     return parser

@@ -49,11 +49,18 @@ def copy_bandwidth(device, nbytes: int, reps: int = 10) -> float:
 
 def bytes_per_token(model, context: int) -> int:
     """Bytes one decode step must read: every weight (quantized ones as stored) except the embedding table,
-    of which it reads one row, and the K/V of `context` cached positions."""
+    of which it reads one row, and a mixture-of-experts layer's experts, of which it reads the top-k; and
+    the K/V of `context` cached positions."""
     from ..layers.quant import QuantWeight
 
     cfg = model.cfg
     total = weight_bytes(model)
+    if cfg.moe is not None:
+        unused = 1 - cfg.moe.top_k / cfg.moe.experts
+        for layer in model.layers:
+            if hasattr(layer.mlp, "gate_up_proj") and layer.mlp.gate_up_proj.dim() == 4:
+                for p in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                    total -= int(p.numel() * p.element_size() * unused)
     emb = model.embed_tokens.weight
     if not cfg.tie_word_embeddings:
         table = emb.nbytes if isinstance(emb, QuantWeight) else emb.numel() * emb.element_size()
@@ -113,10 +120,10 @@ def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], ru
                   max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
                   rope_theta=cfg.rope.theta, attention_bias=cfg.attention_bias, eos_token_id=None,
                   bos_token_id=None, pad_token_id=None)
-    hf_cfg = transformers.AutoConfig.for_model(cfg.family, **common)
+    hf_cfg = transformers.AutoConfig.for_model(cfg.family, **common, **fam.transformers_config(cfg))
     with torch.device(target.device):
         model = getattr(transformers, fam.transformers_class)._from_config(hf_cfg, dtype=target.dtype)
-    state = unpack(target.state_dict(), fam.hf_layout(cfg))
+    state = fam.transformers_state(unpack(target.state_dict(), fam.hf_layout(cfg)), cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not m.startswith("lm_head")]:
         return {"skipped": f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}"}

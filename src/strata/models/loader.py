@@ -84,8 +84,9 @@ def unpack(state: dict[str, torch.Tensor], layout: dict[str, list[tuple[str, tup
     out = {}
     for param, sources in layout.items():
         offset = 0
+        rows = state[param].reshape(-1, *sources[0][1][1:])  # stacked experts: their matrices' rows
         for name, shape in sources:
-            out[name] = state[param][offset:offset + shape[0]]
+            out[name] = rows[offset:offset + shape[0]].reshape(shape)
             offset += shape[0]
     return out
 

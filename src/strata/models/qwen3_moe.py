@@ -4,6 +4,8 @@ llama.cpp's qwen3moe layout."""
 
 from __future__ import annotations
 
+import torch
+
 from ..errors import StrataError
 from ..layers.modules import DecoderLayer, SparseMoE
 from .config import MoeConfig, require
@@ -44,6 +46,23 @@ class Qwen3Moe(DenseFamily):
                             bool(hf.get("norm_topk_prob", False)),
                             [n for n in range(cfg.num_layers) if n not in dense and (n + 1) % step == 0])
         return cfg
+
+    def transformers_config(self, cfg):
+        m = cfg.moe
+        return dict(num_experts=m.experts, num_local_experts=m.experts, num_experts_per_tok=m.top_k,
+                    moe_intermediate_size=m.intermediate, norm_topk_prob=m.renormalize, decoder_sparse_step=1,
+                    mlp_only_layers=[n for n in range(cfg.num_layers) if n not in m.layers])
+
+    def transformers_state(self, checkpoint, cfg):
+        """transformers 5 holds each sparse layer's experts as two stacked parameters."""
+        out = dict(checkpoint)
+        for n in cfg.moe.layers:
+            hf, e = f"model.layers.{n}.mlp.experts.", range(cfg.moe.experts)
+            gate, up, down = ([out.pop(f"{hf}{x}.{part}.weight") for x in e] for part in ("gate_proj", "up_proj",
+                                                                                           "down_proj"))
+            out[hf + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+            out[hf + "down_proj"] = torch.stack(down)
+        return out
 
     def gguf_config(self, kv, tensors, where):
         a = self.gguf_arch

@@ -12,20 +12,16 @@ from safetensors.torch import save_file
 
 from ..files import umask_mode
 from .loader import checkpoint_shapes, load_model_config
-from .registry import family
+from .registry import family_for
+from .shapes import SHAPES
 
-SHAPES = {
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048),
-    "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
-    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
-}
 
 
 def qwen3_config(**overrides) -> dict:
-    cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rms_norm_eps=1e-6, rope_theta=1000000.0,
+    """A Qwen3 config.json (Qwen3-MoE when the overrides name experts)."""
+    moe = "num_experts" in overrides
+    cfg = dict(architectures=["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+               model_type="qwen3_moe" if moe else "qwen3", rms_norm_eps=1e-6, rope_theta=1000000.0,
                tie_word_embeddings=False, attention_bias=False, bos_token_id=None, eos_token_id=None,
                torch_dtype="bfloat16")
     cfg.update(overrides)
@@ -57,8 +53,13 @@ def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: 
     """A random-weight target built directly on the device (no files: an 8B shape needs no download). With
     quant (a llama.cpp file type: Q4_K_M, Q8_0, ...) its matrices are random valid GGUF blocks of the
     types that file type gives them, kept quantized."""
-    fam = family("qwen3")
-    cfg = fam.config(qwen3_config(**{**SHAPES[shape], **overrides}), Path(f"<random {shape}>"))
+    hf = qwen3_config(**{**SHAPES[shape], **overrides})
+    fam = family_for(hf, Path(f"<random {shape}>"))
+    cfg = fam.config(hf, Path(f"<random {shape}>"))
+    if quant is not None and cfg.moe is not None:
+        from ..errors import StrataError
+
+        raise StrataError(f"--quant: the {shape} shape has experts; quantized experts are not implemented")
     with torch.device("meta"):
         model = fam.build(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -35,6 +35,15 @@ class Family:
         """parameter name -> [(checkpoint tensor name, shape), ...], concatenated along dim 0 in order."""
         raise NotImplementedError
 
+    def transformers_state(self, checkpoint: dict, cfg: ModelConfig) -> dict:
+        """Checkpoint tensors as transformers' modules hold them in memory (its loader converts some on
+        from_pretrained): the bench's peer is built from them."""
+        return checkpoint
+
+    def transformers_config(self, cfg: ModelConfig) -> dict:
+        """This family's fields of transformers' config beyond the dense decoder's."""
+        return {}
+
     def gguf_config(self, kv: dict, where: str) -> ModelConfig:
         """Hyper-parameters from a llama.cpp GGUF file's metadata."""
         raise NotImplementedError
