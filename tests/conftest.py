@@ -26,6 +26,10 @@ def hf_config(family: str, tie: bool = False, kv_heads: int = 2, vocab: int = 25
     common.update(kw)
     if family == "qwen3":
         return transformers.Qwen3Config(head_dim=head_dim, rope_theta=10000.0, **common)
+    if family == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4,
+                                              linear_key_head_dim=16, linear_value_head_dim=16,
+                                              linear_conv_kernel_dim=4, **common)
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(head_dim=head_dim, rope_theta=10000.0, **common)
     if family == "llama":
@@ -44,7 +48,7 @@ def write_hf_model(path: Path, family: str = "qwen3", seed: int = 0, max_shard_s
     torch.manual_seed(seed)
     cfg = hf_config(family, **kw)
     cls = {"qwen3": transformers.Qwen3ForCausalLM, "llama": transformers.LlamaForCausalLM,
-           "qwen3_moe": transformers.Qwen3MoeForCausalLM}[family]
+           "qwen3_moe": transformers.Qwen3MoeForCausalLM, "qwen3_5": transformers.Qwen3_5ForCausalLM}[family]
     model = cls(cfg).eval()
     with torch.no_grad():  # norms at 1.0 hide bugs in their use: randomise them
         for name, p in model.named_parameters():

@@ -19,6 +19,7 @@ from typing import Callable, Hashable
 import torch
 
 from ..cache import aligned_cells
+from ..errors import StrataError
 from ..layers.kernels import EAGER, select_kernels
 from ..layers.modules import Step
 from ..models.decoder import ForwardOut
@@ -82,7 +83,11 @@ class ModelRunner:
             self.rows = self.tree + 1
         dev = target.device
         spare = self.static or self.tree is not None  # rows that may sit past the context for a moment
-        self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if spare else self.max_len)
+        if self.tree is not None and getattr(target, "recurrent", False):
+            raise StrataError("--tree: this target has linear-attention layers, whose recurrent state follows "
+                              "one sequence, not a tree; use the chain (no --tree)")
+        self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if spare else self.max_len,
+                                       rows=self.rows)
         self.graphs = CudaGraphs(dev, enabled=cfg.graphs and cfg.static)
         self.kernels = select_kernels(dev, cfg.static, cfg.graphs, cfg.compile, cfg.triton, cfg.attention)
         self.anchor = torch.zeros(1, dtype=torch.long, device=dev)

@@ -91,10 +91,13 @@ class Attention(nn.Module):
     RoPE. Which cells a query sees is the step's mask."""
 
     def __init__(self, index: int, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool,
-                 qk_norm: bool):
+                 qk_norm: bool, gated: bool = False):
+        """gated (Qwen3.5): each head's query rows are followed by as many gate rows, and the output is
+        scaled by sigmoid(gate) before o_proj."""
         super().__init__()
         self.index, self.heads, self.kv_heads, self.head_dim, self.eps = index, heads, kv_heads, head_dim, eps
-        self.qkv_proj = Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias)
+        self.gated = gated
+        self.qkv_proj = Linear(hidden, ((2 if gated else 1) * heads + 2 * kv_heads) * head_dim, bias)
         self.o_proj = Linear(heads * head_dim, hidden, bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
@@ -102,8 +105,13 @@ class Attention(nn.Module):
     def forward(self, h: torch.Tensor, step: Step, kv: LayerKV, mask: torch.Tensor) -> torch.Tensor:
         """h [..., T, hidden] -> attention output [..., T, heads * head_dim]; the rows' K/V are stored first."""
         kernels, heads, d = step.kernels, self.heads, self.head_dim
-        qk_width = (heads + self.kv_heads) * d
         out = self.qkv_proj(h, kernels)
+        gate = None
+        if self.gated:
+            qg = out[..., :2 * heads * d].unflatten(-1, (heads, 2 * d))
+            gate = qg[..., d:].flatten(-2)
+            out = torch.cat([qg[..., :d].flatten(-2), out[..., 2 * heads * d:]], dim=-1)
+        qk_width = (heads + self.kv_heads) * d
         qk = out[..., :qk_width].unflatten(-1, (heads + self.kv_heads, d))
         v = out[..., qk_width:].unflatten(-1, (self.kv_heads, d))
         if step.probe is not None:
@@ -115,7 +123,8 @@ class Attention(nn.Module):
             q = step.probed(self.index, "q_roped", q)
             step.probe_cells(self.index, "k", kv.k)
             step.probe_cells(self.index, "v", kv.v)
-        return kernels.attend(q, kv.k.narrow(-3, 0, step.kv_len), kv.v.narrow(-3, 0, step.kv_len), mask)
+        a = kernels.attend(q, kv.k.narrow(-3, 0, step.kv_len), kv.v.narrow(-3, 0, step.kv_len), mask)
+        return a if gate is None else a * torch.sigmoid(gate)
 
     def store_context(self, c: torch.Tensor, step: Step, kv: LayerKV) -> None:
         """K/V of rows that ask no queries (a drafter's context features) into the step's cells."""
@@ -165,12 +174,16 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, index: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
                  eps: float, bias: bool = False, qk_norm: bool = True, window: int | None = None,
-                 mlp: nn.Module | None = None):
-        """mlp: the layer's MLP when it is not the dense SwiGLU of `intermediate` (a SparseMoE)."""
+                 mlp: nn.Module | None = None, mixer: nn.Module | None = None, gated: bool = False):
+        """mlp: the layer's MLP when it is not the dense SwiGLU of `intermediate` (a SparseMoE); mixer: a
+        linear-attention mixer in place of attention (GatedDeltaNet); gated: gated attention (Qwen3.5)."""
         super().__init__()
         self.index, self.window = index, window
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = Attention(index, hidden, heads, kv_heads, head_dim, eps, bias, qk_norm)
+        if mixer is not None:
+            self.linear_attn = mixer
+        else:
+            self.self_attn = Attention(index, hidden, heads, kv_heads, head_dim, eps, bias, qk_norm, gated)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = mlp if mlp is not None else MLP(hidden, intermediate)
 
@@ -182,9 +195,13 @@ class DecoderLayer(nn.Module):
         else:
             x, h = kernels.add_rms_norm(x, pending, norm.weight, norm.eps)
         h = step.probed(i, "attn_in", h)
-        a = step.probed(i, "attn", self.self_attn(h, step, kv, step.masks[self.window]))
+        if hasattr(self, "linear_attn"):
+            mixed = self.linear_attn(h, step, kv, kernels)
+        else:
+            a = step.probed(i, "attn", self.self_attn(h, step, kv, step.masks[self.window]))
+            mixed = self.self_attn.o_proj(a, kernels)
         norm = self.post_attention_layernorm
-        x, h = kernels.add_rms_norm(x, self.self_attn.o_proj(a, kernels), norm.weight, norm.eps)
+        x, h = kernels.add_rms_norm(x, mixed, norm.weight, norm.eps)
         if step.probe is not None:
             x = step.probed(i, "o_residual", x)
             h = kernels.rms_norm(x, norm.weight, norm.eps)

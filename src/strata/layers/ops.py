@@ -140,3 +140,37 @@ def experts_gathered(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         y = torch.bmm(down[e], a)[..., 0] * weights[:, j, None]
         out = out + y.to(out.dtype)
     return out
+
+
+def causal_conv(x_full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A depthwise causal convolution and SiLU: x_full [K-1+T, C] (the K-1 inputs before the rows, then the
+    rows), weight [C, K] -> [T, C] (PyTorch's conv1d, as transformers runs it)."""
+    out = F.conv1d(x_full.t()[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])
+    return F.silu(out[0].t()).to(x_full.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor):
+    """The gated delta rule, token by token in float32: q, k [T, H, Dk] (l2-normalised here, q scaled by
+    Dk^-0.5), v [T, H, Dv], g (log decay) and beta [T, H], state [H, Dk, Dv]. Returns (outputs [T, H, Dv],
+    the state after each row [T, H, Dk, Dv]): a verify that keeps a rows resumes from the a-th."""
+    q, k = l2norm(q.float()), l2norm(k.float())
+    q = q / (q.shape[-1] ** 0.5)
+    v, g, beta = v.float(), g.float(), beta.float()
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        delta = (v[t] - (state * k[t][:, :, None]).sum(dim=-2)) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        outs.append((state * q[t][:, :, None]).sum(dim=-2))
+        states.append(state)
+    return torch.stack(outs), torch.stack(states)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x, then times silu(gate) in float32 (DeltaNet's output norm)."""
+    return (rms_norm(x, weight, eps).float() * F.silu(gate.float())).to(x.dtype)

@@ -13,6 +13,7 @@ class RopeConfig:
     theta: float = 10000.0
     scaling: dict | None = None  # {"rope_type": "llama3", "factor": ...} or None
     factors: list[float] | None = None  # per-frequency divisors, as llama.cpp's rope_freqs tensor stores them
+    rotary_dim: int | None = None  # partial RoPE: only this many dims of a head rotate (see RotaryTable)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, orig_max_pos_default: int = 8192) -> torch.Tensor:
@@ -52,7 +53,7 @@ class RotaryTable:
     def ensure(self, positions: int) -> None:
         if positions <= self.positions:
             return
-        d = self.head_dim
+        d = self.rope.rotary_dim or self.head_dim
         inv_freq = 1.0 / (self.rope.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         if self.rope.scaling is not None:
             inv_freq = llama3_inv_freq(inv_freq, self.rope.scaling,
@@ -62,6 +63,8 @@ class RotaryTable:
         if self.cos is not None:
             self._outgrown += [self.cos, self.sin]
         freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+        if d < self.head_dim:  # partial RoPE: the other dims get angle 0 (the loader moved them there)
+            freqs = torch.cat([freqs, freqs.new_zeros(positions, (self.head_dim - d) // 2)], dim=-1)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device=self.device, dtype=self.dtype)
         self.sin = emb.sin().to(device=self.device, dtype=self.dtype)

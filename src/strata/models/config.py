@@ -22,6 +22,18 @@ class MoeConfig:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """Hybrid models' linear-attention (gated DeltaNet) layers: which, and their shape."""
+
+    layers: list[int]
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    kernel: int
+
+
+@dataclass
 class ModelConfig:
     family: str
     vocab_size: int
@@ -41,6 +53,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     moe: MoeConfig | None = None
+    linear: LinearAttentionConfig | None = None
+    gated_attention: bool = False
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache
+from ..errors import StrataError
 from ..layers.kernels import EAGER, Kernels
 from ..layers.modules import Linear, RMSNorm, Step, causal_masks, run_layers
 from ..layers.quant import QuantWeight
@@ -47,13 +48,25 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         return self
 
-    def make_cache(self, cells: int, batch: int | None = None) -> KVCache:
-        """A cache of `cells` positions (and the rotary table to cover them)."""
+    def make_cache(self, cells: int, batch: int | None = None, rows: int = 16) -> KVCache:
+        """A cache of `cells` positions (and the rotary table to cover them); a linear-attention layer gets
+        its state instead, keeping the states of a forward's last `rows` positions (its verify window)."""
         cfg = self.cfg
         if self.rotary is None:
             self.rotary = RotaryTable(cfg.head_dim, cfg.rope, self.device, self.dtype, cfg.max_position_embeddings)
         self.rotary.ensure(cells)
-        return KVCache(cfg.num_layers, cells, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype, batch)
+        cache = KVCache(cfg.num_layers, cells, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype, batch)
+        for layer in self.layers:
+            if hasattr(layer, "linear_attn"):
+                if batch is not None:
+                    raise StrataError("linear-attention targets decode one sequence at a time (no batches)")
+                cache.layers[layer.index] = layer.linear_attn.make_state(rows, self.device, self.dtype)
+        return cache
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers carry a recurrent state (a tree cannot be verified through them)."""
+        return any(hasattr(layer, "linear_attn") for layer in self.layers)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight

@@ -136,7 +136,7 @@ def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float
         return load_gguf_target(path, device, dtype, torch.device(device).type == "cuda" if quantized is None
                                 else quantized)
     fam, cfg = load_model_config(path)
-    state = pack(read_safetensors(path), fam.hf_layout(cfg), dtype, path)
+    state = fam.finish(pack(read_safetensors(path), fam.hf_layout(cfg), dtype, path), cfg)
     return instantiate(fam, cfg, state, device)
 
 

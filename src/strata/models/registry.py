@@ -12,7 +12,7 @@ from ..errors import StrataError
 from .config import ModelConfig
 
 #: modules under strata.models that each register one or more families on import
-FAMILY_MODULES = ("qwen3", "llama", "qwen3_moe")
+FAMILY_MODULES = ("qwen3", "llama", "qwen3_moe", "qwen3_5")
 
 
 class Family:
@@ -34,6 +34,11 @@ class Family:
     def hf_layout(self, cfg: ModelConfig) -> dict[str, list[tuple[str, tuple]]]:
         """parameter name -> [(checkpoint tensor name, shape), ...], concatenated along dim 0 in order."""
         raise NotImplementedError
+
+    def finish(self, state: dict, cfg: ModelConfig) -> dict:
+        """Packed parameters -> the values the modules compute with (a family whose checkpoint stores a
+        norm as 1 + w, or rotates a head's dims in another order, converts here once)."""
+        return state
 
     def transformers_state(self, checkpoint: dict, cfg: ModelConfig) -> dict:
         """Checkpoint tensors as transformers' modules hold them in memory (its loader converts some on

@@ -1,0 +1,112 @@
+"""Qwen3.5 (text): a hybrid of gated DeltaNet linear-attention layers and gated full-attention layers
+(3:1 by default), partial RoPE, zero-centred RMSNorms; transformers' Qwen3_5ForCausalLM."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import StrataError
+from ..layers.linear_attention import GatedDeltaNet
+from ..layers.modules import DecoderLayer
+from .config import LinearAttentionConfig, require
+from .decoder import DecoderLM, DenseFamily, dense_hf_layout
+from .registry import register
+
+
+def rope_order(head_dim: int, rotary: int) -> torch.Tensor:
+    """Where each of a head's dims goes so that rotate-half over the whole head pairs exactly the dims
+    partial RoPE rotates (the rotating halves at 0 and head_dim / 2, the rest beside them at angle 0)."""
+    half, rest = rotary // 2, (head_dim - rotary) // 2
+    return torch.cat([torch.arange(half), torch.arange(rotary, rotary + rest), torch.arange(half, rotary),
+                      torch.arange(rotary + rest, head_dim)])
+
+
+class Qwen3_5(DenseFamily):
+    name = "qwen3_5"
+    architectures = ("Qwen3_5ForCausalLM",)
+    model_types = ("qwen3_5_text",)
+    transformers_class = "Qwen3_5ForCausalLM"
+    qk_norm = True
+    rope_scalings = ()
+
+    def config(self, hf, where):
+        cfg = super().config(hf, where)
+        types = hf.get("layer_types")
+        if not isinstance(types, list) or len(types) != cfg.num_layers or \
+                set(types) - {"linear_attention", "full_attention"}:
+            raise StrataError(f"{where}: field 'layer_types' must list 'linear_attention' or 'full_attention' "
+                              f"for each of the {cfg.num_layers} layers")
+        params = hf.get("rope_parameters") or {}
+        factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        rotary = int(cfg.head_dim * factor)
+        if rotary % 2 or not 0 < rotary <= cfg.head_dim:
+            raise StrataError(f"{where}: partial_rotary_factor {factor} gives {rotary} rotary dims of a head of "
+                              f"{cfg.head_dim}")
+        cfg.rope.rotary_dim = rotary
+        cfg.gated_attention = True
+        k_heads, v_heads = (require(hf, f"linear_num_{x}_heads", where) for x in ("key", "value"))
+        if v_heads % k_heads:
+            raise StrataError(f"{where}: linear_num_value_heads {v_heads} is not a multiple of "
+                              f"linear_num_key_heads {k_heads}")
+        cfg.linear = LinearAttentionConfig([n for n, t in enumerate(types) if t == "linear_attention"], k_heads,
+                                           v_heads, require(hf, "linear_key_head_dim", where),
+                                           require(hf, "linear_value_head_dim", where),
+                                           require(hf, "linear_conv_kernel_dim", where))
+        return cfg
+
+    def build(self, cfg):
+        lin = cfg.linear
+        return DecoderLM(cfg, [DecoderLayer(
+            n, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.rms_norm_eps, cfg.attention_bias, cfg.qk_norm, gated=True,
+            mixer=GatedDeltaNet(n, cfg.hidden_size, lin.k_heads, lin.v_heads, lin.k_dim, lin.v_dim, lin.kernel,
+                                cfg.rms_norm_eps) if n in lin.layers else None) for n in range(cfg.num_layers)])
+
+    def hf_layout(self, cfg):
+        h, lin, d = cfg.hidden_size, cfg.linear, cfg.head_dim
+        out = dense_hf_layout(cfg)
+        for n in range(cfg.num_layers):
+            hf, param = f"model.layers.{n}.", f"layers.{n}."
+            if n not in lin.layers:
+                out[param + "self_attn.qkv_proj.weight"][0] = (hf + "self_attn.q_proj.weight", (2 * cfg.num_heads * d, h))
+                continue
+            for key in [k for k in out if k.startswith(param + "self_attn.")]:
+                del out[key]
+            a, src = param + "linear_attn.", hf + "linear_attn."
+            channels = 2 * lin.k_heads * lin.k_dim + lin.v_heads * lin.v_dim
+            out[a + "in_proj.weight"] = [(src + "in_proj_qkv.weight", (channels, h)),
+                                         (src + "in_proj_z.weight", (lin.v_heads * lin.v_dim, h)),
+                                         (src + "in_proj_b.weight", (lin.v_heads, h)),
+                                         (src + "in_proj_a.weight", (lin.v_heads, h))]
+            out[a + "conv_weight"] = [(src + "conv1d.weight", (channels, 1, lin.kernel))]
+            out[a + "dt_bias"] = [(src + "dt_bias", (lin.v_heads,))]
+            out[a + "A_log"] = [(src + "A_log", (lin.v_heads,))]
+            out[a + "norm.weight"] = [(src + "norm.weight", (lin.v_dim,))]
+            out[a + "out_proj.weight"] = [(src + "out_proj.weight", (h, lin.v_heads * lin.v_dim))]
+        return out
+
+    def finish(self, state, cfg):
+        """Zero-centred norms (the checkpoint stores w, the model scales by 1 + w) and partial RoPE's dims
+        moved where the shared rotate-half kernel rotates them."""
+        out = dict(state)
+        for name, t in state.items():
+            if name.endswith("norm.weight") and "linear_attn" not in name:
+                out[name] = 1.0 + t.float()
+                out[name] = out[name].to(t.dtype)
+        order = rope_order(cfg.head_dim, cfg.rope.rotary_dim)
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        for n in range(cfg.num_layers):
+            if n in cfg.linear.layers:
+                continue
+            p = f"layers.{n}.self_attn."
+            w = out[p + "qkv_proj.weight"]
+            q = w[:2 * h * d].unflatten(0, (h, 2, d))
+            q = torch.stack([q[:, 0][:, order], q[:, 1]], dim=1).flatten(0, 2)
+            k = w[2 * h * d:(2 * h + kv) * d].unflatten(0, (kv, d))[:, order].flatten(0, 1)
+            out[p + "qkv_proj.weight"] = torch.cat([q, k, w[(2 * h + kv) * d:]])
+            for norm in ("q_norm.weight", "k_norm.weight"):
+                out[p + norm] = out[p + norm][order]
+        return out
+
+
+register(Qwen3_5())

@@ -1,0 +1,75 @@
+"""Qwen3.5 hybrid targets (gated DeltaNet + gated attention): token for token against transformers'
+Qwen3_5ForCausalLM on tiny random checkpoints it writes; speculation rolls the recurrent state back to
+the last accepted token for every acceptance length, eagerly and in static shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.dflash.drafter import load_drafter
+from strata.engine.decode import Engine
+from strata.engine.drafter import Drafter, Proposal
+from strata.engine.prompt_lookup import PromptLookupDrafter
+from strata.errors import StrataError
+from strata.models.loader import load_target
+
+from conftest import write_hf_drafter, write_hf_model
+
+PROMPTS = [[3, 99, 14, 250, 8, 8, 41], [17], [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hybrid")
+    path, hf = write_hf_model(d / "q35", "qwen3_5", seed=11, layers=4)
+    return path, hf, load_target(path)
+
+
+class Truncating(Drafter):
+    """Proposes the true continuation for the first `a` candidates and a wrong token after, with a cycling
+    over 0..n round by round: every acceptance length, and so every rollback point, comes up."""
+
+    name = "truncating"
+
+    def __init__(self, sequence, window: int, vocab: int):
+        self.sequence, self.max_window, self.vocab, self.rounds = list(sequence), window, vocab, 0
+
+    def propose(self, req):
+        truth = (self.sequence[req.pos + 1:req.pos + 1 + req.n] + [0] * req.n)[:req.n]
+        keep = self.rounds % (req.n + 1)
+        self.rounds += 1
+        return Proposal(torch.tensor(truth[:keep] + [(t + 1) % self.vocab for t in truth[keep:]]))
+
+
+def test_greedy_equals_transformers(hybrid):
+    _, hf, target = hybrid
+    assert target.cfg.linear.layers == [0, 1, 2] and target.recurrent
+    for prompt in PROMPTS:
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        want = want[0, len(prompt):].tolist()
+        assert Engine(target, max_len=128).generate(prompt, 40).output_ids == want, prompt
+        assert Engine(target, max_len=128, static=True).generate(prompt, 40).output_ids == want, prompt
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_rollback_at_every_acceptance_length(hybrid, static):
+    _, _, target = hybrid
+    for prompt in PROMPTS[:2]:
+        base = Engine(target, max_len=128, static=static, pad_rows=8).generate(prompt, 60)
+        res = Engine(target, Truncating(prompt + base.output_ids, 8, 256), max_len=128, static=static,
+                     window=8).generate(prompt, 60)
+        assert res.output_ids == base.output_ids
+        assert res.accept_lengths[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_dflash_and_prompt_lookup_equal_target_only(hybrid, tmp_path):
+    _, _, target = hybrid
+    drafter_dir = write_hf_drafter(tmp_path / "drafter", layers=2, taps=(0, 3), num_target_layers=4, seed=4,
+                                   scale=0.2)
+    for prompt in PROMPTS:
+        base = Engine(target, max_len=128).generate(prompt, 48).output_ids
+        for drafter in (load_drafter(drafter_dir, target, max_len=128), PromptLookupDrafter(3)):
+            assert Engine(target, drafter, max_len=128).generate(prompt, 48).output_ids == base, drafter.name
+    with pytest.raises(StrataError, match="linear-attention layers"):
+        Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, tree=8)
