@@ -73,3 +73,30 @@ def test_dflash_and_prompt_lookup_equal_target_only(hybrid, tmp_path):
             assert Engine(target, drafter, max_len=128).generate(prompt, 48).output_ids == base, drafter.name
     with pytest.raises(StrataError, match="linear-attention layers"):
         Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, tree=8)
+
+
+def test_moe_hybrid_and_a_vision_language_checkpoints_decoder(tmp_path):
+    """Qwen3.5-MoE (routed experts + a gated shared expert in every layer), and the text decoder inside a
+    Qwen3_5ForConditionalGeneration checkpoint (its vision tower ignored), against transformers."""
+    import transformers
+
+    moe_dir, moe_hf = write_hf_model(tmp_path / "moe", "qwen3_5_moe", seed=12, layers=4)
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(13)
+    vlm = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
+                                                                                  vision_config=vision)).eval()
+    vlm.save_pretrained(tmp_path / "vlm")
+    for path, hf in ((moe_dir, moe_hf), (tmp_path / "vlm", vlm)):
+        target = load_target(path)
+        for prompt in PROMPTS[:2]:
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+            assert Engine(target, max_len=128, static=True).generate(prompt, 24).output_ids == \
+                want[0, len(prompt):].tolist(), path
+    target = load_target(moe_dir)
+    base = Engine(target, max_len=128).generate(PROMPTS[2], 40)
+    res = Engine(target, Truncating(PROMPTS[2] + base.output_ids, 8, 256), max_len=128, window=8).generate(PROMPTS[2], 40)
+    assert res.output_ids == base.output_ids and res.accept_lengths[:8] == [1, 2, 3, 4, 5, 6, 7, 8]

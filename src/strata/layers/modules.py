@@ -154,16 +154,24 @@ class SparseMoE(nn.Module):
     dense MLP's gate_up_proj keeps up at a fixed row offset), and [E, H, I] down; the kernels decide how
     they run (Kernels.sparse_moe)."""
 
-    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, renormalize: bool):
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, renormalize: bool,
+                 shared: int = 0):
+        """shared: the intermediate size of a shared expert every row also runs, scaled by a sigmoid gate."""
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = Linear(hidden, experts)
         self.gate_up_proj = nn.Parameter(torch.empty(2, experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
+        if shared:
+            self.shared_expert = MLP(hidden, shared)
+            self.shared_expert_gate = Linear(hidden, 1)
 
     def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
-        return kernels.sparse_moe(h, self.gate.weight, self.gate_up_proj, self.down_proj, self.top_k,
-                                  self.renormalize)
+        out = kernels.sparse_moe(h, self.gate.weight, self.gate_up_proj, self.down_proj, self.top_k,
+                                 self.renormalize)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(h, kernels)) * self.shared_expert(h, kernels)
+        return out
 
 
 class DecoderLayer(nn.Module):

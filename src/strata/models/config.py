@@ -19,6 +19,7 @@ class MoeConfig:
     intermediate: int  # each expert's
     renormalize: bool  # the top-k weights rescaled to sum to 1 (norm_topk_prob)
     layers: list[int]  # the sparse layers; the others keep the dense MLP of intermediate_size
+    shared: int = 0  # intermediate size of an always-on shared expert, gated by sigmoid (Qwen3.5-MoE); 0: none
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     moe: MoeConfig | None = None
     linear: LinearAttentionConfig | None = None
+    checkpoint_prefix: str = "model."  # where the decoder's tensors sit ("model.language_model." in a VLM)
     gated_attention: bool = False
 
 

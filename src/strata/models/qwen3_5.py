@@ -7,10 +7,18 @@ import torch
 
 from ..errors import StrataError
 from ..layers.linear_attention import GatedDeltaNet
-from ..layers.modules import DecoderLayer
-from .config import LinearAttentionConfig, require
+from ..layers.modules import DecoderLayer, SparseMoE
+from .config import LinearAttentionConfig, MoeConfig, require
 from .decoder import DecoderLM, DenseFamily, dense_hf_layout
 from .registry import register
+
+
+def in_checkpoint(layout: dict, cfg) -> dict:
+    """A layout's checkpoint names under the config's prefix (a vision-language checkpoint's decoder)."""
+    if cfg.checkpoint_prefix == "model.":
+        return layout
+    rename = lambda name: cfg.checkpoint_prefix + name[len("model."):] if name.startswith("model.") else name  # noqa: E731
+    return {param: [(rename(name), shape) for name, shape in sources] for param, sources in layout.items()}
 
 
 def rope_order(head_dim: int, rotary: int) -> torch.Tensor:
@@ -23,14 +31,20 @@ def rope_order(head_dim: int, rotary: int) -> torch.Tensor:
 
 class Qwen3_5(DenseFamily):
     name = "qwen3_5"
-    architectures = ("Qwen3_5ForCausalLM",)
+    architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
     model_types = ("qwen3_5_text",)
     transformers_class = "Qwen3_5ForCausalLM"
     qk_norm = True
     rope_scalings = ()
 
     def config(self, hf, where):
+        """A text model's config.json, or a vision-language one's text_config (its decoder runs alone)."""
+        prefix = "model."
+        if isinstance(hf.get("text_config"), dict):
+            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
+            prefix = "model.language_model."
         cfg = super().config(hf, where)
+        cfg.checkpoint_prefix = prefix
         types = hf.get("layer_types")
         if not isinstance(types, list) or len(types) != cfg.num_layers or \
                 set(types) - {"linear_attention", "full_attention"}:
@@ -55,10 +69,12 @@ class Qwen3_5(DenseFamily):
         return cfg
 
     def build(self, cfg):
-        lin = cfg.linear
+        lin, moe = cfg.linear, cfg.moe
         return DecoderLM(cfg, [DecoderLayer(
             n, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.rms_norm_eps, cfg.attention_bias, cfg.qk_norm, gated=True,
+            mlp=None if moe is None else SparseMoE(cfg.hidden_size, moe.intermediate, moe.experts, moe.top_k,
+                                                   moe.renormalize, moe.shared),
             mixer=GatedDeltaNet(n, cfg.hidden_size, lin.k_heads, lin.v_heads, lin.k_dim, lin.v_dim, lin.kernel,
                                 cfg.rms_norm_eps) if n in lin.layers else None) for n in range(cfg.num_layers)])
 
@@ -83,7 +99,7 @@ class Qwen3_5(DenseFamily):
             out[a + "A_log"] = [(src + "A_log", (lin.v_heads,))]
             out[a + "norm.weight"] = [(src + "norm.weight", (lin.v_dim,))]
             out[a + "out_proj.weight"] = [(src + "out_proj.weight", (h, lin.v_heads * lin.v_dim))]
-        return out
+        return in_checkpoint(out, cfg)
 
     def finish(self, state, cfg):
         """Zero-centred norms (the checkpoint stores w, the model scales by 1 + w) and partial RoPE's dims
@@ -109,4 +125,48 @@ class Qwen3_5(DenseFamily):
         return out
 
 
+class Qwen3_5Moe(Qwen3_5):
+    """Qwen3.5's hybrid layers with a mixture-of-experts MLP in every layer: a renormalised top-k of routed
+    experts plus a sigmoid-gated shared expert."""
+
+    name = "qwen3_5_moe"
+    architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+    model_types = ("qwen3_5_moe_text",)
+    transformers_class = "Qwen3_5MoeForCausalLM"
+
+    def config(self, hf, where):
+        text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+        experts = require(text, "num_experts", where)
+        top_k = require(text, "num_experts_per_tok", where)
+        if top_k > experts:
+            raise StrataError(f"{where}: num_experts_per_tok {top_k} exceeds num_experts {experts}")
+        inter = require(text, "moe_intermediate_size", where)
+        if text is hf:
+            hf = {"intermediate_size": inter, **hf}
+        else:
+            hf = {**hf, "text_config": {"intermediate_size": inter, **text}}
+        cfg = super().config(hf, where)
+        cfg.moe = MoeConfig(experts, top_k, inter, True, list(range(cfg.num_layers)),
+                            require(text, "shared_expert_intermediate_size", where))
+        return cfg
+
+    def hf_layout(self, cfg):
+        from .qwen3_moe import expert_sources
+
+        out, h, moe, top = super().hf_layout(cfg), cfg.hidden_size, cfg.moe, cfg.checkpoint_prefix
+        for n in moe.layers:
+            hf, param = f"{top}layers.{n}.mlp.", f"layers.{n}.mlp."
+            del out[param + "gate_up_proj.weight"], out[param + "down_proj.weight"]
+            src = expert_sources(f"{top}layers.{n}.", moe, h)
+            out[param + "gate.weight"] = [(hf + "gate.weight", (moe.experts, h))]
+            out[param + "gate_up_proj"] = src["gate"] + src["up"]
+            out[param + "down_proj"] = src["down"]
+            out[param + "shared_expert.gate_up_proj.weight"] = [(hf + "shared_expert.gate_proj.weight", (moe.shared, h)),
+                                                                (hf + "shared_expert.up_proj.weight", (moe.shared, h))]
+            out[param + "shared_expert.down_proj.weight"] = [(hf + "shared_expert.down_proj.weight", (h, moe.shared))]
+            out[param + "shared_expert_gate.weight"] = [(hf + "shared_expert_gate.weight", (1, h))]
+        return out
+
+
 register(Qwen3_5())
+register(Qwen3_5Moe())
