@@ -38,6 +38,11 @@ def hf_config(family: str, tie: bool = False, kv_heads: int = 2, vocab: int = 25
                                                  linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2,
                                                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                  **common)
+    if family == "qwen3_next":
+        return transformers.Qwen3NextConfig(head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4,
+                                            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            shared_expert_intermediate_size=48, mlp_only_layers=[1], **common)
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(head_dim=head_dim, rope_theta=10000.0, **common)
     if family == "llama":
@@ -57,7 +62,7 @@ def write_hf_model(path: Path, family: str = "qwen3", seed: int = 0, max_shard_s
     cfg = hf_config(family, **kw)
     cls = {"qwen3": transformers.Qwen3ForCausalLM, "llama": transformers.LlamaForCausalLM,
            "qwen3_moe": transformers.Qwen3MoeForCausalLM, "qwen3_5": transformers.Qwen3_5ForCausalLM,
-           "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM}[family]
+           "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM, "qwen3_next": transformers.Qwen3NextForCausalLM}[family]
     model = cls(cfg).eval()
     with torch.no_grad():  # norms at 1.0 hide bugs in their use: randomise them
         for name, p in model.named_parameters():

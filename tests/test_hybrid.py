@@ -75,12 +75,14 @@ def test_dflash_and_prompt_lookup_equal_target_only(hybrid, tmp_path):
         Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, tree=8)
 
 
-def test_moe_hybrid_and_a_vision_language_checkpoints_decoder(tmp_path):
-    """Qwen3.5-MoE (routed experts + a gated shared expert in every layer), and the text decoder inside a
+def test_moe_hybrids_and_a_vision_language_checkpoints_decoder(tmp_path):
+    """Qwen3.5-MoE (routed experts + a gated shared expert in every layer), Qwen3-Next (grouped DeltaNet
+    projections, a dense layer among sparse ones), and the text decoder inside a
     Qwen3_5ForConditionalGeneration checkpoint (its vision tower ignored), against transformers."""
     import transformers
 
     moe_dir, moe_hf = write_hf_model(tmp_path / "moe", "qwen3_5_moe", seed=12, layers=4)
+    next_dir, next_hf = write_hf_model(tmp_path / "next", "qwen3_next", seed=14, layers=4)
     text = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
@@ -90,7 +92,7 @@ def test_moe_hybrid_and_a_vision_language_checkpoints_decoder(tmp_path):
     vlm = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
                                                                                   vision_config=vision)).eval()
     vlm.save_pretrained(tmp_path / "vlm")
-    for path, hf in ((moe_dir, moe_hf), (tmp_path / "vlm", vlm)):
+    for path, hf in ((moe_dir, moe_hf), (next_dir, next_hf), (tmp_path / "vlm", vlm)):
         target = load_target(path)
         for prompt in PROMPTS[:2]:
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)

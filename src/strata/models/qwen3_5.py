@@ -73,7 +73,7 @@ class Qwen3_5(DenseFamily):
         return DecoderLM(cfg, [DecoderLayer(
             n, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.rms_norm_eps, cfg.attention_bias, cfg.qk_norm, gated=True,
-            mlp=None if moe is None else SparseMoE(cfg.hidden_size, moe.intermediate, moe.experts, moe.top_k,
+            mlp=None if moe is None or n not in moe.layers else SparseMoE(cfg.hidden_size, moe.intermediate, moe.experts, moe.top_k,
                                                    moe.renormalize, moe.shared),
             mixer=GatedDeltaNet(n, cfg.hidden_size, lin.k_heads, lin.v_heads, lin.k_dim, lin.v_dim, lin.kernel,
                                 cfg.rms_norm_eps) if n in lin.layers else None) for n in range(cfg.num_layers)])
@@ -168,5 +168,52 @@ class Qwen3_5Moe(Qwen3_5):
         return out
 
 
+class Qwen3Next(Qwen3_5Moe):
+    """Qwen3-Next: Qwen3.5-MoE's layers with the DeltaNet input projections grouped per key head (q, k, v,
+    z of a group together; b, a likewise), regrouped at load; sparse layers as decoder_sparse_step and
+    mlp_only_layers say, the top-k renormalised when norm_topk_prob."""
+
+    name = "qwen3_next"
+    architectures = ("Qwen3NextForCausalLM",)
+    model_types = ("qwen3_next",)
+    transformers_class = "Qwen3NextForCausalLM"
+
+    def config(self, hf, where):
+        cfg = super().config(hf, where)
+        step = hf.get("decoder_sparse_step", 1)
+        if not isinstance(step, int) or step <= 0:
+            raise StrataError(f"{where}: field 'decoder_sparse_step' must be a positive integer, got {step!r}")
+        dense = set(hf.get("mlp_only_layers") or [])
+        cfg.intermediate_size = require(hf, "intermediate_size", where)
+        cfg.moe.layers = [n for n in range(cfg.num_layers) if n not in dense and (n + 1) % step == 0]
+        cfg.moe.renormalize = bool(hf.get("norm_topk_prob", True))
+        return cfg
+
+    def hf_layout(self, cfg):
+        out, lin, h = super().hf_layout(cfg), cfg.linear, cfg.hidden_size
+        rep = lin.v_heads // lin.k_heads
+        for n in lin.layers:
+            src = f"model.layers.{n}.linear_attn."
+            out[f"layers.{n}.linear_attn.in_proj.weight"] = [
+                (src + "in_proj_qkvz.weight", (lin.k_heads * (2 * lin.k_dim + 2 * rep * lin.v_dim), h)),
+                (src + "in_proj_ba.weight", (lin.k_heads * 2 * rep, h))]
+        return out
+
+    def finish(self, state, cfg):
+        lin, out = cfg.linear, dict(state)
+        rep, kd, vd = lin.v_heads // lin.k_heads, lin.k_dim, lin.v_dim
+        split = lin.k_heads * (2 * kd + 2 * rep * vd)
+        for n in lin.layers:
+            name = f"layers.{n}.linear_attn.in_proj.weight"
+            w = state[name]
+            groups = w[:split].unflatten(0, (lin.k_heads, -1))
+            qkvz = [groups[:, a:b].flatten(0, 1) for a, b in ((0, kd), (kd, 2 * kd), (2 * kd, 2 * kd + rep * vd),
+                                                              (2 * kd + rep * vd, 2 * kd + 2 * rep * vd))]
+            ba = w[split:].unflatten(0, (lin.k_heads, 2 * rep))
+            out[name] = torch.cat(qkvz + [ba[:, :rep].flatten(0, 1), ba[:, rep:].flatten(0, 1)])
+        return super().finish(out, cfg)
+
+
 register(Qwen3_5())
 register(Qwen3_5Moe())
+register(Qwen3Next())

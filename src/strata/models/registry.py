@@ -12,7 +12,7 @@ from ..errors import StrataError
 from .config import ModelConfig
 
 #: modules under strata.models that each register one or more families on import
-FAMILY_MODULES = ("qwen3", "llama", "qwen3_moe", "qwen3_5")
+FAMILY_MODULES = ("qwen3", "llama", "qwen3_moe", "qwen3_5")  # qwen3_5 also registers qwen3_5_moe, qwen3_next
 
 
 class Family:
