@@ -102,3 +102,16 @@ def test_moe_hybrids_and_a_vision_language_checkpoints_decoder(tmp_path):
     base = Engine(target, max_len=128).generate(PROMPTS[2], 40)
     res = Engine(target, Truncating(PROMPTS[2] + base.output_ids, 8, 256), max_len=128, window=8).generate(PROMPTS[2], 40)
     assert res.output_ids == base.output_ids and res.accept_lengths[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_bench_hybrid_shape_against_transformers(tmp_path):
+    import json
+
+    from conftest import run_cli
+
+    out = tmp_path / "hybrid.json"
+    r = run_cli("bench", "--shape", "tiny-hybrid", "--drafter-layers", "1", "--block-size", "8", "--prompt-len", "16",
+                "--new-tokens", "16", "--runs", "1", "--hf", "eager", "--out", out)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["hf"]["eager"]["identical_to_strata"] and result["dflash_oracle"]["identical_to_target_only"]

@@ -50,7 +50,7 @@ def copy_bandwidth(device, nbytes: int, reps: int = 10) -> float:
 def bytes_per_token(model, context: int) -> int:
     """Bytes one decode step must read: every weight (quantized ones as stored) except the embedding table,
     of which it reads one row, and a mixture-of-experts layer's experts, of which it reads the top-k; and
-    the K/V of `context` cached positions."""
+    the K/V of `context` cached positions (a linear-attention layer: its recurrent state)."""
     from ..layers.quant import QuantWeight
 
     cfg = model.cfg
@@ -65,7 +65,11 @@ def bytes_per_token(model, context: int) -> int:
     if not cfg.tie_word_embeddings:
         table = emb.nbytes if isinstance(emb, QuantWeight) else emb.numel() * emb.element_size()
         total -= table - table // cfg.vocab_size
-    kv = 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=model.dtype).element_size()
+    attention_layers = cfg.num_layers - (len(cfg.linear.layers) if cfg.linear is not None else 0)
+    kv = 2 * attention_layers * context * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=model.dtype).element_size()
+    if cfg.linear is not None:  # a linear-attention layer reads its recurrent state (float32) instead of K/V
+        lin = cfg.linear
+        kv += len(lin.layers) * lin.v_heads * lin.k_dim * lin.v_dim * 4
     return total + kv
 
 
@@ -120,10 +124,14 @@ def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], ru
                   max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
                   rope_theta=cfg.rope.theta, attention_bias=cfg.attention_bias, eos_token_id=None,
                   bos_token_id=None, pad_token_id=None)
-    hf_cfg = transformers.AutoConfig.for_model(cfg.family, **common, **fam.transformers_config(cfg))
+    try:
+        state = fam.transformers_state(unpack(target.state_dict(), fam.hf_layout(cfg)), cfg)
+    except NotImplementedError as e:
+        return {"skipped": str(e)}
+    hf_cfg = transformers.AutoConfig.for_model(fam.transformers_model_type or cfg.family, **common,
+                                               **fam.transformers_config(cfg))
     with torch.device(target.device):
         model = getattr(transformers, fam.transformers_class)._from_config(hf_cfg, dtype=target.dtype)
-    state = fam.transformers_state(unpack(target.state_dict(), fam.hf_layout(cfg)), cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not m.startswith("lm_head")]:
         return {"skipped": f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}"}

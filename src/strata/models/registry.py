@@ -23,6 +23,7 @@ class Family:
     architectures: tuple[str, ...] = ()  # config.json "architectures" entries
     model_types: tuple[str, ...] = ()  # "model_type" values, for configs without architectures
     transformers_class = ""  # transformers' class for the same checkpoint (the bench's reference peer)
+    transformers_model_type = ""  # its config's model_type, when it is not the family's name
     gguf_arch = ""  # llama.cpp's general.architecture for this family's GGUF files
 
     def config(self, hf: dict, where: Path) -> ModelConfig:
