@@ -202,3 +202,14 @@ def small_pair(d: Path):
     target_dir, _ = write_hf_model(d / "target", "qwen3", seed=21)
     drafter_dir = write_hf_drafter(d / "drafter", layers=2, taps=(0, 2), block_size=8, seed=4, scale=0.2)
     return target_dir, drafter_dir, load_target(target_dir)
+
+
+def bench_tiny_shape(tmp_path: Path, shape: str) -> dict:
+    """`strata bench` on a tiny random shape with transformers' generate beside it: the result JSON."""
+    import json
+
+    out = tmp_path / f"{shape}.json"
+    r = run_cli("bench", "--shape", shape, "--drafter-layers", "1", "--block-size", "8", "--prompt-len", "16",
+                "--new-tokens", "16", "--runs", "1", "--hf", "eager", "--out", out)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())

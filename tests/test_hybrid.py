@@ -105,13 +105,7 @@ def test_moe_hybrids_and_a_vision_language_checkpoints_decoder(tmp_path):
 
 
 def test_bench_hybrid_shape_against_transformers(tmp_path):
-    import json
+    from conftest import bench_tiny_shape
 
-    from conftest import run_cli
-
-    out = tmp_path / "hybrid.json"
-    r = run_cli("bench", "--shape", "tiny-hybrid", "--drafter-layers", "1", "--block-size", "8", "--prompt-len", "16",
-                "--new-tokens", "16", "--runs", "1", "--hf", "eager", "--out", out)
-    assert r.returncode == 0, r.stderr
-    result = json.loads(out.read_text())
+    result = bench_tiny_shape(tmp_path, "tiny-hybrid")
     assert result["hf"]["eager"]["identical_to_strata"] and result["dflash_oracle"]["identical_to_target_only"]

@@ -100,9 +100,7 @@ def test_bad_moe_configs_are_one_line_errors(checkpoints, tmp_path):
 
 
 def test_bench_moe_shape_counts_the_experts_a_token_reads(tmp_path):
-    import json
-
-    from conftest import run_cli
+    from conftest import bench_tiny_shape
     from strata.bench.run import bytes_per_token
     from strata.models.random_init import random_target
 
@@ -113,9 +111,5 @@ def test_bench_moe_shape_counts_the_experts_a_token_reads(tmp_path):
     total = sum(p.numel() * 4 for p in target.parameters())
     kv = 2 * cfg.num_layers * 10 * cfg.num_kv_heads * cfg.head_dim * 4
     assert bytes_per_token(target, 10) == total - experts * (1 - moe.top_k / moe.experts) - table + table // cfg.vocab_size + kv
-    out = tmp_path / "moe.json"
-    r = run_cli("bench", "--shape", "tiny-moe", "--drafter-layers", "1", "--block-size", "8", "--prompt-len", "16",
-                "--new-tokens", "16", "--runs", "1", "--hf", "eager", "--out", out)
-    assert r.returncode == 0, r.stderr
-    result = json.loads(out.read_text())
+    result = bench_tiny_shape(tmp_path, "tiny-moe")
     assert result["hf"]["eager"]["identical_to_strata"] and result["dflash_oracle"]["identical_to_target_only"]
