@@ -109,3 +109,21 @@ def test_bench_hybrid_shape_against_transformers(tmp_path):
 
     result = bench_tiny_shape(tmp_path, "tiny-hybrid")
     assert result["hf"]["eager"]["identical_to_strata"] and result["dflash_oracle"]["identical_to_target_only"]
+
+
+def test_bad_hybrid_configs_are_one_line_errors(hybrid, tmp_path):
+    import json
+    import shutil
+
+    path, _, _ = hybrid
+    for field, value, needle in (("layer_types", ["linear_attention"] * 3, "field 'layer_types' must list"),
+                                 ("linear_num_value_heads", 3, "not a multiple of linear_num_key_heads 2"),
+                                 ("rope_parameters", {"rope_theta": 1e4, "partial_rotary_factor": 0.1},
+                                  "gives 1 rotary dims")):
+        bad = tmp_path / field
+        shutil.copytree(path, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg[field] = value
+        (bad / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(StrataError, match=needle):
+            load_target(bad)
