@@ -43,8 +43,9 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
     k = min(top_k, logits.shape[-1])
     logq = torch.log_softmax(logits.float(), dim=-1)
     vals, idx = torch.topk(logq, k, dim=-1)  # [D, k]
-    beam = torch.full((budget,), float("-inf"), device=dev)
-    beam[0] = 0.0  # depth 0: the anchor alone
+    # depth 0: the anchor alone (no item assignment: a Python scalar written into a CUDA tensor is a host
+    # copy, which CUDA-graph capture refuses)
+    beam = torch.where(torch.arange(budget, device=dev) == 0, 0.0, float("-inf"))
     scores, tokens, parents = [], [], []
     for d in range(depths):
         cand = beam[:, None] + vals[d][None, :] - DEPTH_PENALTY  # [N, k]

@@ -281,9 +281,10 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
 
 #: (rows of W per program, warps) the device tries at first use: the GEMV's (few rows, many programs to
 #: stream the weight) and the few-row GEMM's; the interpreter takes the first of each
-#: (rows of W per program, warps, 256-column tiles in flight); the interpreter takes the first
-GEMV_CONFIGS = [(2, 4, 4), (1, 2, 4), (2, 2, 4), (4, 2, 4), (2, 4, 8), (4, 4, 8), (8, 4, 4), (2, 2, 1), (8, 2, 1),
-                (16, 8, 1)]
+#: (rows of W per program, warps, 256-column tiles in flight); the interpreter takes the first. No 2-warp
+#: GEMV: on the H200 (Triton 3.6) every 2-warp configuration of 2+ rows gave wrong Q4_K products (relative
+#: error ~1, bench/results/quant-sweep-h200-unroll.json) while the interpreter and 4+ warps were exact
+GEMV_CONFIGS = [(2, 4, 4), (1, 4, 4), (2, 4, 8), (4, 4, 4), (4, 4, 8), (8, 4, 4), (8, 8, 4), (16, 8, 1)]
 SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (32, 8, 4), (64, 4, 1), (32, 4, 1)]
 
 
