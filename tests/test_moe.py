@@ -104,12 +104,16 @@ def test_bench_moe_shape_counts_the_experts_a_token_reads(tmp_path):
     from strata.bench.run import bytes_per_token
     from strata.models.random_init import random_target
 
-    target = random_target("tiny-moe")
-    moe, cfg = target.cfg.moe, target.cfg
-    experts = sum(p.numel() * 4 for layer in target.layers for p in (layer.mlp.gate_up_proj, layer.mlp.down_proj))
-    table = cfg.vocab_size * cfg.hidden_size * 4
-    total = sum(p.numel() * 4 for p in target.parameters())
-    kv = 2 * cfg.num_layers * 10 * cfg.num_kv_heads * cfg.head_dim * 4
-    assert bytes_per_token(target, 10) == total - experts * (1 - moe.top_k / moe.experts) - table + table // cfg.vocab_size + kv
+    for dense in ([], [1]):  # a dense layer among sparse ones reads its whole MLP
+        target = random_target("tiny-moe", mlp_only_layers=dense)
+        moe, cfg = target.cfg.moe, target.cfg
+        experts = sum(p.numel() * 4 for n in moe.layers for p in (target.layers[n].mlp.gate_up_proj,
+                                                                  target.layers[n].mlp.down_proj))
+        table = cfg.vocab_size * cfg.hidden_size * 4
+        total = sum(p.numel() * 4 for p in target.parameters())
+        kv = 2 * cfg.num_layers * 10 * cfg.num_kv_heads * cfg.head_dim * 4
+        assert moe.layers == [n for n in range(cfg.num_layers) if n not in dense]
+        assert bytes_per_token(target, 10) == \
+            total - experts * (1 - moe.top_k / moe.experts) - table + table // cfg.vocab_size + kv
     result = bench_tiny_shape(tmp_path, "tiny-moe")
     assert result["hf"]["eager"]["identical_to_strata"] and result["dflash_oracle"]["identical_to_target_only"]

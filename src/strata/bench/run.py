@@ -22,6 +22,7 @@ from ..engine.drafter import OracleDrafter
 from ..engine.stats import Acceptance
 from ..errors import StrataError
 from ..layers.kernels import TritonKernels
+from ..layers.modules import SparseMoE
 from ..layers.quant import weight_bytes
 from ..models.loader import unpack
 from ..models.registry import family
@@ -58,7 +59,7 @@ def bytes_per_token(model, context: int) -> int:
     if cfg.moe is not None:
         unused = 1 - cfg.moe.top_k / cfg.moe.experts
         for layer in model.layers:
-            if hasattr(layer.mlp, "gate_up_proj") and layer.mlp.gate_up_proj.dim() == 4:
+            if isinstance(layer.mlp, SparseMoE):  # dense layers (mlp_only_layers) read their whole MLP
                 for p in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
                     total -= int(p.numel() * p.element_size() * unused)
     emb = model.embed_tokens.weight
