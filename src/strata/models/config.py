@@ -142,3 +142,25 @@ def dense_config(cfg: dict, path: Path, family: str, qk_norm: bool, rope_scaling
         eos_token_ids=id_list(cfg.get("eos_token_id")),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
+
+
+def moe_from_hf(hf: dict, path, num_layers: int, renormalize: bool, shared: bool = False,
+                sparse_by_config: bool = True) -> MoeConfig:
+    """A mixture-of-experts config.json's expert fields (num_experts or num_local_experts,
+    num_experts_per_tok, moe_intermediate_size; shared_expert_intermediate_size when `shared`); with
+    sparse_by_config the sparse layers are those decoder_sparse_step and mlp_only_layers leave, else all."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
+        raise StrataError(f"{path}: field 'num_experts' must be a positive integer, got {experts!r}")
+    top_k = require(hf, "num_experts_per_tok", path)
+    if top_k > experts:
+        raise StrataError(f"{path}: num_experts_per_tok {top_k} exceeds num_experts {experts}")
+    layers = list(range(num_layers))
+    if sparse_by_config:
+        step = hf.get("decoder_sparse_step", 1)
+        if not isinstance(step, int) or step <= 0:
+            raise StrataError(f"{path}: field 'decoder_sparse_step' must be a positive integer, got {step!r}")
+        dense = set(hf.get("mlp_only_layers") or [])
+        layers = [n for n in layers if n not in dense and (n + 1) % step == 0]
+    return MoeConfig(experts, top_k, require(hf, "moe_intermediate_size", path), renormalize, layers,
+                     require(hf, "shared_expert_intermediate_size", path) if shared else 0)

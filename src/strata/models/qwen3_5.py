@@ -8,7 +8,7 @@ import torch
 from ..errors import StrataError
 from ..layers.linear_attention import GatedDeltaNet
 from ..layers.modules import DecoderLayer, SparseMoE
-from .config import LinearAttentionConfig, MoeConfig, require
+from .config import LinearAttentionConfig, moe_from_hf, require
 from .decoder import DecoderLM, DenseFamily, dense_hf_layout
 from .registry import register
 
@@ -163,33 +163,32 @@ class Qwen3_5Moe(Qwen3_5):
     transformers_model_type = "qwen3_5_moe_text"
     transformers_class = "Qwen3_5MoeForCausalLM"
 
+    sparse_by_config = False  # every layer sparse (Qwen3-Next: as decoder_sparse_step / mlp_only_layers say)
+
+    def renormalizes(self, text: dict) -> bool:
+        """Qwen3.5-MoE's router always rescales its top-k weights to sum to 1."""
+        return True
+
     def config(self, hf, where):
         text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
-        experts = require(text, "num_experts", where)
-        top_k = require(text, "num_experts_per_tok", where)
-        if top_k > experts:
-            raise StrataError(f"{where}: num_experts_per_tok {top_k} exceeds num_experts {experts}")
-        inter = require(text, "moe_intermediate_size", where)
+        inter = require(text, "moe_intermediate_size", where)  # the dense MLP size fields it may lack
         if text is hf:
             hf = {"intermediate_size": inter, **hf}
         else:
             hf = {**hf, "text_config": {"intermediate_size": inter, **text}}
         cfg = super().config(hf, where)
-        cfg.moe = MoeConfig(experts, top_k, inter, True, list(range(cfg.num_layers)),
-                            require(text, "shared_expert_intermediate_size", where))
+        cfg.moe = moe_from_hf(text, where, cfg.num_layers, self.renormalizes(text), shared=True,
+                              sparse_by_config=self.sparse_by_config)
         return cfg
 
     def hf_layout(self, cfg):
-        from .qwen3_moe import expert_sources
+        from .qwen3_moe import sparse_layout
 
         out, h, moe, top = super().hf_layout(cfg), cfg.hidden_size, cfg.moe, cfg.checkpoint_prefix
         for n in moe.layers:
             hf, param = f"{top}layers.{n}.mlp.", f"layers.{n}.mlp."
             del out[param + "gate_up_proj.weight"], out[param + "down_proj.weight"]
-            src = expert_sources(f"{top}layers.{n}.", moe, h)
-            out[param + "gate.weight"] = [(hf + "gate.weight", (moe.experts, h))]
-            out[param + "gate_up_proj"] = src["gate"] + src["up"]
-            out[param + "down_proj"] = src["down"]
+            out.update(sparse_layout(hf, param, moe, h))
             out[param + "shared_expert.gate_up_proj.weight"] = [(hf + "shared_expert.gate_proj.weight", (moe.shared, h)),
                                                                 (hf + "shared_expert.up_proj.weight", (moe.shared, h))]
             out[param + "shared_expert.down_proj.weight"] = [(hf + "shared_expert.down_proj.weight", (h, moe.shared))]
@@ -208,16 +207,14 @@ class Qwen3Next(Qwen3_5Moe):
     transformers_model_type = "qwen3_next"
     transformers_class = "Qwen3NextForCausalLM"
 
+    sparse_by_config = True
+
+    def renormalizes(self, text):
+        return bool(text.get("norm_topk_prob", True))
+
     def config(self, hf, where):
-        cfg = super().config(hf, where)
-        step = hf.get("decoder_sparse_step", 1)
-        if not isinstance(step, int) or step <= 0:
-            raise StrataError(f"{where}: field 'decoder_sparse_step' must be a positive integer, got {step!r}")
-        dense = set(hf.get("mlp_only_layers") or [])
-        cfg.intermediate_size = require(hf, "intermediate_size", where)
-        cfg.moe.layers = [n for n in range(cfg.num_layers) if n not in dense and (n + 1) % step == 0]
-        cfg.moe.renormalize = bool(hf.get("norm_topk_prob", True))
-        return cfg
+        require(hf, "intermediate_size", where)  # its dense layers' MLP
+        return super().config(hf, where)
 
     def hf_layout(self, cfg):
         out, lin, h = super().hf_layout(cfg), cfg.linear, cfg.hidden_size

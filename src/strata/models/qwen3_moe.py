@@ -8,18 +8,20 @@ import torch
 
 from ..errors import StrataError
 from ..layers.modules import DecoderLayer, SparseMoE
-from .config import MoeConfig, require
+from .config import MoeConfig, moe_from_hf
 from .decoder import DecoderLM, DenseFamily, dense_gguf_config
 from .registry import register
 
 
-def expert_sources(hf: str, moe: MoeConfig, hidden: int) -> dict[str, list[tuple[str, tuple]]]:
-    """A sparse layer's checkpoint tensors (transformers' per-expert names), in the order SparseMoE stacks
-    them: every expert's gate, every expert's up, every expert's down."""
+def sparse_layout(hf: str, param: str, moe: MoeConfig, hidden: int) -> dict[str, list[tuple[str, tuple]]]:
+    """A sparse MLP's router and experts (transformers' per-expert names under `hf`, e.g.
+    model.layers.N.mlp.) packed into SparseMoE's parameters under `param`: every expert's gate, then
+    every expert's up; every expert's down."""
     e, i = range(moe.experts), moe.intermediate
-    return {"gate": [(f"{hf}mlp.experts.{n}.gate_proj.weight", (i, hidden)) for n in e],
-            "up": [(f"{hf}mlp.experts.{n}.up_proj.weight", (i, hidden)) for n in e],
-            "down": [(f"{hf}mlp.experts.{n}.down_proj.weight", (hidden, i)) for n in e]}
+    return {param + "gate.weight": [(hf + "gate.weight", (moe.experts, hidden))],
+            param + "gate_up_proj": [(f"{hf}experts.{n}.{part}.weight", (i, hidden))
+                                     for part in ("gate_proj", "up_proj") for n in e],
+            param + "down_proj": [(f"{hf}experts.{n}.down_proj.weight", (hidden, i)) for n in e]}
 
 
 class Qwen3Moe(DenseFamily):
@@ -32,19 +34,7 @@ class Qwen3Moe(DenseFamily):
 
     def config(self, hf, where):
         cfg = super().config(hf, where)
-        experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if not isinstance(experts, int) or experts <= 0:
-            raise StrataError(f"{where}: field 'num_experts' must be a positive integer, got {experts!r}")
-        top_k = require(hf, "num_experts_per_tok", where)
-        if top_k > experts:
-            raise StrataError(f"{where}: num_experts_per_tok {top_k} exceeds num_experts {experts}")
-        step = hf.get("decoder_sparse_step", 1)
-        if not isinstance(step, int) or step <= 0:
-            raise StrataError(f"{where}: field 'decoder_sparse_step' must be a positive integer, got {step!r}")
-        dense = set(hf.get("mlp_only_layers") or [])
-        cfg.moe = MoeConfig(experts, top_k, require(hf, "moe_intermediate_size", where),
-                            bool(hf.get("norm_topk_prob", False)),
-                            [n for n in range(cfg.num_layers) if n not in dense and (n + 1) % step == 0])
+        cfg.moe = moe_from_hf(hf, where, cfg.num_layers, bool(hf.get("norm_topk_prob", False)))
         return cfg
 
     def transformers_config(self, cfg):
@@ -93,15 +83,10 @@ class Qwen3Moe(DenseFamily):
 
     def hf_layout(self, cfg):
         out = super().hf_layout(cfg)
-        h = cfg.hidden_size
         for n in cfg.moe.layers:
-            hf, param = f"model.layers.{n}.", f"layers.{n}."
-            for name in ("gate_up_proj.weight", "down_proj.weight"):
-                del out[param + "mlp." + name]
-            src = expert_sources(hf, cfg.moe, h)
-            out[param + "mlp.gate.weight"] = [(hf + "mlp.gate.weight", (cfg.moe.experts, h))]
-            out[param + "mlp.gate_up_proj"] = src["gate"] + src["up"]
-            out[param + "mlp.down_proj"] = src["down"]
+            param = f"layers.{n}.mlp."
+            del out[param + "gate_up_proj.weight"], out[param + "down_proj.weight"]
+            out.update(sparse_layout(f"model.layers.{n}.mlp.", param, cfg.moe, cfg.hidden_size))
         return out
 
     def gguf_layout(self, cfg):
