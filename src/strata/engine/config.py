@@ -57,9 +57,10 @@ class EngineConfig:
     def window_for(self, drafter) -> int:
         """The verify window with this drafter (1 without one), or a one-line error."""
         if drafter is None or drafter.max_window == 1:
-            if self.window is not None or self.tree is not None:
-                raise StrataError(f"--{'spec' if self.window is not None else 'tree'} needs a drafter (--dflash"
-                                  f"{' or --prompt-lookup' if self.window is not None else ''})")
+            if self.window is not None:
+                raise StrataError("--spec needs a drafter (--dflash or --prompt-lookup)")
+            if self.tree is not None:
+                raise StrataError("--tree needs a drafter (--dflash)")
             return 1
         w = self.window if self.window is not None else drafter.window
         if not 2 <= w <= drafter.max_window:

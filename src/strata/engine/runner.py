@@ -83,7 +83,7 @@ class ModelRunner:
             self.rows = self.tree + 1
         dev = target.device
         spare = self.static or self.tree is not None  # rows that may sit past the context for a moment
-        if self.tree is not None and getattr(target, "recurrent", False):
+        if self.tree is not None and target.recurrent:
             raise StrataError("--tree: this target has linear-attention layers, whose recurrent state follows "
                               "one sequence, not a tree; use the chain (no --tree)")
         self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if spare else self.max_len,

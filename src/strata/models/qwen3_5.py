@@ -135,8 +135,7 @@ class Qwen3_5(DenseFamily):
         out = dict(state)
         for name, t in state.items():
             if name.endswith("norm.weight") and "linear_attn" not in name:
-                out[name] = 1.0 + t.float()
-                out[name] = out[name].to(t.dtype)
+                out[name] = (1.0 + t.float()).to(t.dtype)
         order = rope_order(cfg.head_dim, cfg.rope.rotary_dim)
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for n in range(cfg.num_layers):
