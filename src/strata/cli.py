@@ -17,7 +17,8 @@ def pair_spec(args, model: str | None = None):
     from .engine.loader import PairSpec
 
     return PairSpec(model=model or args.model, device=args.device, dtype=args.dtype, dflash=args.dflash,
-                    no_dflash=args.no_dflash, prompt_lookup=args.prompt_lookup, dflash_window=args.dflash_window)
+                    no_dflash=args.no_dflash, prompt_lookup=args.prompt_lookup, dflash_window=args.dflash_window,
+                    expert_cache=getattr(args, "expert_cache", None))
 
 
 def engine_config(args, window: int | None = None):
@@ -316,7 +317,8 @@ def cmd_bench(args) -> int:
         print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return 0
 def set_threads(args) -> None:
-    """--threads, else OMP_NUM_THREADS (torch reads it), else one thread."""
+    """--threads, else OMP_NUM_THREADS (torch reads it), else one thread on the CPU and every core with a
+    GPU (whose CPU work is the experts an expert cache leaves in host memory)."""
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise StrataError(f"--threads must be >= 1, got {threads}")
@@ -324,7 +326,7 @@ def set_threads(args) -> None:
         return
     import torch
 
-    torch.set_num_threads(threads or 1)
+    torch.set_num_threads(threads or (os.cpu_count() or 1 if getattr(args, "device", "cpu") == "cuda" else 1))
 
 
 def main(argv: list[str] | None = None) -> int:

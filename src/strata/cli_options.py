@@ -20,8 +20,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-long-context", action="store_true",
                    help="allow --max-model-len past the model's trained context")
     g.add_argument("--threads", type=int, metavar="N",
-                   help="CPU threads (default: OMP_NUM_THREADS if set, else 1: on the CPUs measured, more threads "
-                        "were no faster for models up to 0.7 GB and 4-6x slower while another process was busy)")
+                   help="CPU threads (default: OMP_NUM_THREADS if set, else 1 on the CPU: on the CPUs measured, more "
+                        "threads were no faster for models up to 0.7 GB and 4-6x slower while another process was "
+                        "busy; every core with --device cuda, where they run the experts kept on the CPU)")
+    g.add_argument("--expert-cache", type=int, metavar="MIB",
+                   help="mixture-of-experts targets: MiB of experts kept on the device, the rest in host memory run "
+                        "by the CPU (0: every expert on the CPU; default: what the GPU has left after the other "
+                        "weights, the KV cache, the drafter and a workspace; on the CPU every expert stays)")
 
 
 def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool = True, tree: str | None = "one") -> None:

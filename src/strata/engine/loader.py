@@ -23,6 +23,7 @@ class PairSpec:
     no_dflash: bool = False
     prompt_lookup: int | None = None  # n-gram drafting with n-grams up to this
     dflash_window: int = 32768  # the drafter's attention window in context cells
+    expert_cache: int | None = None  # MiB of experts on the device (models/placement.py); None: auto
 
     def __post_init__(self):
         if self.dflash and self.prompt_lookup is not None:
@@ -31,6 +32,8 @@ class PairSpec:
             raise StrataError(f"--prompt-lookup must be >= 1, got {self.prompt_lookup}")
         if self.dflash_window < 1:
             raise StrataError(f"--dflash-window must be >= 1, got {self.dflash_window}")
+        if self.expert_cache is not None and self.expert_cache < 0:
+            raise StrataError(f"--expert-cache must be >= 0 MiB, got {self.expert_cache}")
 
     def torch_device(self) -> str:
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -77,10 +80,18 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     """The target, its tokenizer and stop ids, and (drafter=True) the drafter the spec names, checked
     against the target before any decoding starts."""
     from ..models.loader import load_model_config, load_target
+    from ..models.placement import apply_plan, plan_experts
 
     model_dir, dflash, using_demo = resolve(spec)
-    engine.context(load_model_config(model_dir)[1])  # a bad context length is refused before the weights load
-    target = load_target(model_dir, device=spec.torch_device(), dtype=spec.torch_dtype())
+    max_len = engine.context(load_model_config(model_dir)[1])  # a bad context length is refused before the weights load
+    device = spec.torch_device()
+
+    def place(model):
+        plan = plan_experts(model, device, spec.expert_cache, max_len, footprint(dflash))
+        apply_plan(model, plan)
+        model.expert_plan = plan
+
+    target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=place)
     pair = Pair(target, tokenizer_of(model_dir), None, model_dir, using_demo, declared_stop_ids(target, model_dir))
     if drafter:
         pair.drafter = load_drafter_for(spec, target, engine, dflash)
@@ -97,6 +108,15 @@ def load_drafter_for(spec: PairSpec, target, engine: EngineConfig, dflash: str |
 
         return load_drafter(dflash, target, window_cells=spec.dflash_window, max_len=engine.context(target.cfg))
     return None
+
+
+def footprint(drafter: str | None) -> int:
+    """Bytes a drafter's weights take: its GGUF file, or its folder's safetensors (0 without one)."""
+    if not drafter:
+        return 0
+    path = Path(drafter)
+    files = [path] if path.is_file() else list(path.glob("*.safetensors")) if path.is_dir() else []
+    return sum(f.stat().st_size for f in files)
 
 
 def tokenizer_of(model: Path) -> Tokenizer | None:

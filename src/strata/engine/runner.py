@@ -88,8 +88,9 @@ class ModelRunner:
                               "one sequence, not a tree; use the chain (no --tree)")
         self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if spare else self.max_len,
                                        rows=self.rows)
-        self.graphs = CudaGraphs(dev, enabled=cfg.graphs and cfg.static)
-        self.kernels = select_kernels(dev, cfg.static, cfg.graphs, cfg.compile, cfg.triton, cfg.attention)
+        graphs = cfg.graphs and not target.host_experts
+        self.graphs = CudaGraphs(dev, enabled=graphs and cfg.static)
+        self.kernels = select_kernels(dev, cfg.static, graphs, cfg.compile, cfg.triton, cfg.attention)
         self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.candidates = torch.zeros(window - 1, dtype=torch.long, device=dev)

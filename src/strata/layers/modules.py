@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from . import ops
 from .kernels import EAGER, Kernels
 from .rotary import Rope
 
@@ -166,9 +167,46 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(hidden, shared)
             self.shared_expert_gate = Linear(hidden, 1)
 
+    @property
+    def experts(self) -> int:
+        return self.gate.weight.shape[0]
+
+    @property
+    def host_experts(self) -> int:
+        """Experts kept in host memory and run by the CPU (place)."""
+        return self.host_down.shape[0] if hasattr(self, "host_down") else 0
+
+    def place(self, resident: list[int], pin: bool = False) -> None:
+        """Keep the experts `resident` in the parameters (they go wherever the model goes) and move the
+        others to host memory (pinned for fast copies when pin), where the CPU runs them; called before
+        the model moves to its device, so the host experts never occupy it. Each forward then reads its
+        routing on the host (ops.experts_placed)."""
+        stay = sorted(set(resident))
+        away = [e for e in range(self.experts) if e not in set(stay)]
+        if not away:
+            return
+        slot = [0] * self.experts
+        for i, e in enumerate(stay):
+            slot[e] = i
+        for i, e in enumerate(away):
+            slot[e] = -1 - i
+        gate_up, down = self.gate_up_proj.data, self.down_proj.data
+        host = [gate_up[:, away].cpu().contiguous(), down[away].cpu().contiguous()]
+        self.host_gate_up, self.host_down = [t.pin_memory() for t in host] if pin else host
+        self.gate_up_proj = nn.Parameter(gate_up[:, stay].contiguous(), requires_grad=False)
+        self.down_proj = nn.Parameter(down[stay].contiguous(), requires_grad=False)
+        self.slot = slot
+        self.timing: dict[str, float] = {}
+
     def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
-        out = kernels.sparse_moe(h, self.gate.weight, self.gate_up_proj, self.down_proj, self.top_k,
-                                 self.renormalize)
+        if self.host_experts:
+            flat = h.reshape(-1, h.shape[-1])
+            weights, experts = ops.route(flat, self.gate.weight, self.top_k, self.renormalize)
+            out = ops.experts_placed(flat, self.gate_up_proj, self.down_proj, self.host_gate_up, self.host_down,
+                                     self.slot, weights, experts, self.timing).view(h.shape)
+        else:
+            out = kernels.sparse_moe(h, self.gate.weight, self.gate_up_proj, self.down_proj, self.top_k,
+                                     self.renormalize)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(h, kernels)) * self.shared_expert(h, kernels)
         return out

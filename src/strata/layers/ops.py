@@ -5,6 +5,8 @@ Activations are [..., T, features]: one sequence, or a batch of them (training) 
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -139,6 +141,54 @@ def experts_gathered(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         a = F.silu(torch.bmm(gate_up[0, e], x)) * torch.bmm(gate_up[1, e], x)
         y = torch.bmm(down[e], a)[..., 0] * weights[:, j, None]
         out = out + y.to(out.dtype)
+    return out
+
+
+def experts_placed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, host_gate_up: torch.Tensor,
+                   host_down: torch.Tensor, slot: list[int], weights: torch.Tensor, experts: torch.Tensor,
+                   timing: dict | None = None) -> torch.Tensor:
+    """experts_routed with each expert on the device or in host memory (an expert cache): slot[e] >= 0
+    indexes expert e in gate_up/down, slot[e] < 0 indexes host_gate_up/host_down at -1 - slot[e]. One host
+    read of the routing; the device's experts are queued first, so they run while the CPU computes its
+    own. Each expert sees exactly the rows experts_routed gives it and every row's outputs are summed in
+    ascending expert order, so placement never changes the result. timing: seconds accumulate under
+    "routing_read" (waiting for the device's work up to the routing) and "host_experts" (the CPU's
+    experts with their copies)."""
+    t0 = time.perf_counter()
+    routed = experts.cpu()
+    t1 = time.perf_counter()
+    host_s = 0.0
+    n, k = routed.shape
+    parts = torch.zeros(n, k, h.shape[-1], dtype=h.dtype, device=h.device)
+    host_work = []
+    for e in torch.unique(routed).tolist():
+        rows, slots = torch.where(routed == e)
+        if slot[e] < 0:
+            host_work.append((-1 - slot[e], rows, slots))
+            continue
+        r, s = rows.to(h.device), slots.to(h.device)
+        x = h[r]
+        y = F.linear(F.silu(F.linear(x, gate_up[0, slot[e]])) * F.linear(x, gate_up[1, slot[e]]), down[slot[e]])
+        parts[r, s] = (y * weights[r, s, None]).to(h.dtype)
+    if host_work:
+        t2 = time.perf_counter()
+        hx, hw = h.cpu(), weights.cpu()
+        host_parts = torch.zeros(n, k, h.shape[-1], dtype=h.dtype)
+        for j, rows, slots in host_work:
+            x = hx[rows]
+            y = F.linear(F.silu(F.linear(x, host_gate_up[0, j])) * F.linear(x, host_gate_up[1, j]), host_down[j])
+            host_parts[rows, slots] = (y * hw[rows, slots, None]).to(h.dtype)
+        on_host = torch.zeros(n, k, dtype=torch.bool)
+        for _, rows, slots in host_work:
+            on_host[rows, slots] = True
+        parts = torch.where(on_host.to(h.device)[..., None], host_parts.to(h.device), parts)
+        host_s = time.perf_counter() - t2
+    out = torch.zeros_like(h)
+    for j in torch.argsort(routed, dim=-1, stable=True).T.to(h.device):
+        out = out + parts.gather(1, j[:, None, None].expand(n, 1, h.shape[-1]))[:, 0]
+    if timing is not None:
+        timing["routing_read"] = timing.get("routing_read", 0.0) + t1 - t0
+        timing["host_experts"] = timing.get("host_experts", 0.0) + host_s
     return out
 
 

@@ -64,6 +64,12 @@ class DecoderLM(nn.Module):
         return cache
 
     @property
+    def host_experts(self) -> int:
+        """Experts an expert cache left in host memory (models/placement.py): each forward reads its routing
+        on the host, so the steps cannot be captured in CUDA graphs."""
+        return sum(getattr(layer.mlp, "host_experts", 0) for layer in self.layers)
+
+    @property
     def recurrent(self) -> bool:
         """Whether some layers carry a recurrent state (a tree cannot be verified through them)."""
         return any(hasattr(layer, "linear_attn") for layer in self.layers)

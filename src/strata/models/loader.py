@@ -105,9 +105,10 @@ def load_model_config(folder: str | Path) -> tuple[Family, ModelConfig]:
 
 
 def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], device,
-                quant: dict | None = None) -> torch.nn.Module:
+                quant: dict | None = None, place=None) -> torch.nn.Module:
     """The family's modules built without memory, the state assigned, quantized matrices (QuantWeights,
-    already on the device) put in place of their parameters, moved to the device, frozen."""
+    already on the device) put in place of their parameters, moved to the device, frozen. place(model):
+    runs before the move (an expert cache keeps some experts in host memory)."""
     from ..layers.quant import replace_parameter
 
     quant = dict(quant or {})
@@ -124,20 +125,23 @@ def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], d
     for name, weight in quant.items():
         replace_parameter(model, name, weight)
     model.tie_weights_()
+    if place is not None:
+        place(model)
     return model.to(device).eval().requires_grad_(False)
 
 
-def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool | None = None):
+def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool | None = None,
+                place=None):
     """A Hugging Face folder, or a llama.cpp GGUF file. Its quantized matrices stay quantized on a GPU
     (or with quantized=True: the Triton kernels then run, in the interpreter on the CPU) and are
-    dequantized at load on the CPU."""
+    dequantized at load on the CPU. place: see instantiate."""
     path = Path(path)
     if path.is_file():
         return load_gguf_target(path, device, dtype, torch.device(device).type == "cuda" if quantized is None
-                                else quantized)
+                                else quantized, place)
     fam, cfg = load_model_config(path)
     state = fam.finish(pack(read_safetensors(path), fam.hf_layout(cfg), dtype, path), cfg)
-    return instantiate(fam, cfg, state, device)
+    return instantiate(fam, cfg, state, device, place=place)
 
 
 def unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -158,7 +162,8 @@ def gguf_model(path: Path):
     return fam, fam.gguf_config(kv, tensors, str(path)), kv, tensors
 
 
-def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool = False):
+def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool = False,
+                     place=None):
     from .. import gguf_file
     from ..errors import ArtifactError
     from ..gguf_names import ROPE_FACTORS
@@ -194,7 +199,7 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
             state[param] = parts[0] if len(parts) == 1 else torch.cat(parts)
     except ArtifactError as e:
         raise StrataError(str(e)) from None
-    return instantiate(fam, cfg, state, device, quant)
+    return instantiate(fam, cfg, state, device, quant, place)
 
 
 def quantized_weight(parts: list[tuple[int, torch.Tensor]], cols: int, device, dtype):

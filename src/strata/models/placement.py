@@ -1,0 +1,105 @@
+"""The expert cache of a mixture-of-experts target: which experts live on its device and which in host
+memory, run by the CPU.
+
+The budget is `--expert-cache MIB` (0: every expert on the CPU), or by default what the device has left
+once the other weights, the KV cache, a workspace and the drafter are counted. It is split evenly over
+the sparse layers (the earlier layers take the remainder), each keeping its lowest-numbered experts: a
+static placement, so a pinned budget always gives the same one. On the CPU the device is the CPU, so
+only an explicit budget splits anything (the tests exercise the host path that way)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import StrataError
+from ..layers.modules import SparseMoE
+
+GIB = 1 << 30
+MIB = 1 << 20
+WORKSPACE = 2 * GIB  # activations, logits, CUDA graphs' pools, allocator slack
+
+
+@dataclass
+class ExpertPlan:
+    experts: int  # per sparse layer
+    expert_bytes: int  # one expert's three matrices
+    resident: list[int]  # experts kept on the device, per sparse layer
+    device: str
+    budget: int  # bytes the device may give the experts
+    arithmetic: list[str] = field(default_factory=list)  # how the budget was reached
+
+    @property
+    def total(self) -> int:
+        return self.experts * len(self.resident)
+
+    @property
+    def on_device(self) -> int:
+        return sum(self.resident)
+
+    def report(self) -> str:
+        """The placement and its budget arithmetic, a few lines for stderr."""
+        all_bytes = self.total * self.expert_bytes
+        lines = [f"experts: {len(self.resident)} sparse layers x {self.experts} experts x "
+                 f"{self.expert_bytes / MIB:.2f} MiB = {all_bytes / GIB:.2f} GiB"]
+        lines += [f"  {line}" for line in self.arithmetic]
+        share = self.on_device / self.total if self.total else 1.0
+        host = self.total - self.on_device
+        lines.append(f"  on the device ({self.device}): {self.on_device} ({share:.0%}, "
+                     f"{self.on_device * self.expert_bytes / GIB:.2f} GiB); in host memory, run by the CPU with "
+                     f"{torch.get_num_threads()} threads: {host} ({host * self.expert_bytes / GIB:.2f} GiB)")
+        return "\n".join(lines)
+
+
+def sparse_layers(model) -> list[SparseMoE]:
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+
+
+def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_bytes: int = 0) -> ExpertPlan | None:
+    """The placement of a model whose experts still sit in host memory (None: it has none). cache_mib None:
+    the automatic budget, which on a CPU device keeps every expert in place."""
+    moes = sparse_layers(model)
+    if not moes:
+        return None
+    if cache_mib is not None and cache_mib < 0:
+        raise StrataError(f"--expert-cache must be >= 0 MiB, got {cache_mib}")
+    moe = moes[0]
+    elem = moe.down_proj.element_size()
+    expert_bytes = (moe.gate_up_proj[:, 0].numel() + moe.down_proj[0].numel()) * elem
+    total = moe.experts * len(moes)
+    device = torch.device(device)
+    if cache_mib is not None:
+        budget, arithmetic = cache_mib * MIB, [f"--expert-cache {cache_mib} MiB"]
+    elif device.type != "cuda":
+        budget, arithmetic = total * expert_bytes, [f"auto on {device.type}: every expert stays in place"]
+    else:
+        budget, arithmetic = auto_budget(model, moes, device, max_len, drafter_bytes, expert_bytes * total)
+    count = min(total, max(0, budget) // expert_bytes)
+    share, extra = divmod(count, len(moes))
+    resident = [min(moe.experts, share + (i < extra)) for i in range(len(moes))]
+    return ExpertPlan(moe.experts, expert_bytes, resident, device.type, budget, arithmetic)
+
+
+def auto_budget(model, moes, device, max_len: int, drafter_bytes: int, expert_total: int) -> tuple[int, list[str]]:
+    """What the GPU has free now, less the weights that are not experts, the KV cache of max_len
+    positions, the drafter and a workspace: the bytes left for experts, and the arithmetic."""
+    cfg = model.cfg
+    free = torch.cuda.mem_get_info(device)[0]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - expert_total
+    attention_layers = cfg.num_layers - (len(cfg.linear.layers) if cfg.linear is not None else 0)
+    kv = 2 * attention_layers * (max_len + 64) * cfg.num_kv_heads * cfg.head_dim * moes[0].down_proj.element_size()
+    budget = free - weights - kv - drafter_bytes - WORKSPACE
+    return budget, [f"auto: {free / GIB:.2f} GiB free on {device} - {weights / GIB:.2f} GiB other weights - "
+                    f"{kv / GIB:.2f} GiB KV cache ({max_len} positions) - {drafter_bytes / GIB:.2f} GiB drafter - "
+                    f"{WORKSPACE / GIB:.2f} GiB workspace = {max(budget, 0) / GIB:.2f} GiB for experts"]
+
+
+def apply_plan(model, plan: ExpertPlan | None) -> None:
+    """Each sparse layer keeps its planned experts; the rest go to host memory (pinned when a GPU will
+    copy from it)."""
+    if plan is None:
+        return
+    pin = plan.device == "cuda"
+    for moe, keep in zip(sparse_layers(model), plan.resident):
+        moe.place(list(range(keep)), pin=pin)
