@@ -75,9 +75,17 @@ def test_llama_cpp_layout_decodes_like_its_folder(tmp_path, matrix_type):
     folder = dequantized_folder(tmp_path / "deq", hf, stored)
     gguf_target, ref = load_target(tmp_path / "t.gguf"), load_target(folder)
     assert gguf_target.cfg.moe == ref.cfg.moe
+    placed = []
+    if matrix_type == T.F32:  # every expert in host memory, then one on the device
+        from strata.engine.loader import PairSpec, load_pair
+
+        placed = [load_pair(PairSpec(model=str(tmp_path / "t.gguf"), expert_cache=mib), drafter=False).target
+                  for mib in (0, 1)]
+        assert [t.host_experts for t in placed] == [8, 7]
     for prompt in PROMPTS[:2]:
-        assert Engine(gguf_target, max_len=128).generate(prompt, 32).output_ids == \
-            Engine(ref, max_len=128).generate(prompt, 32).output_ids
+        want = Engine(ref, max_len=128).generate(prompt, 32).output_ids
+        for target in [gguf_target, *placed]:
+            assert Engine(target, max_len=128).generate(prompt, 32).output_ids == want
 
 
 def test_bad_moe_configs_are_one_line_errors(checkpoints, tmp_path):
@@ -117,3 +125,35 @@ def test_bench_moe_shape_counts_the_experts_a_token_reads(tmp_path):
             total - experts * (1 - moe.top_k / moe.experts) - table + table // cfg.vocab_size + kv
     result = bench_tiny_shape(tmp_path, "tiny-moe")
     assert result["hf"]["eager"]["identical_to_strata"] and result["dflash_oracle"]["identical_to_target_only"]
+
+
+def test_expert_cache_never_changes_the_output(tmp_path, capsys):
+    """Every budget the CPU can exercise (none, part, all of the experts on the device) decodes exactly as
+    transformers does, eager and static, with and without a drafter; generate reports the placement."""
+    from strata.cli import main
+    from strata.engine.loader import PairSpec, load_pair
+
+    path, hf = write_hf_model(tmp_path / "big", "qwen3_moe", seed=5, hidden_size=128, intermediate_size=256,
+                              layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=1024,
+                              norm_topk_prob=True)  # experts of 1.5 MiB: 8 in all
+    drafter_dir = write_hf_drafter(tmp_path / "drafter", hidden=128, layers=1, taps=(0, 1), block_size=8, seed=4,
+                                   num_target_layers=2,
+                                   scale=0.2)
+    want = {tuple(p): hf_greedy(hf, p, 24) for p in PROMPTS[:2]}
+    logits = Engine(load_target(path), max_len=64).runner.prefill(PROMPTS[0]).logits
+    for mib, resident in ((0, [0, 0]), (3, [1, 1]), (5, [2, 1]), (12, [4, 4]), (None, [4, 4])):
+        pair = load_pair(PairSpec(model=str(path), dflash=str(drafter_dir), expert_cache=mib))
+        target = pair.target
+        assert target.expert_plan.resident == resident and target.host_experts == 8 - sum(resident)
+        assert torch.equal(Engine(target, max_len=64).runner.prefill(PROMPTS[0]).logits, logits)  # bit for bit
+        for prompt, ids in want.items():
+            for static in (False, True):
+                assert Engine(target, max_len=64, static=static).generate(list(prompt), 24).output_ids == ids
+            assert Engine(target, pair.drafter, max_len=64, window=8).generate(list(prompt), 24).output_ids == ids
+    assert main(["generate", "--model", str(path), "--expert-cache", "3", "--prompt-ids", "3,99,14", "--max-new-tokens", "8",
+                 "--ids"]) == 0
+    out, err = capsys.readouterr()
+    assert "2 sparse layers x 4 experts x 1.50 MiB" in err and "on the device (cpu): 2 (25%" in err
+    assert "in host memory, run by the CPU" in err and ": 6 (0.01 GiB)" in err
+    assert main(["generate", "--model", str(path), "--expert-cache", "-1", "--prompt-ids", "3", "--ids"]) == 2
+    assert "--expert-cache must be >= 0 MiB, got -1" in capsys.readouterr().err

@@ -52,6 +52,8 @@ def load(args, drafter: bool = True, window: int | None = None):
     config = engine_config(args, window)
     spec = pair_spec(args)
     pair = load_pair(spec, config, drafter)
+    if pair.target.expert_plan is not None:
+        print(pair.target.expert_plan.report(), file=sys.stderr)
     return pair, config
 
 
@@ -307,7 +309,7 @@ def cmd_bench(args) -> int:
     bench = BenchSpec(shape=args.shape, drafter_layers=args.drafter_layers, block_size=args.block_size,
                       prompt_len=args.prompt_len, prompt=args.prompt, new_tokens=args.new_tokens, runs=args.runs,
                       hf=args.hf, profile=args.profile, quant=args.quant, trees=tuple(args.tree or ()),
-                      prompts=args.prompts)
+                      prompts=args.prompts, windows=tuple(args.verify_windows or ()))
     out = check_output(args.out, what="--out") if args.out else None
     result = run_command(pair_spec(args), engine_config(args, args.spec), bench, "strata " + " ".join(sys.argv[1:]))
     for line in summary(result):

@@ -171,6 +171,9 @@ def build_parser(commands) -> argparse.ArgumentParser:
     be.add_argument("--prompt-len", type=int, default=512, metavar="N", help="random prompt tokens (without --prompt)")
     be.add_argument("--prompt", help="a text prompt instead of random tokens (models with a tokenizer)")
     be.add_argument("--new-tokens", type=int, default=256, metavar="N", help="tokens generated per run (default 256)")
+    be.add_argument("--verify-windows", type=int, nargs="+", metavar="W",
+                    help="also measure the target's step over each of these windows (target-only padded to W rows: "
+                         "what a verify of W tokens costs), plotted against W")
     be.add_argument("--prompts", metavar="FILE", help="the --tree sweep's prompts: a JSON list of strings or one per "
                                                       "line (default: the demo's held-out prompts, else the bench's)")
     be.add_argument("--runs", type=int, default=3, help="timed runs per method (median reported)")

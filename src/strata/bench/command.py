@@ -14,7 +14,7 @@ from ..engine.loader import PairSpec, load_drafter_for, load_pair, resolve
 from ..errors import StrataError
 from ..files import write_json_atomic
 from .plot import plot
-from .run import random_drafter, run_bench, sync, tree_sweep
+from .run import random_drafter, run_bench, sync, tree_sweep, verify_sweep
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class BenchSpec:
     quant: str | None = None  # with shape: a llama.cpp file type (Q4_K_M, Q8_0, ...) of random valid blocks
     trees: tuple[int, ...] = ()  # tree budgets swept against the chain (tree_sweep)
     prompts: str | None = None  # the sweep's prompt file (default: the demo's held-out prompts, or the bench's)
+    windows: tuple[int, ...] = ()  # verify windows whose step cost is measured (verify_sweep)
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.new_tokens < 1:
@@ -41,6 +42,8 @@ class BenchSpec:
             raise StrataError("--prompts: the --tree sweep's prompts need --tree and a model with a tokenizer")
         if any(n < 1 for n in self.trees):
             raise StrataError(f"--tree: budgets must be >= 1, got {min(self.trees)}")
+        if any(w < 1 for w in self.windows):
+            raise StrataError(f"--verify-windows: windows must be >= 1, got {min(self.windows)}")
 
 
 def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command: str) -> dict:
@@ -51,6 +54,11 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
         if pair.model:
             raise StrataError("give --model or --shape, not both")
         target = random_target(bench.shape, device=pair.torch_device(), dtype=pair.torch_dtype(), quant=bench.quant)
+        if pair.expert_cache is not None:  # random weights are made on the device: only a pinned budget moves some
+            from ..models.placement import apply_plan, plan_experts
+
+            target.expert_plan = plan_experts(target, target.device, pair.expert_cache, engine.context(target.cfg))
+            apply_plan(target, target.expert_plan)
         label, tokenizer, dflash = bench.shape + (f"-{bench.quant}" if bench.quant else ""), None, pair.dflash
         loaded = None
     else:
@@ -84,6 +92,8 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     hf = () if bench.hf == "none" or bench.quant else tuple(bench.hf.split(","))  # no peer reads GGUF blocks
     result = run_bench(target, drafter, prompt, bench.new_tokens, window, engine, runs=bench.runs, hf_modes=hf,
                        profile=bench.profile, startup={"load_target_s": load_s, "load_drafter_s": drafter_s})
+    if bench.windows:
+        result["verify_sweep"] = verify_sweep(target, prompt, bench.new_tokens, bench.windows, engine)
     if bench.trees:
         from ..prompts import prompt_set
 
@@ -130,6 +140,16 @@ def summary(result: dict) -> list[str]:
             lines.append(f"  tree of {n} nodes: {r['tok_s']:.1f} tok/s (x{r['tok_s_vs_chain']:.2f}), tau {r['tau']:.2f} "
                          f"(x{r['tau_vs_chain']:.2f}), verify {r['verify_ms']:.2f} ms, "
                          f"{'identical' if r['identical_to_chain'] else 'DIFFERENT'} output")
+    verify = result.get("verify_sweep")
+    if verify:
+        lines.append("verify step by window: " + ", ".join(f"W={w} {ms:.2f} ms (x{verify['vs_decode'][w]:.2f})"
+                                                          for w, ms in verify["ms_per_step"].items()))
+    cache = result.get("expert_cache")
+    if cache:
+        c = cache["split"]
+        lines += cache["placement"].splitlines()
+        lines.append(f"  a token: {c['ms_per_token']:.2f} ms = waiting for the routing {c['routing_read_ms']:.2f} + "
+                     f"CPU experts {c['host_experts_ms']:.2f} + the rest {c['rest_ms']:.2f}")
     for mode, r in (result.get("hf") or {}).items():
         if isinstance(r, dict) and "tok_s" in r:
             lines.append(f"HF generate ({mode}): {r['tok_s']:.1f} tok/s (first call {r['first_call_s']:.1f} s)")

@@ -21,8 +21,9 @@ def plot(result: dict, path: Path) -> None:
         if isinstance(r, dict) and "tok_s" in r:
             names.append(f"HF generate ({mode})")
             values.append(r["tok_s"])
-    sweep = result.get("tree_sweep")
-    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(18 if sweep else 12, 4.5))
+    sweep, verify = result.get("tree_sweep"), result.get("verify_sweep")
+    panels = 2 + bool(sweep) + bool(verify)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
     ax1, ax2 = axes[0], axes[1]
     bars = ax1.barh(names, values, color=["#999999"] + ["#3b75af"] * (len(names) - 1))
     ax1.bar_label(bars, fmt="%.0f", padding=3)
@@ -41,9 +42,22 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_title("acceptance by position")
     if sweep:
         tree_panel(axes[2], sweep)
+    if verify:
+        verify_panel(axes[-1], verify)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def verify_panel(ax, verify: dict) -> None:
+    """A verify step's cost by window, as a multiple of the 1-row decode step."""
+    windows = [int(w) for w in verify["vs_decode"]]
+    ax.plot(windows, list(verify["vs_decode"].values()), marker="o", color="#3b75af")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("verify window W (rows)")
+    ax.set_ylabel("step time / 1-row decode step")
+    ax.set_title("verify cost by window", fontsize=9)
 
 
 def tree_panel(ax, sweep: dict) -> None:

@@ -56,12 +56,11 @@ def bytes_per_token(model, context: int) -> int:
 
     cfg = model.cfg
     total = weight_bytes(model)
-    if cfg.moe is not None:
-        unused = 1 - cfg.moe.top_k / cfg.moe.experts
-        for layer in model.layers:
-            if isinstance(layer.mlp, SparseMoE):  # dense layers (mlp_only_layers) read their whole MLP
-                for p in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                    total -= int(p.numel() * p.element_size() * unused)
+    for layer in model.layers:
+        moe = layer.mlp
+        if isinstance(moe, SparseMoE):  # dense layers (mlp_only_layers) read their whole MLP
+            resident = sum(p.numel() * p.element_size() for p in (moe.gate_up_proj, moe.down_proj))
+            total += moe.top_k * moe.expert_bytes - resident
     emb = model.embed_tokens.weight
     if not cfg.tie_word_embeddings:
         table = emb.nbytes if isinstance(emb, QuantWeight) else emb.numel() * emb.element_size()
@@ -244,6 +243,9 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
     result["startup_s"]["capture_s"] = base_engine.runner.graphs.capture_s
     base["ms_per_round"] = 1e3 / base["tok_s"] if base["tok_s"] else 0.0
     result["target_only"] = base
+    if target.host_experts:
+        result["expert_cache"] = {"placement": target.expert_plan.report(),
+                                  "split": expert_split(base_engine, prompt, new_tokens)}
     reference = base
     engines = {"target_only": base_engine}
     if result["triton_kernels"]:
@@ -301,6 +303,41 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         if isinstance(r, dict):
             r.pop("output_ids", None)
     return result
+
+
+def verify_sweep(target, prompt: list[int], new_tokens: int, windows, config: EngineConfig) -> dict:
+    """What a verify step costs by window W: target-only decoding padded to W rows (the static layout's
+    verify shapes), ms per step and its ratio to the 1-row step, each after a warm-up run."""
+    opts = replace(config, max_len=len(prompt) + new_tokens + max(windows) + 1, window=None)
+    steps = {}
+    for w in sorted(set(windows) | {1}):
+        engine = Engine(target, config=replace(opts, pad_rows=w))
+        engine.generate(prompt, new_tokens)
+        sync(target.device)
+        runs = [engine.generate(prompt, new_tokens) for _ in range(3)]
+        steps[w] = 1e3 * statistics.median(r.decode_s / max(len(r.accept_lengths), 1) for r in runs)
+    return {"static": config.static, "ms_per_step": {str(w): ms for w, ms in steps.items()},
+            "vs_decode": {str(w): ms / steps[1] for w, ms in steps.items()}}
+
+
+def expert_split(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
+    """Where a decoded token's time goes with experts in host memory: waiting for the device up to each
+    routing read, the CPU's experts (with their copies), and the rest (the device's work after the last
+    read, launches, the loop), in ms per token. The prefill's share is taken out by a 1-token run."""
+    moes = [layer.mlp for layer in engine.target.layers if getattr(layer.mlp, "host_experts", 0)]
+
+    def run(n: int):
+        for moe in moes:
+            moe.timing.clear()
+        res = engine.generate(prompt, n)
+        return res, [sum(m.timing.get(k, 0.0) for m in moes) for k in ("routing_read", "host_experts")]
+
+    _, (read1, host1) = run(1)
+    res, (read, host) = run(new_tokens)
+    tokens = max(res.new_tokens - 1, 1)
+    total = 1e3 * res.decode_s / tokens
+    read, host = 1e3 * (read - read1) / tokens, 1e3 * (host - host1) / tokens
+    return {"ms_per_token": total, "routing_read_ms": read, "host_experts_ms": host, "rest_ms": total - read - host}
 
 
 def tree_sweep(target, drafter, prompts: list[list[int]], new_tokens: int, window: int, budgets,

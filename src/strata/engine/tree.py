@@ -79,8 +79,9 @@ def walk(tree: Tree, best: torch.Tensor, depths: int) -> torch.Tensor:
     cur = torch.zeros((), dtype=torch.long, device=best.device)
     alive = torch.ones((), dtype=torch.bool, device=best.device)
     path = []
-    for _ in range(depths):
-        hit = (tree.parent == cur) & (tree.tokens == best[cur]) & (torch.arange(rows, device=best.device) > 0)
+    for _ in range(depths):  # best.gather, not best[cur]: indexing by a 0-dim tensor reads it on the host
+        hit = (tree.parent == cur) & (tree.tokens == best.gather(0, cur.view(1))) & \
+            (torch.arange(rows, device=best.device) > 0)
         step = alive & hit.any()
         nxt = torch.argmax(hit.to(torch.int64))
         cur = torch.where(step, nxt, cur)
@@ -88,4 +89,4 @@ def walk(tree: Tree, best: torch.Tensor, depths: int) -> torch.Tensor:
         path.append(torch.where(step, nxt, 0))
     path = torch.stack(path)
     a = (path > 0).sum()
-    return torch.cat([a.view(1), best[cur].view(1), path])
+    return torch.cat([a.view(1), best.gather(0, cur.view(1)), path])

@@ -172,6 +172,12 @@ class SparseMoE(nn.Module):
         return self.gate.weight.shape[0]
 
     @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's three matrices."""
+        _, _, inter, hidden = self.gate_up_proj.shape
+        return 3 * inter * hidden * self.down_proj.element_size()
+
+    @property
     def host_experts(self) -> int:
         """Experts kept in host memory and run by the CPU (place)."""
         return self.host_down.shape[0] if hasattr(self, "host_down") else 0

@@ -34,6 +34,7 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary: RotaryTable | None = None
+        self.expert_plan = None  # a mixture-of-experts target's placement (models/placement.py)
 
     @property
     def device(self) -> torch.device:

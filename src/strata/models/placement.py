@@ -65,8 +65,7 @@ def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_byt
     if cache_mib is not None and cache_mib < 0:
         raise StrataError(f"--expert-cache must be >= 0 MiB, got {cache_mib}")
     moe = moes[0]
-    elem = moe.down_proj.element_size()
-    expert_bytes = (moe.gate_up_proj[:, 0].numel() + moe.down_proj[0].numel()) * elem
+    expert_bytes = moe.expert_bytes
     total = moe.experts * len(moes)
     device = torch.device(device)
     if cache_mib is not None:
