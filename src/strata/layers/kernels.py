@@ -43,10 +43,11 @@ class Kernels:
     def sparse_moe(self, h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                    top_k: int, renormalize: bool) -> torch.Tensor:
         """A mixture-of-experts MLP over rows h [..., H]: routed, then the experts run over their rows (eager)
-        or gathered per row in static shapes (static)."""
+        or in static shapes as a grouped GEMM (gathered per row where torch has none for the type)."""
         flat = h.reshape(-1, h.shape[-1])
         weights, experts = ops.route(flat, router, top_k, renormalize)
-        run = ops.experts_gathered if self.static else ops.experts_routed
+        run = ops.experts_routed if not self.static else \
+            ops.experts_grouped if ops.grouped_gemm_fits(flat) else ops.experts_gathered
         return run(flat, gate_up, down, weights, experts).view(h.shape)
 
     def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:

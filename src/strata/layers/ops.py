@@ -144,6 +144,34 @@ def experts_gathered(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return out
 
 
+def experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                    experts: torch.Tensor) -> torch.Tensor:
+    """experts_routed in static shapes, with no host read (CUDA-graph safe), reading only the experts hit:
+    every (row, expert) pair sorted by expert, each expert's rows one group of a grouped GEMM
+    (torch._grouped_mm), and every row's outputs summed in ascending expert order."""
+    n, k = experts.shape
+    experts, order = torch.sort(experts, dim=-1, stable=True)
+    weights = weights.gather(-1, order)
+    flat = experts.reshape(-1)
+    perm = torch.argsort(flat, stable=True)
+    counts = torch.zeros(down.shape[0], dtype=torch.int32, device=h.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    x = h.index_select(0, perm // k)
+    a = F.silu(torch._grouped_mm(x, gate_up[0].mT, offs=offs)) * torch._grouped_mm(x, gate_up[1].mT, offs=offs)
+    y = torch.empty_like(x).index_copy_(0, perm, torch._grouped_mm(a, down.mT, offs=offs)).view(n, k, -1)
+    out = torch.zeros_like(h)
+    for j in range(k):
+        out = out + (y[:, j] * weights[:, j, None]).to(out.dtype)
+    return out
+
+
+def grouped_gemm_fits(h: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs these experts: on the CPU, or bfloat16 on a GPU (its CUDA kernels'
+    only type)."""
+    return h.device.type == "cpu" or h.dtype == torch.bfloat16
+
+
 def experts_placed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, host_gate_up: torch.Tensor,
                    host_down: torch.Tensor, slot: list[int], weights: torch.Tensor, experts: torch.Tensor,
                    timing: dict | None = None) -> torch.Tensor:
