@@ -182,11 +182,11 @@ class ModelRunner:
 
         depths = self.window - 1
         dev = self.target.device
-        span = torch.arange(self.rows, device=dev)
-        path_span = torch.arange(depths + 1, device=dev)
-        cells = torch.arange(kv_len, device=dev)
 
-        def step():
+        def step():  # every tensor it reads is made inside or lives on: a graph replays the addresses it saw
+            span = torch.arange(self.rows, device=dev)
+            path_span = torch.arange(depths + 1, device=dev)
+            cells = torch.arange(kv_len, device=dev)
             tree = build(self.anchor, logits[:depths], self.tree)
             rel = (cells - self.pos).clamp(0, self.tree)
             in_tree = (cells >= self.pos) & (cells <= self.pos + self.tree)
