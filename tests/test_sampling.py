@@ -96,7 +96,8 @@ def test_biased_acceptance_rule_fails_the_same_test(small, monkeypatch):
     monkeypatch.setattr(decode_mod, "speculative_accept", accept_always)
     dist = exact_first_three(target, PARAMS)
     engine = Engine(target, load_drafter(drafter_dir, target, max_len=32), window=3, max_len=32)
-    ok, stat, critical = chi_square_passes(sampled_counts(engine, PARAMS, RUNS), dist, RUNS)
+    runs = RUNS // 5  # its bias is gross: a fifth of the runs already exposes it (keeps the suite lean)
+    ok, stat, critical = chi_square_passes(sampled_counts(engine, PARAMS, runs), dist, runs)
     assert not ok, (stat, critical)
 
 

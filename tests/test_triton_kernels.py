@@ -54,9 +54,8 @@ def test_skinny_gemm_matches_linear_for_a_few_rows(dtype):
         close(tk.skinny(x, w, config=config), F.linear(x, w), dtype)
         close(tk.skinny(x, w, b, config=config), F.linear(x, w, b), dtype)
         close(tk.skinny(x, w, glu=True, config=config), silu_mul(F.linear(x, w)), dtype)
-    for rows in (8, 33):  # the default configuration, and its 2-stage form past 16 rows (a tree's verify)
-        x = torch.randn(rows, 200, generator=gen).to(dtype)
-        close(tk.skinny(x, w), F.linear(x, w), dtype)
+    x = torch.randn(8, 200, generator=gen).to(dtype)
+    close(tk.skinny(x, w), F.linear(x, w), dtype)  # the default configuration
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

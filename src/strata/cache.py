@@ -25,8 +25,10 @@ class KVCache:
     def __init__(self, num_layers: int, cells: int, kv_heads: int, head_dim: int, device, dtype,
                  batch: int | None = None):
         shape = (cells, kv_heads, head_dim) if batch is None else (batch, cells, kv_heads, head_dim)
-        self.layers = [LayerKV(torch.zeros(shape, device=device, dtype=dtype),
-                               torch.zeros(shape, device=device, dtype=dtype)) for _ in range(num_layers)]
+        #: every layer's K and V in one tensor [2 * layers, ..., cells, kv_heads, head_dim], so moving cells
+        #: (a tree's accepted path) is one gather and one scatter for the whole model
+        self.kv = torch.zeros(2 * num_layers, *shape, device=device, dtype=dtype)
+        self.layers = [LayerKV(self.kv[2 * i], self.kv[2 * i + 1]) for i in range(num_layers)]
         self.cells = cells
         self.length = 0
 

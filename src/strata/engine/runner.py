@@ -196,10 +196,8 @@ class ModelRunner:
             outcome = walk(tree, out.logits.argmax(-1), depths)
             path = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), outcome[2:]])
             src, dst = self.pos + path, self.pos + path_span
-            for kv in self.cache.layers:  # the path's rows, gathered first: a row's target cell is never later
-                k_rows, v_rows = kv.k.index_select(-3, src), kv.v.index_select(-3, src)
-                kv.k.index_copy_(-3, dst, k_rows)
-                kv.v.index_copy_(-3, dst, v_rows)
+            kv = self.cache.kv  # every layer's (trees run on attention-only targets): gathered, then written
+            kv.index_copy_(-3, dst, kv.index_select(-3, src))
             taps = None if out.taps is None else out.taps.index_select(0, path)
             packed = torch.cat([outcome[:2], tree.tokens.index_select(0, outcome[2:])])
             return ForwardOut(None, taps), dst, packed

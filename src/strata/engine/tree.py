@@ -64,9 +64,11 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
     parent = torch.where(d_of == 0, 0, row_of[(d_of - 1).clamp_min(0), parent_slot])
     parent = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), parent])
     rows = budget + 1
-    anc = torch.eye(rows, dtype=torch.bool, device=dev)
-    for _ in range(depths):  # pointer jumping: each pass adds one more generation of ancestors
-        anc = anc | anc[parent]
+    node = torch.arange(rows, device=dev)
+    anc = ((node[:, None] == node[None, :]) | ((parent[:, None] == node[None, :]) & (node[:, None] > 0))).float()
+    for _ in range(max(depths - 1, 0).bit_length()):  # squaring: ancestors up to twice as far back each time
+        anc = (anc @ anc).clamp_max_(1.0)
+    anc = anc > 0
     return Tree(torch.cat([anchor, torch.stack(tokens)[d_of, slot_of]]),
                 torch.cat([torch.zeros(1, dtype=torch.long, device=dev), d_of + 1]), parent, anc)
 
@@ -74,19 +76,16 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
 def walk(tree: Tree, best: torch.Tensor, depths: int) -> torch.Tensor:
     """The accepted path: from the anchor, the child whose token is the target's argmax at its parent,
     while there is one. best [N+1] the target's argmax per row. Returns [a, next, r_1..r_D] (int64):
-    the accepted depth, the target's token after the path, and the path's rows (0 past the path)."""
-    rows = tree.tokens.shape[0]
-    cur = torch.zeros((), dtype=torch.long, device=best.device)
-    alive = torch.ones((), dtype=torch.bool, device=best.device)
-    path = []
-    for _ in range(depths):  # best.gather, not best[cur]: indexing by a 0-dim tensor reads it on the host
-        hit = (tree.parent == cur) & (tree.tokens == best.gather(0, cur.view(1))) & \
-            (torch.arange(rows, device=best.device) > 0)
-        step = alive & hit.any()
-        nxt = torch.argmax(hit.to(torch.int64))
-        cur = torch.where(step, nxt, cur)
-        alive = step
-        path.append(torch.where(step, nxt, 0))
-    path = torch.stack(path)
-    a = (path > 0).sum()
-    return torch.cat([a.view(1), best.gather(0, cur.view(1)), path])
+    the accepted depth, the target's token after the path, and the path's rows (0 past the path).
+
+    A node is on the path when it and all its ancestors carry the argmax of their parents; siblings
+    hold distinct tokens, so at most one node a depth is."""
+    dev = best.device
+    node = torch.arange(tree.tokens.shape[0], device=dev)
+    good = (tree.tokens == best.index_select(0, tree.parent)) | (node == 0)  # the anchor is given
+    on_path = ~(tree.ancestors & ~good[None, :]).any(-1)
+    a = on_path.sum() - 1
+    slot = torch.where(on_path, tree.depth, depths + 1)  # off-path nodes land in a spare slot
+    path = torch.zeros(depths + 2, dtype=torch.long, device=dev).scatter_(0, slot, torch.where(on_path, node, 0))
+    last = path.gather(0, a.view(1))
+    return torch.cat([a.view(1), best.gather(0, last), path[1:depths + 1]])

@@ -3,7 +3,7 @@
 `Kernels()` runs the reference ops (ops.py) as they are: the CPU path and prefill. With `compiled=True`
 each elementwise group becomes one fused kernel through torch.compile, for the CUDA-graph path (a
 batch-1 decode step is otherwise hundreds of tiny kernels). `TritonKernels` also replaces the
-projections of up to 64 rows, attention and the q/k group with Strata's Triton kernels
+projections of up to 16 rows, attention and the q/k group with Strata's Triton kernels
 (triton_kernels.py). Modules call these methods and never choose a kernel themselves."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Kernels:
 
 
 class TritonKernels(Kernels):
-    """The compiled set, with Strata's Triton kernels where their shapes allow: projections of up to 64
+    """The compiled set, with Strata's Triton kernels where their shapes allow: projections of up to 16
     rows (the 1-token decode, a verify window, a drafter block), attention and the q/k norm + RoPE +
     cache write. Larger shapes keep cuBLAS. A kernel that fails to build or launch (an older GPU, a
     Triton that rejects it) warns once and leaves its torch path. compiled=False leaves the other

@@ -245,21 +245,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: b
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row GEMM (a verify window, a drafter block): the
 #: least total time over the 8B shape's projections at 8 rows on the H200 (bench/results/triton-skinny-h200.json).
 SKINNY_CONFIG = (64, 256, 4, 4)
-#: up to 16 rows as swept; 17..64 (a tree's verify) with 2 stages, whose tiles fit shared memory
-SKINNY_MAX_ROWS = 64
+#: past 16 rows cuBLAS was faster on the H200 (a 33-row verify of the 8B shape: 7.3 ms, 10.2 in this kernel)
+SKINNY_MAX_ROWS = 16
 
 
 def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False,
            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T (+ b) -> [M, N] for 1 <= M <= 64 rows (glu as in gemv), where cuBLAS would split K
+    """x [M, K] @ w[N, K]^T (+ b) -> [M, N] for 1 <= M <= 16 rows (glu as in gemv), where cuBLAS would split K
     and reduce in a second kernel."""
     rows, k = x.shape
     n_total = w.shape[0]
     n = n_total // 2 if glu else n_total
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     block_n, block_k, warps, stages = config or SKINNY_CONFIG
-    if config is None and rows > 16:
-        stages = 2
     _build()["skinny"][(_cdiv(n, block_n),)](
         x, w, b if b is not None else w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=b is not None, GLU=glu, BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n,
