@@ -169,3 +169,38 @@ def test_a_failing_triton_kernel_leaves_the_torch_path_with_one_warning(monkeypa
         assert kernels.gate_up_silu(x, w).equal(silu_mul(F.linear(x, w)))
         assert kernels.attend(q, k, v, mask).equal(attend_grouped(q, k, v, mask))
     close(kernels.linear(x.repeat(3, 1), w), F.linear(x.repeat(3, 1), w), torch.float32)  # skinny still runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_expert_gemvs_match_the_routed_experts(dtype):
+    """The per-assignment expert GEMVs (decode, a verify window) against ops.experts_routed: ragged blocks
+    (24 intermediate, 72 hidden: no block divides them), experts repeated across rows."""
+    from strata.layers.ops import experts_routed, route
+
+    gen = torch.Generator().manual_seed(8)
+    e, inter, hidden = 5, 24, 72
+    gate_up = (torch.randn(2, e, inter, hidden, generator=gen) * 0.1).to(dtype)
+    down = (torch.randn(e, hidden, inter, generator=gen) * 0.1).to(dtype)
+    router = torch.randn(e, hidden, generator=gen).to(dtype)
+    for rows in (1, 3):
+        h = torch.randn(rows, hidden, generator=gen).to(dtype)
+        weights, experts = route(h, router, 2, True)
+        close(tk.experts(h, gate_up, down, weights, experts), experts_routed(h, gate_up, down, weights, experts), dtype)
+
+
+def test_a_moe_step_runs_the_expert_gemvs(monkeypatch):
+    """A tiny MoE target's static verify step through TritonKernels takes the expert GEMVs in every sparse
+    layer and keeps the eager step's logits."""
+    target = random_target("tiny-moe", seed=2, num_hidden_layers=2)
+    calls = []
+    real = tk.experts
+    monkeypatch.setattr(tk, "experts", lambda *a: calls.append(1) or real(*a))
+    prompt = torch.randint(0, target.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for fns in (Kernels(attention="grouped", static=True), TritonKernels(compiled=False)):
+        cache = target.make_cache(64)
+        forward_at(target, prompt, 0, cache)
+        outs.append(forward_at(target, torch.tensor([3, 99, 250, 7]), 9, cache, kv_len=64, kernels=fns))
+    close(outs[1].logits, outs[0].logits, torch.float32)
+    assert outs[1].logits.argmax(-1).equal(outs[0].logits.argmax(-1))
+    assert len(calls) == len(target.cfg.moe.layers) == 2

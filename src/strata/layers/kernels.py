@@ -65,8 +65,9 @@ class Kernels:
 
 class TritonKernels(Kernels):
     """The compiled set, with Strata's Triton kernels where their shapes allow: projections of up to 16
-    rows (the 1-token decode, a verify window, a drafter block), attention and the q/k norm + RoPE +
-    cache write. Larger shapes keep cuBLAS. A kernel that fails to build or launch (an older GPU, a
+    rows (the 1-token decode, a verify window, a drafter block), the experts of up to 256 (row, expert)
+    assignments, attention and the q/k norm + RoPE + cache write. Larger shapes keep cuBLAS (and the
+    grouped GEMM for experts). A kernel that fails to build or launch (an older GPU, a
     Triton that rejects it) warns once and leaves its torch path. compiled=False leaves the other
     groups eager (the tests' interpreter runs)."""
 
@@ -106,6 +107,18 @@ class TritonKernels(Kernels):
         if name is None:
             return slow()
         return self._either(name, lambda: getattr(self._tk, name)(x, gate_up, glu=True), slow)
+
+    def sparse_moe(self, h, router, gate_up, down, top_k, renormalize):
+        flat = h.reshape(-1, h.shape[-1])
+        slow = lambda: super(TritonKernels, self).sparse_moe(h, router, gate_up, down, top_k, renormalize)  # noqa: E731
+        if not self._tk.experts_fit(flat, gate_up, down, top_k):
+            return slow()
+
+        def fast():
+            weights, experts = ops.route(flat, router, top_k, renormalize)
+            return self._tk.experts(flat, gate_up, down, weights, experts).view(h.shape)
+
+        return self._either("experts", fast, slow)
 
     def attend(self, q, k, v, mask):
         slow = lambda: super(TritonKernels, self).attend(q, k, v, mask)  # noqa: E731

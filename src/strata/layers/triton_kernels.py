@@ -8,6 +8,8 @@ write into three kernels. The kernels here do each of those in one launch:
 - `gemv`: y = W x for a single row, no split-K; with `glu` the gate and up rows of a stacked
   gate/up matrix are read side by side and silu(gate) * up is written directly.
 - `skinny`: the same for a few rows (a verify window, a drafter block) on tensor cores.
+- `experts`: a mixture-of-experts MLP for a few rows as GEMVs per (row, expert) assignment, each
+  reading only its expert's matrices (gate/up fused as in `gemv`).
 - `attention`: grouped-query attention of a few query rows over a cache in two launches (per K/V
   head and chunk of cells an online-softmax partial, then per query row their combination), any
   visibility mask.
@@ -72,6 +74,37 @@ def _build():
             up = tl.sum(acc_up, axis=1).to(out_ty).to(tl.float32)
             y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
         tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
+
+    @triton.jit
+    def expert_gemv_kernel(x_ptr, w_ptr, e_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """gemv_kernel for assignment a = program_id(1): its row x[a] times the matrix of its expert e[a]
+        (at w + e * stride_e; with GLU the up rows sit up_offset further)."""
+        a = tl.program_id(1).to(tl.int64)
+        w_ptr += tl.load(e_ptr + a) * stride_e
+        x_ptr += a * stride_x
+        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rmask = rows < N
+        cols = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + cols
+            kmask = kk < K
+            x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            wmask = rmask[:, None] & kmask[None, :]
+            w = tl.load(w_ptr + rows[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+            if GLU:
+                u = tl.load(w_ptr + up_offset + rows[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+                acc_up += u.to(tl.float32) * x[None, :]
+        out_ty = y_ptr.dtype.element_ty
+        y = tl.sum(acc, axis=1)
+        if GLU:
+            gate = y.to(out_ty).to(tl.float32)
+            up = tl.sum(acc_up, axis=1).to(out_ty).to(tl.float32)
+            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
+        tl.store(y_ptr + a * stride_y + rows, y.to(out_ty), mask=rmask)
 
     @triton.jit
     def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
@@ -206,7 +239,7 @@ def _build():
             tl.store(v_cache_ptr + cell + i, tl.load(vsrc + i))
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
-    return {"gemv": gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
+    return {"gemv": gemv_kernel, "expert_gemv": expert_gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
             "attention_combine": attention_combine_kernel, "norm_rotate_store": norm_rotate_store_kernel}
 
 
@@ -240,6 +273,44 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: b
         x, w, b if b is not None else w, y, n, k, w.stride(0), HAS_BIAS=b is not None, GLU=glu,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y
+
+
+#: assignments (row, expert pairs) up to which experts run as per-assignment GEMVs (decode, verify windows)
+EXPERT_GEMV_MAX = 256
+
+
+def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+            experts: torch.Tensor) -> torch.Tensor:
+    """ops.experts_routed's contract in two launches plus the sum, for a few rows: every (row, expert)
+    assignment a GEMV over its expert's gate/up (silu(gate) * up written directly), then over its down
+    matrix, reading only the experts hit; each row's outputs summed in ascending expert order."""
+    n, k = experts.shape
+    experts, order = torch.sort(experts, dim=-1, stable=True)
+    weights = weights.gather(-1, order)
+    flat = experts.reshape(-1).contiguous()
+    x = h.repeat_interleave(k, dim=0)
+    _, e, inter, hidden = gate_up.shape
+    kernels = _build()
+    act = torch.empty(n * k, inter, device=h.device, dtype=h.dtype)
+    block_n, block_k, warps = GEMV_GLU_CONFIG
+    kernels["expert_gemv"][(_cdiv(inter, block_n), n * k)](
+        x, gate_up, flat, act, inter, hidden, x.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0),
+        gate_up.stride(0), GLU=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    y = torch.empty(n * k, hidden, device=h.device, dtype=h.dtype)
+    block_n, block_k, warps = GEMV_CONFIG
+    kernels["expert_gemv"][(_cdiv(hidden, block_n), n * k)](
+        act, down, flat, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
+        GLU=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    y = y.view(n, k, hidden)
+    out = torch.zeros_like(h)
+    for j in range(k):
+        out = out + (y[:, j] * weights[:, j, None]).to(out.dtype)
+    return out
+
+
+def experts_fit(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> bool:
+    """experts' layout: contiguous stacked matrices, few enough assignments."""
+    return h.shape[0] * top_k <= EXPERT_GEMV_MAX and gate_up.is_contiguous() and down.is_contiguous()
 
 
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row GEMM (a verify window, a drafter block): the
