@@ -77,6 +77,8 @@ def test_attention_matches_grouped_matmuls(dtype, monkeypatch):
             close(tk.attention(q, k, v, mask), attend_grouped(q, k, v, mask), dtype)
     one = tk.attention(q[:1], k, v, causal[:1])  # the 1-token decode
     close(one, attend_grouped(q[:1], k, v, causal[:1]), dtype)
+    monkeypatch.setattr(tk, "ATTENTION_MAX_ROWS", 8)  # 3 rows x 4 heads a group: chunks of 2 rows, then 1
+    close(tk.attention(q, k, v, causal), attend_grouped(q, k, v, causal), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -46,21 +46,22 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
     # depth 0: the anchor alone (no item assignment: a Python scalar written into a CUDA tensor is a host
     # copy, which CUDA-graph capture refuses)
     beam = torch.where(torch.arange(budget, device=dev) == 0, 0.0, float("-inf"))
-    scores, tokens, parents = [], [], []
-    for d in range(depths):
-        cand = beam[:, None] + vals[d][None, :] - DEPTH_PENALTY  # [N, k]
-        top = torch.topk(cand.reshape(-1), budget)
+    steps = vals - DEPTH_PENALTY
+    scores, picks = [], []
+    for d in range(depths):  # two kernels a depth; the tokens and parents are read off all picks at once
+        top = torch.topk((beam[:, None] + steps[d][None, :]).reshape(-1), budget)  # over [N, k]
         beam = top.values
         scores.append(beam)
-        tokens.append(idx[d][top.indices % k])
-        parents.append(top.indices // k)  # the slot in the previous depth's beam
-    score = torch.stack(scores)  # [D, N]
+        picks.append(top.indices)
+    score, pick = torch.stack(scores), torch.stack(picks)  # [D, N] each
+    tokens = idx.gather(1, pick % k)
+    parents = pick // k  # the slot in the previous depth's beam
     chosen = torch.topk(score.reshape(-1), budget).indices
     chosen = chosen[torch.argsort(chosen)]  # by depth, then beam slot: parents come before children
     d_of, slot_of = chosen // budget, chosen % budget
     row_of = torch.full((depths, budget), -1, dtype=torch.long, device=dev)
     row_of[d_of, slot_of] = torch.arange(1, budget + 1, device=dev)
-    parent_slot = torch.stack(parents)[d_of, slot_of]
+    parent_slot = parents[d_of, slot_of]
     parent = torch.where(d_of == 0, 0, row_of[(d_of - 1).clamp_min(0), parent_slot])
     parent = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), parent])
     rows = budget + 1
@@ -69,7 +70,7 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
     for _ in range(max(depths - 1, 0).bit_length()):  # squaring: ancestors up to twice as far back each time
         anc = (anc @ anc).clamp_max_(1.0)
     anc = anc > 0
-    return Tree(torch.cat([anchor, torch.stack(tokens)[d_of, slot_of]]),
+    return Tree(torch.cat([anchor, tokens[d_of, slot_of]]),
                 torch.cat([torch.zeros(1, dtype=torch.long, device=dev), d_of + 1]), parent, anc)
 
 

@@ -352,18 +352,22 @@ ATTENTION_MAX_ROWS = 64  # query rows (window rows x heads of a group) one progr
 
 def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
     """attention's layout: a power-of-two head dim, plain cache rows shared by k and v, contiguous mask
-    rows, and a group's query rows within ATTENTION_MAX_ROWS."""
-    t, h, d = q.shape
+    rows, and a query group within ATTENTION_MAX_ROWS."""
+    _, h, d = q.shape
     return (d >= 16 and d & (d - 1) == 0 and k.stride(-1) == 1 and k.stride(-2) == d and v.stride() == k.stride()
-            and t * h // k.shape[-2] <= ATTENTION_MAX_ROWS and mask.stride(-1) == 1)
+            and h // k.shape[-2] <= ATTENTION_MAX_ROWS and mask.stride(-1) == 1)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """ops.attend_grouped's contract: q [T, H, D]; k, v [S, Hkv, D] (rows of a cache layer); mask [T, S]
-    bool (True = visible). Returns [T, H*D]. Every query must see at least one cell."""
+    bool (True = visible). Returns [T, H*D]. Every query must see at least one cell. More query rows than
+    a program holds (a tree's verify) run in chunks of rows, each over the same cells."""
     t, h, d = q.shape
     s, hk, _ = k.shape
     g = h // hk
+    per = ATTENTION_MAX_ROWS // g
+    if t > per:
+        return torch.cat([attention(q[i:i + per], k, v, mask[i:i + per]) for i in range(0, t, per)])
     rows = max(16, 1 << (t * g - 1).bit_length())
     blocks = _cdiv(s, ATTENTION_BLOCK)
     chunk = ATTENTION_BLOCK * _cdiv(blocks, ATTENTION_TARGET_SPLITS)
