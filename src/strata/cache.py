@@ -26,9 +26,10 @@ class KVCache:
                  batch: int | None = None):
         shape = (cells, kv_heads, head_dim) if batch is None else (batch, cells, kv_heads, head_dim)
         #: every layer's K and V in one tensor [2 * layers, ..., cells, kv_heads, head_dim], so moving cells
-        #: (a tree's accepted path) is one gather and one scatter for the whole model
+        #: (a tree's accepted path) is one gather and one scatter for the whole model. The layers' views are
+        #: detached: each is its own autograd leaf, as training writes rows that carry gradients.
         self.kv = torch.zeros(2 * num_layers, *shape, device=device, dtype=dtype)
-        self.layers = [LayerKV(self.kv[2 * i], self.kv[2 * i + 1]) for i in range(num_layers)]
+        self.layers = [LayerKV(self.kv[2 * i].detach(), self.kv[2 * i + 1].detach()) for i in range(num_layers)]
         self.cells = cells
         self.length = 0
 
