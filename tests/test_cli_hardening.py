@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 import stat
+import subprocess
+import sys
 
 import torch
 
@@ -93,6 +95,8 @@ def test_version_help_and_only_the_options_a_command_uses():
 
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"strata {__version__}"
+    r = subprocess.run([sys.executable, "-m", "strata", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"strata {__version__}"  # python -m strata
     parser = build_parser(cli)
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     for name, sub in commands.items():
