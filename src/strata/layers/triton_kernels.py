@@ -46,8 +46,16 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
-                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def gemv_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
+                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """y = W x for row a = program_id(1) (one row unless EXPERTS); with EXPERTS row a has its own matrix,
+        expert e[a]'s at w + e[a] * stride_e. GLU: the up rows sit up_offset after the gate rows."""
+        a = tl.program_id(1).to(tl.int64)
+        if EXPERTS:
+            w_ptr += tl.load(e_ptr + a) * stride_e
+        x_ptr += a * stride_x
+        y_ptr += a * stride_y
         rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rmask = rows < N
         cols = tl.arange(0, BLOCK_K)
@@ -62,7 +70,7 @@ def _build():
                         eviction_policy="evict_first")
             acc += w.to(tl.float32) * x[None, :]
             if GLU:
-                u = tl.load(w_ptr + (rows[:, None] + N) * stride_w + kk[None, :], mask=wmask, other=0.0,
+                u = tl.load(w_ptr + up_offset + rows[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0,
                             eviction_policy="evict_first")
                 acc_up += u.to(tl.float32) * x[None, :]
         out_ty = y_ptr.dtype.element_ty
@@ -74,37 +82,6 @@ def _build():
             up = tl.sum(acc_up, axis=1).to(out_ty).to(tl.float32)
             y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
         tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
-
-    @triton.jit
-    def expert_gemv_kernel(x_ptr, w_ptr, e_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """gemv_kernel for assignment a = program_id(1): its row x[a] times the matrix of its expert e[a]
-        (at w + e * stride_e; with GLU the up rows sit up_offset further)."""
-        a = tl.program_id(1).to(tl.int64)
-        w_ptr += tl.load(e_ptr + a) * stride_e
-        x_ptr += a * stride_x
-        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        rmask = rows < N
-        cols = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + cols
-            kmask = kk < K
-            x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-            wmask = rmask[:, None] & kmask[None, :]
-            w = tl.load(w_ptr + rows[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-            if GLU:
-                u = tl.load(w_ptr + up_offset + rows[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
-                acc_up += u.to(tl.float32) * x[None, :]
-        out_ty = y_ptr.dtype.element_ty
-        y = tl.sum(acc, axis=1)
-        if GLU:
-            gate = y.to(out_ty).to(tl.float32)
-            up = tl.sum(acc_up, axis=1).to(out_ty).to(tl.float32)
-            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
-        tl.store(y_ptr + a * stride_y + rows, y.to(out_ty), mask=rmask)
 
     @triton.jit
     def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
@@ -239,7 +216,7 @@ def _build():
             tl.store(v_cache_ptr + cell + i, tl.load(vsrc + i))
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
-    return {"gemv": gemv_kernel, "expert_gemv": expert_gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
+    return {"gemv": gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
             "attention_combine": attention_combine_kernel, "norm_rotate_store": norm_rotate_store_kernel}
 
 
@@ -269,9 +246,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: b
     n = n_total // 2 if glu else n_total
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
     block_n, block_k, warps = config or (GEMV_GLU_CONFIG if glu else GEMV_CONFIG)
-    _build()["gemv"][(_cdiv(n, block_n),)](
-        x, w, b if b is not None else w, y, n, k, w.stride(0), HAS_BIAS=b is not None, GLU=glu,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    _build()["gemv"][(_cdiv(n, block_n), 1)](
+        x, w, w, b if b is not None else w, y, n, k, 0, 0, w.stride(0), 0, n * w.stride(0), HAS_BIAS=b is not None,
+        GLU=glu, EXPERTS=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y
 
 
@@ -293,14 +270,15 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     kernels = _build()
     act = torch.empty(n * k, inter, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = GEMV_GLU_CONFIG
-    kernels["expert_gemv"][(_cdiv(inter, block_n), n * k)](
-        x, gate_up, flat, act, inter, hidden, x.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0),
-        gate_up.stride(0), GLU=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    kernels["gemv"][(_cdiv(inter, block_n), n * k)](
+        x, gate_up, flat, gate_up, act, inter, hidden, x.stride(0), gate_up.stride(1), gate_up.stride(2),
+        act.stride(0), gate_up.stride(0), HAS_BIAS=False, GLU=True, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps)
     y = torch.empty(n * k, hidden, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = GEMV_CONFIG
-    kernels["expert_gemv"][(_cdiv(hidden, block_n), n * k)](
-        act, down, flat, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
-        GLU=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    kernels["gemv"][(_cdiv(hidden, block_n), n * k)](
+        act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
+        HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     y = y.view(n, k, hidden)
     out = torch.zeros_like(h)
     for j in range(k):
