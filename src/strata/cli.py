@@ -32,6 +32,7 @@ def engine_config(args, window: int | None = None):
                         static=args.static or (args.device == "cuda" and not args.eager), graphs=not args.no_graphs,
                         compile=not args.no_compile, triton=not args.no_triton, attention=args.attention,
                         draft_sampling=getattr(args, "draft_sampling", "sample"),
+                        adaptive_window=getattr(args, "adaptive_window", False),
                         tree=args.tree if isinstance(args.tree, int) else None)
 
 
@@ -117,6 +118,8 @@ def cmd_generate(args) -> int:
     if stats["rounds"] and engine.window > 1:
         line += f", tau {stats['tau']:.2f}, acceptance {stats['acceptance_rate']:.2f} (W={engine.window}"
         line += ")" if res.tree is None else f", tree of {res.tree} nodes)"
+        if engine.policy is not None:
+            line += f"; adaptive window, now {engine.policy.best()}"
     if res.limit == "context":
         line += f"; stopped at the end of the context ({engine.max_len} tokens, --max-model-len)"
     print(line, file=sys.stderr)

@@ -38,6 +38,10 @@ def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool
     if spec:
         g.add_argument("--spec", type=int, default=None, metavar="W",
                        help="verify window W: the anchor + W-1 candidates (default: the drafter's block size)")
+        g.add_argument("--adaptive-window", action="store_true",
+                       help="verify each round the window up to W (powers of two, and W) with the most tokens per "
+                            "second expected from the acceptance so far and each window's measured cost (for "
+                            "targets whose verify cost grows with its rows, as MoE; the output is unchanged)")
     g.add_argument("--dflash-window", type=int, default=32768, metavar="CELLS",
                    help="context cells a drafter layer attends to before its block (default 32768)")
     if lookup:
@@ -53,7 +57,7 @@ def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool
     else:
         p.set_defaults(tree=None)
     if not spec:
-        p.set_defaults(spec=None)
+        p.set_defaults(spec=None, adaptive_window=False)
     if not lookup:
         p.set_defaults(prompt_lookup=None)
 

@@ -23,6 +23,7 @@ class EngineConfig:
     attention: str = "grouped"  # attention of the static steps: "grouped" or "sdpa"
     pad_rows: int = 1  # target-only decoding in windows of this many rows (see ModelRunner)
     tree: int | None = None  # tree verification with this many nodes (engine/tree.py); None: the chain
+    adaptive_window: bool = False  # each round's window chosen by measured cost and acceptance (window_policy.py)
     draft_sampling: str = "sample"  # sampled decoding: draw candidates from q, or take its argmax
     profile: bool = False  # time the draft and verify parts of each round (waits for the device)
 
@@ -59,12 +60,16 @@ class EngineConfig:
         if drafter is None or drafter.max_window == 1:
             if self.window is not None:
                 raise StrataError("--spec needs a drafter (--dflash or --prompt-lookup)")
+            if self.adaptive_window:
+                raise StrataError("--adaptive-window needs a drafter (--dflash or --prompt-lookup)")
             if self.tree is not None:
                 raise StrataError("--tree needs a drafter (--dflash)")
             return 1
         w = self.window if self.window is not None else drafter.window
         if not 2 <= w <= drafter.max_window:
             raise StrataError(f"--spec {w}: must be between 2 and the drafter's {drafter.limit} {drafter.max_window}")
+        if self.tree is not None and self.adaptive_window:
+            raise StrataError("--adaptive-window and --tree: a tree's depth is fixed; choose one")
         if self.tree is not None:
             from .tree import largest_budget
 

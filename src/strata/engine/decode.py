@@ -19,6 +19,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams, process, sample
 from .stats import Acceptance
 from .verify import speculative_accept
+from .window_policy import WindowPolicy
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Engine:
         self.window = self.config.window_for(drafter)
         self.max_len = self.config.context(target.cfg)
         self.runner = ModelRunner(target, self.drafter, self.config, self.window)
+        self.policy = WindowPolicy(self.window) if self.config.adaptive_window else None
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -118,7 +120,10 @@ class Engine:
     def _round(self, anchor: int, pos: int, params: SamplingParams, gen) -> tuple[RoundOutcome, list[float]]:
         """One propose -> verify -> observe round, and its clock marks."""
         runner = self.runner
+        started = time.perf_counter()
         w = runner.window_at(pos)
+        if self.policy is not None:
+            w = min(w, self.policy.choose())
         kv_len = runner.kv_len(pos, w)
         runner.start_round(anchor, pos)
         marks = [self._clock()]
@@ -140,6 +145,8 @@ class Engine:
         marks.append(self._clock())
         runner.observe(pos, [anchor] + outcome.candidates[:outcome.accepted], out.taps, positions, kv_len)
         marks.append(self._clock())
+        if self.policy is not None:
+            self.policy.record(w, outcome.accepted, time.perf_counter() - started)
         return outcome, marks
 
     @torch.inference_mode()

@@ -86,6 +86,9 @@ class ModelRunner:
         if self.tree is not None and target.recurrent:
             raise StrataError("--tree: this target has linear-attention layers, whose recurrent state follows "
                               "one sequence, not a tree; use the chain (no --tree)")
+        if cfg.adaptive_window and target.recurrent:
+            raise StrataError("--adaptive-window: this target has linear-attention layers, whose states are kept "
+                              "for a fixed window; drop --adaptive-window")
         self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if spare else self.max_len,
                                        rows=self.rows)
         graphs = cfg.graphs and not target.host_experts
@@ -154,24 +157,25 @@ class ModelRunner:
     def draft(self, anchor: int, pos: int, n: int, kv_len: int) -> Proposal:
         req = DraftRequest(anchor, pos, n, self.anchor, self.pos, kv_len, self.kernels, self.probe)
         if self.static and self.drafter.on_device:
-            return self.graphs.run(("draft", kv_len), lambda: self.drafter.propose(req))
+            return self.graphs.run(("draft", kv_len, n), lambda: self.drafter.propose(req))
         return self.drafter.propose(req)
 
     def verify(self, candidates: torch.Tensor, w: int, kv_len: int):
         """The target over [anchor, candidates, padding] at pos..: (ForwardOut, the rows' positions, the
         greedy outcome [a, next, c1..] as a device tensor)."""
-        rows = self.rows if self.static else w
+        rows = self.rows if self.static and w == self.window else w  # a shorter (adaptive) window: no padding
         cands = self.candidates[:w - 1]
         if w > 1:
             cands.copy_(candidates)
+        padding = self.padding[:rows - w]
 
         def step():
-            tokens = torch.cat([self.anchor, cands, self.padding])
+            tokens = torch.cat([self.anchor, cands, padding])
             positions = self.pos + self.offsets[:rows]
             out = self.target(tokens, Step(positions, kv_len, self.kernels), self.cache, self.drafter.tap_layers)
             return out, positions, greedy_accept(out.logits[:w], cands)
 
-        return self.graphs.run(("verify", kv_len), step) if self.static else step()
+        return self.graphs.run(("verify", kv_len, rows), step) if self.static else step()
 
     def verify_tree(self, logits: torch.Tensor, kv_len: int):
         """Tree verification: the tree built from the drafter's logits [D, V], the target over all its rows
@@ -209,6 +213,6 @@ class ModelRunner:
         verify whose outputs it reads."""
         commit = Commit(start, tokens, taps, positions, self.kernels, self.probe)
         if self.static and self.drafter.on_device:
-            self.graphs.run(("observe", kv_len), lambda: self.drafter.observe(commit))
+            self.graphs.run(("observe", kv_len, positions.shape[0]), lambda: self.drafter.observe(commit))
         else:
             self.drafter.observe(commit)

@@ -1,0 +1,58 @@
+"""The adaptive verify window: the policy's choice from acceptance and cost, and decoding with it, which
+must equal target-only whatever windows it picks (eager and static)."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata.dflash.drafter import load_drafter
+from strata.engine.decode import Engine
+from strata.engine.window_policy import PROBES, WindowPolicy, candidate_windows
+from strata.errors import StrataError
+from strata.models.loader import load_target
+
+from conftest import write_hf_drafter
+
+
+def test_the_policy_weighs_expected_tokens_against_cost():
+    assert candidate_windows(16) == [2, 4, 8, 16] and candidate_windows(6) == [2, 4, 6]
+    flat = WindowPolicy(8, cost=lambda w: 1.0)  # verifying is free: the whole window
+    steep = WindowPolicy(8, cost=lambda w: float(w))  # cost in proportion to the rows
+    for policy in (flat, steep):
+        for _ in range(50):  # candidates accepted half the time, independently
+            policy.record(8, 3, 0.0)
+            policy.record(8, 0, 0.0)
+    assert flat.choose() == 8 and steep.choose() == 2
+    assert flat.expected_tokens(2) == pytest.approx(1 + 51 / 102)  # 1 + P(first accepted), uniform prior
+    measured = WindowPolicy(8)
+    picks = []
+    for _ in range(PROBES * 3):
+        w = measured.choose()
+        picks.append(w)
+        measured.record(w, w - 1, {2: 1.0, 4: 1.1, 8: 1.2}[w])  # every candidate accepted, verify nearly flat
+    assert picks == [2, 2, 4, 4, 8, 8] and measured.choose() == 8
+
+
+def test_adaptive_decoding_equals_target_only(qwen3_dir, tmp_path):
+    target = load_target(qwen3_dir)
+    drafter_dir = write_hf_drafter(tmp_path / "d", layers=1, taps=(0, 2), block_size=8, seed=3, scale=0.3)
+    prompt = [3, 99, 14, 250, 8, 8, 41, 3, 99, 14]
+    for static in (False, True):
+        want = Engine(target, max_len=128, static=static).generate(prompt, 40).output_ids
+        engine = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, static=static,
+                        adaptive_window=True)
+        assert engine.generate(prompt, 40).output_ids == want, static
+        assert all(n >= PROBES for n in engine.policy.seen.values())  # every window ran
+    with pytest.raises(StrataError, match="--adaptive-window and --tree"):
+        Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, adaptive_window=True, tree=4)
+    with pytest.raises(StrataError, match="--adaptive-window needs a drafter"):
+        Engine(target, max_len=128, adaptive_window=True)
+
+
+def test_generate_takes_the_flag(capsys):
+    from strata.cli import main
+
+    assert main(["generate", "--prompt-ids", "3,99,14,250", "--max-new-tokens", "24", "--ids", "--adaptive-window"]) == 0
+    adaptive = capsys.readouterr()
+    assert main(["generate", "--prompt-ids", "3,99,14,250", "--max-new-tokens", "24", "--ids", "--no-dflash"]) == 0
+    assert adaptive.out == capsys.readouterr().out and "adaptive window, now " in adaptive.err
