@@ -331,7 +331,7 @@ def set_threads(args) -> None:
         return
     import torch
 
-    torch.set_num_threads(threads or (os.cpu_count() or 1 if getattr(args, "device", "cpu") == "cuda" else 1))
+    torch.set_num_threads(threads or ((os.cpu_count() or 1) if getattr(args, "device", "cpu") == "cuda" else 1))
 
 
 def main(argv: list[str] | None = None) -> int:

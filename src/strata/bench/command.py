@@ -55,10 +55,9 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
             raise StrataError("give --model or --shape, not both")
         target = random_target(bench.shape, device=pair.torch_device(), dtype=pair.torch_dtype(), quant=bench.quant)
         if pair.expert_cache is not None:  # random weights are made on the device: only a pinned budget moves some
-            from ..models.placement import apply_plan, plan_experts
+            from ..models.placement import place_experts
 
-            target.expert_plan = plan_experts(target, target.device, pair.expert_cache, engine.context(target.cfg))
-            apply_plan(target, target.expert_plan)
+            place_experts(target, target.device, pair.expert_cache, engine.context(target.cfg))
         label, tokenizer, dflash = bench.shape + (f"-{bench.quant}" if bench.quant else ""), None, pair.dflash
         loaded = None
     else:

@@ -22,9 +22,9 @@ from ..engine.drafter import OracleDrafter
 from ..engine.stats import Acceptance
 from ..errors import StrataError
 from ..layers.kernels import TritonKernels
-from ..layers.modules import SparseMoE
 from ..layers.quant import weight_bytes
 from ..models.loader import unpack
+from ..models.placement import sparse_layers
 from ..models.registry import family
 
 
@@ -56,11 +56,9 @@ def bytes_per_token(model, context: int) -> int:
 
     cfg = model.cfg
     total = weight_bytes(model)
-    for layer in model.layers:
-        moe = layer.mlp
-        if isinstance(moe, SparseMoE):  # dense layers (mlp_only_layers) read their whole MLP
-            resident = sum(p.numel() * p.element_size() for p in (moe.gate_up_proj, moe.down_proj))
-            total += moe.top_k * moe.expert_bytes - resident
+    for moe in sparse_layers(model):  # dense layers (mlp_only_layers) read their whole MLP
+        resident = sum(p.numel() * p.element_size() for p in (moe.gate_up_proj, moe.down_proj))
+        total += moe.top_k * moe.expert_bytes - resident
     emb = model.embed_tokens.weight
     if not cfg.tie_word_embeddings:
         table = emb.nbytes if isinstance(emb, QuantWeight) else emb.numel() * emb.element_size()
@@ -324,7 +322,7 @@ def expert_split(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
     """Where a decoded token's time goes with experts in host memory: waiting for the device up to each
     routing read, the CPU's experts (with their copies), and the rest (the device's work after the last
     read, launches, the loop), in ms per token. The prefill's share is taken out by a 1-token run."""
-    moes = [layer.mlp for layer in engine.target.layers if getattr(layer.mlp, "host_experts", 0)]
+    moes = [moe for moe in sparse_layers(engine.target) if moe.host_experts]
 
     def run(n: int):
         for moe in moes:

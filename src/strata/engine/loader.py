@@ -80,18 +80,14 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     """The target, its tokenizer and stop ids, and (drafter=True) the drafter the spec names, checked
     against the target before any decoding starts."""
     from ..models.loader import load_model_config, load_target
-    from ..models.placement import apply_plan, plan_experts
+    from ..models.placement import place_experts
 
     model_dir, dflash, using_demo = resolve(spec)
     max_len = engine.context(load_model_config(model_dir)[1])  # a bad context length is refused before the weights load
     device = spec.torch_device()
 
-    def place(model):
-        plan = plan_experts(model, device, spec.expert_cache, max_len, footprint(dflash))
-        apply_plan(model, plan)
-        model.expert_plan = plan
-
-    target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=place)
+    target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=lambda model: place_experts(
+        model, device, spec.expert_cache, max_len, footprint(dflash)))
     pair = Pair(target, tokenizer_of(model_dir), None, model_dir, using_demo, declared_stop_ids(target, model_dir))
     if drafter:
         pair.drafter = load_drafter_for(spec, target, engine, dflash)

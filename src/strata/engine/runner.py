@@ -188,18 +188,17 @@ class ModelRunner:
         dev = self.target.device
 
         def step():  # every tensor it reads is made inside or lives on: a graph replays the addresses it saw
-            span = torch.arange(self.rows, device=dev)
-            path_span = torch.arange(depths + 1, device=dev)
             cells = torch.arange(kv_len, device=dev)
             tree = build(self.anchor, logits[:depths], self.tree)
             rel = (cells - self.pos).clamp(0, self.tree)
             in_tree = (cells >= self.pos) & (cells <= self.pos + self.tree)
             mask = (cells < self.pos)[None, :] | (in_tree[None, :] & tree.ancestors[:, rel])
-            out = self.target(tree.tokens, Step(self.pos + tree.depth, kv_len, self.kernels, cells=self.pos + span,
-                                                masks={None: mask}), self.cache, self.drafter.tap_layers)
+            at = Step(self.pos + tree.depth, kv_len, self.kernels, cells=self.pos + self.offsets, masks={None: mask})
+            out = self.target(tree.tokens, at, self.cache, self.drafter.tap_layers)
             outcome = walk(tree, out.logits.argmax(-1), depths)
             path = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), outcome[2:]])
-            src, dst = self.pos + path, self.pos + path_span
+            # a path can be longer than a small tree has rows: its own range, not self.offsets
+            src, dst = self.pos + path, self.pos + torch.arange(depths + 1, device=dev)
             kv = self.cache.kv  # every layer's (trees run on attention-only targets): gathered, then written
             kv.index_copy_(-3, dst, kv.index_select(-3, src))
             taps = None if out.taps is None else out.taps.index_select(0, path)

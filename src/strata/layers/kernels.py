@@ -40,15 +40,13 @@ class Kernels:
             return w.matmul(x, b)
         return F.linear(x, w, b)
 
-    def sparse_moe(self, h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   top_k: int, renormalize: bool) -> torch.Tensor:
-        """A mixture-of-experts MLP over rows h [..., H]: routed, then the experts run over their rows (eager)
-        or in static shapes as a grouped GEMM (gathered per row where torch has none for the type)."""
-        flat = h.reshape(-1, h.shape[-1])
-        weights, experts = ops.route(flat, router, top_k, renormalize)
+    def experts(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        """Routed rows h [N, H] through their experts (ops.experts_routed's contract): over each expert's rows
+        (eager), or in static shapes as a grouped GEMM (gathered per row where torch has none for the type)."""
         run = ops.experts_routed if not self.static else \
-            ops.experts_grouped if ops.grouped_gemm_fits(flat) else ops.experts_gathered
-        return run(flat, gate_up, down, weights, experts).view(h.shape)
+            ops.experts_grouped if ops.grouped_gemm_fits(h) else ops.experts_gathered
+        return run(h, gate_up, down, weights, experts)
 
     def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
         """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
@@ -108,17 +106,12 @@ class TritonKernels(Kernels):
             return slow()
         return self._either(name, lambda: getattr(self._tk, name)(x, gate_up, glu=True), slow)
 
-    def sparse_moe(self, h, router, gate_up, down, top_k, renormalize):
-        flat = h.reshape(-1, h.shape[-1])
-        slow = lambda: super(TritonKernels, self).sparse_moe(h, router, gate_up, down, top_k, renormalize)  # noqa: E731
-        if not self._tk.experts_fit(flat, gate_up, down, top_k):
+    def experts(self, h, gate_up, down, weights, experts):
+        args = (h, gate_up, down, weights, experts)
+        slow = lambda: super(TritonKernels, self).experts(*args)  # noqa: E731
+        if not self._tk.experts_fit(gate_up, down, experts):
             return slow()
-
-        def fast():
-            weights, experts = ops.route(flat, router, top_k, renormalize)
-            return self._tk.experts(flat, gate_up, down, weights, experts).view(h.shape)
-
-        return self._either("experts", fast, slow)
+        return self._either("experts", lambda: self._tk.experts(*args), slow)
 
     def attend(self, q, k, v, mask):
         slow = lambda: super(TritonKernels, self).attend(q, k, v, mask)  # noqa: E731

@@ -153,7 +153,7 @@ class SparseMoE(nn.Module):
     """Qwen3-MoE's MLP: a router over `experts` SwiGLU experts, each row's top_k of them weighted and summed.
     The experts' matrices are stacked: [2, E, I, H] every expert's gate, then every expert's up (as a
     dense MLP's gate_up_proj keeps up at a fixed row offset), and [E, H, I] down; the kernels decide how
-    they run (Kernels.sparse_moe)."""
+    they run (Kernels.experts)."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, renormalize: bool,
                  shared: int = 0):
@@ -188,7 +188,7 @@ class SparseMoE(nn.Module):
         the model moves to its device, so the host experts never occupy it. Each forward then reads its
         routing on the host (ops.experts_placed)."""
         stay = sorted(set(resident))
-        away = [e for e in range(self.experts) if e not in set(stay)]
+        away = sorted(set(range(self.experts)) - set(stay))
         if not away:
             return
         slot = [0] * self.experts
@@ -205,14 +205,14 @@ class SparseMoE(nn.Module):
         self.timing: dict[str, float] = {}
 
     def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
+        flat = h.reshape(-1, h.shape[-1])
+        weights, experts = ops.route(flat, self.gate.weight, self.top_k, self.renormalize)
         if self.host_experts:
-            flat = h.reshape(-1, h.shape[-1])
-            weights, experts = ops.route(flat, self.gate.weight, self.top_k, self.renormalize)
             out = ops.experts_placed(flat, self.gate_up_proj, self.down_proj, self.host_gate_up, self.host_down,
-                                     self.slot, weights, experts, self.timing).view(h.shape)
+                                     self.slot, weights, experts, self.timing)
         else:
-            out = kernels.sparse_moe(h, self.gate.weight, self.gate_up_proj, self.down_proj, self.top_k,
-                                     self.renormalize)
+            out = kernels.experts(flat, self.gate_up_proj, self.down_proj, weights, experts)
+        out = out.view(h.shape)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(h, kernels)) * self.shared_expert(h, kernels)
         return out

@@ -112,6 +112,26 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):
     return weights.to(logits.dtype), experts
 
 
+def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e: int) -> torch.Tensor:
+    """Expert e of the stacks (gate_up [2, E, I, H], down [E, H, I]) over rows x [n, H]: a SwiGLU MLP."""
+    return F.linear(F.silu(F.linear(x, gate_up[0, e])) * F.linear(x, gate_up[1, e]), down[e])
+
+
+def by_expert(weights: torch.Tensor, experts: torch.Tensor):
+    """Each row's (weight, expert) pairs in ascending expert order, the order a row's outputs are summed in."""
+    experts, order = torch.sort(experts, dim=-1, stable=True)
+    return weights.gather(-1, order), experts
+
+
+def sum_slots(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expert outputs y [N, k, H] (slots in ascending expert order) weighted and summed from zero slot by
+    slot, rounding as experts_routed does."""
+    out = torch.zeros(y.shape[0], y.shape[-1], dtype=dtype, device=y.device)
+    for j in range(y.shape[1]):
+        out = out + (y[:, j] * weights[:, j, None]).to(dtype)
+    return out
+
+
 def experts_routed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                    experts: torch.Tensor) -> torch.Tensor:
     """Each expert that a row was routed to, over its rows only; a row's weighted outputs summed from zero
@@ -121,37 +141,30 @@ def experts_routed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w
     out = torch.zeros_like(h)
     for e in torch.unique(experts).tolist():
         rows, slot = torch.where(experts == e)
-        x = h[rows]
-        y = F.linear(F.silu(F.linear(x, gate_up[0, e])) * F.linear(x, gate_up[1, e]), down[e])
-        out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
+        out.index_add_(0, rows, (expert(h[rows], gate_up, down, e) * weights[rows, slot, None]).to(out.dtype))
     return out
 
 
 def experts_gathered(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                      experts: torch.Tensor) -> torch.Tensor:
     """experts_routed in static shapes, with no host read (CUDA-graph safe): slot by slot, every row's
-    expert matrices gathered on the device and applied as batched matrix-vector products, the slots
-    summed in ascending expert order as experts_routed does."""
-    order = torch.argsort(experts, dim=-1, stable=True)
-    experts, weights = experts.gather(-1, order), weights.gather(-1, order)
-    out = torch.zeros_like(h)
+    expert matrices gathered on the device and applied as batched matrix-vector products."""
+    weights, experts = by_expert(weights, experts)
     x = h[:, :, None]
-    for j in range(experts.shape[-1]):
-        e = experts[:, j]
+    y = []
+    for e in experts.T:
         a = F.silu(torch.bmm(gate_up[0, e], x)) * torch.bmm(gate_up[1, e], x)
-        y = torch.bmm(down[e], a)[..., 0] * weights[:, j, None]
-        out = out + y.to(out.dtype)
-    return out
+        y.append(torch.bmm(down[e], a)[..., 0])
+    return sum_slots(torch.stack(y, dim=1), weights, h.dtype)
 
 
 def experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                     experts: torch.Tensor) -> torch.Tensor:
     """experts_routed in static shapes, with no host read (CUDA-graph safe), reading only the experts hit:
     every (row, expert) pair sorted by expert, each expert's rows one group of a grouped GEMM
-    (torch._grouped_mm), and every row's outputs summed in ascending expert order."""
+    (torch._grouped_mm)."""
     n, k = experts.shape
-    experts, order = torch.sort(experts, dim=-1, stable=True)
-    weights = weights.gather(-1, order)
+    weights, experts = by_expert(weights, experts)
     flat = experts.reshape(-1)
     perm = torch.argsort(flat, stable=True)
     counts = torch.zeros(down.shape[0], dtype=torch.int32, device=h.device)
@@ -160,10 +173,7 @@ def experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     x = h.index_select(0, perm // k)
     a = F.silu(torch._grouped_mm(x, gate_up[0].mT, offs=offs)) * torch._grouped_mm(x, gate_up[1].mT, offs=offs)
     y = torch.empty_like(x).index_copy_(0, perm, torch._grouped_mm(a, down.mT, offs=offs)).view(n, k, -1)
-    out = torch.zeros_like(h)
-    for j in range(k):
-        out = out + (y[:, j] * weights[:, j, None]).to(out.dtype)
-    return out
+    return sum_slots(y, weights, h.dtype)
 
 
 def grouped_gemm_fits(h: torch.Tensor) -> bool:
@@ -182,42 +192,34 @@ def experts_placed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, h
     ascending expert order, so placement never changes the result. timing: seconds accumulate under
     "routing_read" (waiting for the device's work up to the routing) and "host_experts" (the CPU's
     experts with their copies)."""
+    weights, experts = by_expert(weights, experts)
     t0 = time.perf_counter()
     routed = experts.cpu()
     t1 = time.perf_counter()
     host_s = 0.0
-    n, k = routed.shape
-    parts = torch.zeros(n, k, h.shape[-1], dtype=h.dtype, device=h.device)
-    host_work = []
+    y = torch.zeros(*routed.shape, h.shape[-1], dtype=h.dtype, device=h.device)
+    on_host = []
     for e in torch.unique(routed).tolist():
         rows, slots = torch.where(routed == e)
         if slot[e] < 0:
-            host_work.append((-1 - slot[e], rows, slots))
-            continue
-        r, s = rows.to(h.device), slots.to(h.device)
-        x = h[r]
-        y = F.linear(F.silu(F.linear(x, gate_up[0, slot[e]])) * F.linear(x, gate_up[1, slot[e]]), down[slot[e]])
-        parts[r, s] = (y * weights[r, s, None]).to(h.dtype)
-    if host_work:
+            on_host.append((-1 - slot[e], rows, slots))
+        else:
+            r, s = rows.to(h.device), slots.to(h.device)
+            y[r, s] = expert(h[r], gate_up, down, slot[e])
+    if on_host:
         t2 = time.perf_counter()
-        hx, hw = h.cpu(), weights.cpu()
-        host_parts = torch.zeros(n, k, h.shape[-1], dtype=h.dtype)
-        for j, rows, slots in host_work:
-            x = hx[rows]
-            y = F.linear(F.silu(F.linear(x, host_gate_up[0, j])) * F.linear(x, host_gate_up[1, j]), host_down[j])
-            host_parts[rows, slots] = (y * hw[rows, slots, None]).to(h.dtype)
-        on_host = torch.zeros(n, k, dtype=torch.bool)
-        for _, rows, slots in host_work:
-            on_host[rows, slots] = True
-        parts = torch.where(on_host.to(h.device)[..., None], host_parts.to(h.device), parts)
+        hx = h.cpu()
+        host_y = torch.zeros(*routed.shape, h.shape[-1], dtype=h.dtype)
+        host = torch.zeros(routed.shape, dtype=torch.bool)
+        for j, rows, slots in on_host:
+            host_y[rows, slots] = expert(hx[rows], host_gate_up, host_down, j)
+            host[rows, slots] = True
+        y = torch.where(host.to(h.device)[..., None], host_y.to(h.device), y)
         host_s = time.perf_counter() - t2
-    out = torch.zeros_like(h)
-    for j in torch.argsort(routed, dim=-1, stable=True).T.to(h.device):
-        out = out + parts.gather(1, j[:, None, None].expand(n, 1, h.shape[-1]))[:, 0]
     if timing is not None:
         timing["routing_read"] = timing.get("routing_read", 0.0) + t1 - t0
         timing["host_experts"] = timing.get("host_experts", 0.0) + host_s
-    return out
+    return sum_slots(y, weights, h.dtype)
 
 
 def causal_conv(x_full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -261,9 +261,10 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     """ops.experts_routed's contract in two launches plus the sum, for a few rows: every (row, expert)
     assignment a GEMV over its expert's gate/up (silu(gate) * up written directly), then over its down
     matrix, reading only the experts hit; each row's outputs summed in ascending expert order."""
+    from .ops import by_expert, sum_slots
+
     n, k = experts.shape
-    experts, order = torch.sort(experts, dim=-1, stable=True)
-    weights = weights.gather(-1, order)
+    weights, experts = by_expert(weights, experts)
     flat = experts.reshape(-1).contiguous()
     x = h.repeat_interleave(k, dim=0)
     _, e, inter, hidden = gate_up.shape
@@ -279,16 +280,12 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     kernels["gemv"][(_cdiv(hidden, block_n), n * k)](
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    y = y.view(n, k, hidden)
-    out = torch.zeros_like(h)
-    for j in range(k):
-        out = out + (y[:, j] * weights[:, j, None]).to(out.dtype)
-    return out
+    return sum_slots(y.view(n, k, hidden), weights, h.dtype)
 
 
-def experts_fit(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> bool:
+def experts_fit(gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor) -> bool:
     """experts' layout: contiguous stacked matrices, few enough assignments."""
-    return h.shape[0] * top_k <= EXPERT_GEMV_MAX and gate_up.is_contiguous() and down.is_contiguous()
+    return experts.numel() <= EXPERT_GEMV_MAX and gate_up.is_contiguous() and down.is_contiguous()
 
 
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row GEMM (a verify window, a drafter block): the

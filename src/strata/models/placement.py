@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import StrataError
 from ..layers.modules import SparseMoE
 
 GIB = 1 << 30
@@ -62,8 +61,6 @@ def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_byt
     moes = sparse_layers(model)
     if not moes:
         return None
-    if cache_mib is not None and cache_mib < 0:
-        raise StrataError(f"--expert-cache must be >= 0 MiB, got {cache_mib}")
     moe = moes[0]
     expert_bytes = moe.expert_bytes
     total = moe.experts * len(moes)
@@ -94,11 +91,11 @@ def auto_budget(model, moes, device, max_len: int, drafter_bytes: int, expert_to
                     f"{WORKSPACE / GIB:.2f} GiB workspace = {max(budget, 0) / GIB:.2f} GiB for experts"]
 
 
-def apply_plan(model, plan: ExpertPlan | None) -> None:
-    """Each sparse layer keeps its planned experts; the rest go to host memory (pinned when a GPU will
-    copy from it)."""
-    if plan is None:
-        return
-    pin = plan.device == "cuda"
-    for moe, keep in zip(sparse_layers(model), plan.resident):
-        moe.place(list(range(keep)), pin=pin)
+def place_experts(model, device, cache_mib: int | None, max_len: int, drafter_bytes: int = 0) -> None:
+    """Plan the placement (plan_experts) and apply it: each sparse layer keeps its planned experts, the rest
+    go to host memory (pinned when a GPU will copy from it); the plan stays as model.expert_plan."""
+    plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes)
+    model.expert_plan = plan
+    if plan is not None:
+        for moe, keep in zip(sparse_layers(model), plan.resident):
+            moe.place(list(range(keep)), pin=plan.device == "cuda")
