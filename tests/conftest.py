@@ -15,6 +15,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # Strata's Triton kernels run in Triton's 
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
+from strata.layers.fla_kernels import transformers_in_torch  # noqa: E402
+
+transformers_in_torch()  # the reference hybrids run transformers' torch code on the CPU
+
+
 def hf_config(family: str, tie: bool = False, kv_heads: int = 2, vocab: int = 256, layers: int = 3, **kw):
     import transformers
 

@@ -127,3 +127,49 @@ def test_bad_hybrid_configs_are_one_line_errors(hybrid, tmp_path):
         (bad / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(StrataError, match=needle):
             load_target(bad)
+
+
+def test_fla_kernels_follow_the_torch_rule_and_replay_bit_for_bit():
+    """fla-core's recurrent kernel (the GPU's, here in Triton's interpreter) against the token-by-token
+    rule, and its replay of the first n rows: the very state a forward of those n rows ends with."""
+    from strata.layers import fla_kernels, ops
+
+    gen = torch.Generator().manual_seed(3)
+    t, hk, hv, d = 6, 2, 4, 16
+    q, k = (torch.randn(t, hk, d, generator=gen) for _ in range(2))
+    v = torch.randn(t, hv, d, generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(t, hv, generator=gen))
+    beta = torch.rand(t, hv, generator=gen)
+    h0 = torch.randn(hv, d, d, generator=gen)
+    out, final = fla_kernels.gated_delta_rule(q, k, v, g, beta, h0)
+    want_out, want_final = ops.gated_delta_rule(q, k, v, g, beta, h0)
+    assert (out - want_out).abs().max() < 1e-5 and (final - want_final).abs().max() < 1e-5
+    for n in range(t + 1):
+        _, replayed = fla_kernels.gated_delta_rule(q, k, v, g, beta, h0, rows=torch.tensor(n))
+        _, torch_replayed = ops.gated_delta_rule(q, k, v, g, beta, h0, rows=torch.tensor(n))
+        _, prefix = fla_kernels.gated_delta_rule(q[:n], k[:n], v[:n], g[:n], beta[:n], h0) if n else (None, h0)
+        assert replayed.equal(prefix), n
+        _, torch_prefix = ops.gated_delta_rule(q[:n], k[:n], v[:n], g[:n], beta[:n], h0) if n else (None, h0)
+        assert torch_replayed.equal(torch_prefix), n
+
+
+def test_rollback_through_fla_kernels_in_static_steps(hybrid, monkeypatch):
+    """The GPU's gated delta rule (TritonKernels' fla-core kernels, in the interpreter; the rest in torch to
+    keep the test short): speculation at every acceptance length equals target-only in the same shapes."""
+    from strata.engine import runner
+    from strata.layers import fla_kernels
+    from strata.layers.kernels import Kernels, TritonKernels
+
+    _, _, target = hybrid
+    kernels = Kernels(attention="grouped", static=True)
+    kernels.delta_rule = TritonKernels(compiled=False).delta_rule
+    monkeypatch.setattr(runner, "select_kernels", lambda *a: kernels)
+    calls = []
+    real = fla_kernels.gated_delta_rule
+    monkeypatch.setattr(fla_kernels, "gated_delta_rule", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prompt = PROMPTS[0]
+    base = Engine(target, max_len=64, static=True, pad_rows=4).generate(prompt, 11)
+    res = Engine(target, Truncating(prompt + base.output_ids, 4, 256), max_len=64, static=True,
+                 window=4).generate(prompt, 11)
+    assert res.output_ids == base.output_ids and res.accept_lengths[:4] == [1, 2, 3, 4]
+    assert calls

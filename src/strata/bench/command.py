@@ -97,7 +97,8 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
         from ..prompts import prompt_set
 
         prompts = prompt_set(loaded, None, bench.prompts) if loaded is not None and bench.prompt is None else [prompt]
-        result["tree_sweep"] = tree_sweep(target, drafter, prompts, bench.new_tokens, window, bench.trees, engine)
+        result["tree_sweep"] = tree_sweep(target, drafter, prompts, bench.new_tokens, window, bench.trees, engine,
+                                          profile=bench.profile)
     result["model"] = label
     result["drafter"] = dflash or (f"random {bench.drafter_layers}-layer" if bench.drafter_layers else None)
     result["command"] = command
@@ -139,6 +140,19 @@ def summary(result: dict) -> list[str]:
             lines.append(f"  tree of {n} nodes: {r['tok_s']:.1f} tok/s (x{r['tok_s_vs_chain']:.2f}), tau {r['tau']:.2f} "
                          f"(x{r['tau_vs_chain']:.2f}), verify {r['verify_ms']:.2f} ms, "
                          f"{'identical' if r['identical_to_chain'] else 'DIFFERENT'} output")
+        for name, r in [("chain", c), *sweep["budgets"].items()]:
+            for step, p in (r.get("profile") or {}).items():
+                lines.append(f"  {name} step {step}: {p['wall_ms']:.3f} ms replayed alone"
+                             + (f", kernels {p['kernel_ms']:.3f} ms ({p['kernels']})" if "kernel_ms" in p else ""))
+    for engine, steps in (result.get("profile") or {}).items():
+        for step, p in steps.items():
+            lines.append(f"{engine} step {step}: {p['wall_ms']:.3f} ms replayed alone"
+                         + (f", kernels {p['kernel_ms']:.3f} ms ({p['kernels']})" if "kernel_ms" in p else ""))
+    rollback = result.get("rollback")
+    if rollback:
+        lines.append(f"rollback a round ({rollback['layers']} linear-attention layers): replay of {rollback['rows']} rows "
+                     f"{rollback['replay_ms']:.3f} ms; writing a state per verified row instead "
+                     f"{rollback['snapshot_writes_ms']:.3f} ms")
     verify = result.get("verify_sweep")
     if verify:
         lines.append("verify step by window: " + ", ".join(f"W={w} {ms:.2f} ms (x{verify['vs_decode'][w]:.2f})"

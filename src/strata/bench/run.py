@@ -110,6 +110,10 @@ def round_split(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
 
 def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], runs: int) -> dict:
     """transformers' generate on the very same weights (built from Strata's config and state dict)."""
+    if target.device.type != "cuda":
+        from ..layers.fla_kernels import transformers_in_torch
+
+        transformers_in_torch()
     try:
         import transformers
     except ImportError:
@@ -270,6 +274,8 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         engines["dflash"] = engine
     result["dflash_oracle"]["identical_to_target_only"] = \
         result["dflash_oracle"]["output_ids"] == reference["output_ids"]
+    if target.recurrent and drafter is not None:
+        result["rollback"] = rollback_cost(engines["dflash"])
     if profile and device.type == "cuda":
         result["profile"] = {name: graph_profile(e) for name, e in engines.items()}
     if hf_modes:
@@ -301,6 +307,46 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         if isinstance(r, dict):
             r.pop("output_ids", None)
     return result
+
+
+def rollback_cost(engine: Engine, reps: int = 20) -> dict:
+    """Recurrent targets: what a round's rollback of the linear-attention states costs, after a generate.
+    replay: every layer's recurrence replayed over W-1 kept rows (the most a round replays), as each verify
+    does at its start; snapshot_writes: writing W per-position states per layer instead (what keeping a
+    snapshot per verified row would add to every verify). ms each, in CUDA graphs on a GPU."""
+    from ..layers.linear_attention import LinearState
+
+    states = [s for s in engine.runner.cache.layers if isinstance(s, LinearState)]
+    if not states:
+        return {}
+    kernels, dev = engine.runner.kernels, engine.target.device
+    rows = torch.tensor(states[0].slots - 1, device=dev)
+    buffers = [torch.empty(s.slots, *s.rec.shape[1:], device=dev, dtype=s.rec.dtype) for s in states]
+
+    def replay():
+        for s in states:
+            kernels.delta_rule(s.q, s.k, s.v, s.g, s.beta, s.rec[0], rows)
+
+    def snapshots():
+        for s, b in zip(states, buffers):
+            b.copy_(s.rec[1].expand_as(b))
+
+    out = {"layers": len(states), "rows": states[0].slots - 1,
+           "state_bytes_per_layer": states[0].rec[0].numel() * states[0].rec.element_size()}
+    for name, fn in (("replay_ms", replay), ("snapshot_writes_ms", snapshots)):
+        fn()
+        sync(dev)
+        if dev.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            fn = graph.replay
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(dev)
+        out[name] = 1e3 * (time.perf_counter() - t0) / reps
+    return out
 
 
 def verify_sweep(target, prompt: list[int], new_tokens: int, windows, config: EngineConfig) -> dict:
@@ -339,10 +385,11 @@ def expert_split(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
 
 
 def tree_sweep(target, drafter, prompts: list[list[int]], new_tokens: int, window: int, budgets,
-               config: EngineConfig = EngineConfig()) -> dict:
+               config: EngineConfig = EngineConfig(), profile: bool = False) -> dict:
     """The chain and a tree of each budget on a prompt set at one window: tau over every round, tokens/s
     over every prompt's decoding, the round's draft / verify split, and whether each tree's outputs equal
-    the chain's. On a GPU the set runs once untimed first (each kv_len bucket captures its graphs)."""
+    the chain's. On a GPU the set runs once untimed first (each kv_len bucket captures its graphs); with
+    profile, each captured step (the tree's verify among them) is replayed alone and timed."""
     opts = replace(config, window=window, pad_rows=1)
     out = {"prompts": len(prompts), "new_tokens": new_tokens, "window": window, "budgets": {}}
     chain_outputs = None
@@ -359,6 +406,8 @@ def tree_sweep(target, drafter, prompts: list[list[int]], new_tokens: int, windo
         row = {"nodes": n or window - 1, "verify_rows": (n or window - 1) + 1, "tau": acc.tau, "rounds": acc.rounds,
                "tok_s": tokens / secs if secs else 0.0, "per_position_acceptance": acc.per_position,
                **round_split(engine, prompts[0], new_tokens)}
+        if profile and target.device.type == "cuda":
+            row["profile"] = graph_profile(engine)
         if n is None:
             chain_outputs = outputs
             out["chain"] = row

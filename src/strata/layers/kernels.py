@@ -4,7 +4,8 @@
 each elementwise group becomes one fused kernel through torch.compile, for the CUDA-graph path (a
 batch-1 decode step is otherwise hundreds of tiny kernels). `TritonKernels` also replaces the
 projections of up to 16 rows, attention and the q/k group with Strata's Triton kernels
-(triton_kernels.py). Modules call these methods and never choose a kernel themselves."""
+(triton_kernels.py), and the gated delta rule with fla-core's (fla_kernels.py). Modules call these
+methods and never choose a kernel themselves."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import fla_kernels, ops
 from .quant import QuantWeight
 
 #: the elementwise groups a compiled set fuses, each one kernel
@@ -47,6 +48,14 @@ class Kernels:
         run = ops.experts_routed if not self.static else \
             ops.experts_grouped if ops.grouped_gemm_fits(h) else ops.experts_gathered
         return run(h, gate_up, down, weights, experts)
+
+    def delta_rule(self, q, k, v, g, beta, state, rows: torch.Tensor | None = None):
+        """The gated delta rule (ops.gated_delta_rule's contract). Eager on a GPU (prefill) through
+        fla-core's kernels, its chunked one for long chunks; elsewhere token by token in torch."""
+        if q.is_cuda and not self.static and fla_kernels.available(q.device):
+            return fla_kernels.gated_delta_rule(q, k, v, g, beta, state, rows,
+                                                chunked=q.shape[0] > fla_kernels.CHUNKED_MIN_ROWS)
+        return ops.gated_delta_rule(q, k, v, g, beta, state, rows)
 
     def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
         """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
@@ -112,6 +121,12 @@ class TritonKernels(Kernels):
         if not self._tk.experts_fit(gate_up, down, experts):
             return slow()
         return self._either("experts", lambda: self._tk.experts(*args), slow)
+
+    def delta_rule(self, q, k, v, g, beta, state, rows=None):
+        slow = lambda: ops.gated_delta_rule(q, k, v, g, beta, state, rows)  # noqa: E731
+        if not fla_kernels.available(q.device):
+            return slow()
+        return self._either("delta_rule", lambda: fla_kernels.gated_delta_rule(q, k, v, g, beta, state, rows), slow)
 
     def attend(self, q, k, v, mask):
         slow = lambda: super(TritonKernels, self).attend(q, k, v, mask)  # noqa: E731

@@ -1,11 +1,12 @@
-"""Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) and its per-sequence state, rolled back for free.
+"""Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) and its per-sequence state, with lossless rollback.
 
 A linear-attention layer carries a convolution window (the last K-1 inputs) and a recurrent state instead
-of K/V cells. Speculation needs the state after the last accepted token for any acceptance length, so
-each forward keeps the states at the last `slots` positions it passed, and the next forward starts from
-the one at its first position: a verify of W rows followed by a round at pos + a + 1 resumes from the
-state after the a-th row, with no host read (all indices are device tensors: graph-safe), and target-only
-decoding, chunked prefill and rollback are the same case."""
+of K/V cells. Speculation needs the state after the last accepted token for any acceptance length. The
+convolution windows are small: each forward keeps those at its last `slots` positions. The recurrent state
+is not (heads x Dk x Dv floats a position), so each forward keeps its start state, its end state and its
+rows' inputs (q, k, v, decay, beta), and the next forward starting inside them replays the accepted rows
+from the start state: the same arithmetic the forward did, so the same bits. All indices are device
+tensors (no host read, graph-safe); target-only decoding, chunked prefill and rollback are the same case."""
 
 from __future__ import annotations
 
@@ -19,29 +20,47 @@ from .modules import Linear, RMSNorm, Step
 
 
 class LinearState:
-    """Slot j holds the layer's state at position end - slots + j (the inputs before it, folded in)."""
+    """A layer's state: conv window slot j at position end - slots + j; the recurrent state at `begin` (the
+    last forward's first position) and at `end`, and the inputs of that forward's first `slots` rows."""
 
-    def __init__(self, slots: int, channels: int, kernel: int, heads: int, k_dim: int, v_dim: int, device, dtype):
+    def __init__(self, slots: int, channels: int, kernel: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int,
+                 device, dtype):
         self.slots = slots
         self.conv = torch.zeros(slots + 1, kernel - 1, channels, device=device, dtype=dtype)
-        self.rec = torch.zeros(slots + 1, heads, k_dim, v_dim, device=device, dtype=torch.float32)
+        self.rec = torch.zeros(2, v_heads, k_dim, v_dim, device=device, dtype=torch.float32)  # at begin, at end
+        self.q = torch.zeros(slots, k_heads, k_dim, device=device, dtype=dtype)
+        self.k = torch.zeros(slots, k_heads, k_dim, device=device, dtype=dtype)
+        self.v = torch.zeros(slots, v_heads, v_dim, device=device, dtype=dtype)
+        self.g = torch.zeros(slots, v_heads, device=device, dtype=torch.float32)
+        self.beta = torch.zeros(slots, v_heads, device=device, dtype=torch.float32)
+        self.begin = torch.zeros((), dtype=torch.long, device=device)
         self.end = torch.zeros((), dtype=torch.long, device=device)
 
-    def start(self, first: torch.Tensor):
-        """(conv window, recurrent state) at position `first`: zero at 0, else a kept slot."""
+    def start(self, first: torch.Tensor, kernels: Kernels):
+        """(conv window, recurrent state) at position `first`: zero at 0, the end state at the end, else
+        the start state with the rows before `first` replayed (a rollback into the last forward)."""
         j = (first - self.end + self.slots).clamp(0, self.slots)
-        fresh = first == 0
+        fresh, at_end = first == 0, first == self.end
         conv = torch.where(fresh, 0.0, self.conv.index_select(0, j.view(1))[0])
-        rec = torch.where(fresh, 0.0, self.rec.index_select(0, j.view(1))[0])
-        return conv, rec
+        if not kernels.static and (fresh | at_end).item():  # eager steps may read the host: no replay needed
+            return conv, torch.where(fresh, 0.0, self.rec[1])
+        rows = (first - self.begin).clamp(0, self.slots)
+        _, replayed = kernels.delta_rule(self.q, self.k, self.v, self.g, self.beta, self.rec[0], rows)
+        return conv, torch.where(fresh, 0.0, torch.where(at_end, self.rec[1], replayed))
 
-    def keep(self, first: torch.Tensor, x_full: torch.Tensor, states: torch.Tensor, rec0: torch.Tensor) -> None:
-        """After a forward of T rows from `first`: the windows and states at its last `slots` + 1 positions."""
-        t, kernel = states.shape[0], self.conv.shape[1] + 1
-        m = (torch.arange(self.slots + 1, device=states.device) + t - self.slots).clamp(0, t)  # 0: before row 0
+    def keep(self, first: torch.Tensor, x_full: torch.Tensor, inputs: tuple, rec0: torch.Tensor,
+             rec1: torch.Tensor) -> None:
+        """After a forward of T rows from `first`: the conv windows at its last `slots` + 1 positions, the
+        states before and after it, and its first `slots` rows' inputs (q, k, v, g, beta)."""
+        t, kernel = x_full.shape[0] - self.conv.shape[1], self.conv.shape[1] + 1
+        m = (torch.arange(self.slots + 1, device=x_full.device) + t - self.slots).clamp(0, t)  # 0: before row 0
         windows = x_full.unfold(0, kernel - 1, 1).transpose(1, 2)  # [T+1, K-1, C]: inputs before each position
         self.conv.copy_(windows.index_select(0, m))
-        self.rec.copy_(torch.cat([rec0[None], states]).index_select(0, m))
+        self.rec.copy_(torch.stack([rec0, rec1]))
+        n = min(t, self.slots)
+        for buf, x in zip((self.q, self.k, self.v, self.g, self.beta), inputs):
+            buf[:n].copy_(x[:n])
+        self.begin.copy_(first)
         self.end.copy_(first + t)
 
 
@@ -64,29 +83,30 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(v_heads * v_dim, hidden)
 
     def make_state(self, slots: int, device, dtype) -> LinearState:
-        return LinearState(slots, self.channels, self.kernel, self.v_heads, self.k_dim, self.v_dim, device, dtype)
+        return LinearState(slots, self.channels, self.kernel, self.k_heads, self.v_heads, self.k_dim, self.v_dim,
+                           device, dtype)
 
     def forward(self, h: torch.Tensor, step: Step, state: LinearState, kernels: Kernels) -> torch.Tensor:
         """h [T, hidden] at consecutive positions from step.positions[0] -> the mixer's output [T, hidden]."""
         if h.dim() != 2:
             raise NotImplementedError("linear-attention layers run one sequence at a time")
-        t, c = h.shape[0], self.channels
+        c = self.channels
         vd = self.v_heads * self.v_dim
         z_end = c + vd
         proj = self.in_proj(h, kernels)
         first = step.positions.reshape(-1)[0]
-        conv0, rec0 = state.start(first)
+        conv0, rec0 = state.start(first, kernels)
         x_full = torch.cat([conv0, proj[:, :c]])
         mixed = ops.causal_conv(x_full, self.conv_weight)
         kd = self.k_heads * self.k_dim
-        rep = self.v_heads // self.k_heads
-        q = mixed[:, :kd].unflatten(-1, (self.k_heads, self.k_dim)).repeat_interleave(rep, dim=1)
-        k = mixed[:, kd:2 * kd].unflatten(-1, (self.k_heads, self.k_dim)).repeat_interleave(rep, dim=1)
+        q = mixed[:, :kd].unflatten(-1, (self.k_heads, self.k_dim))
+        k = mixed[:, kd:2 * kd].unflatten(-1, (self.k_heads, self.k_dim))
         v = mixed[:, 2 * kd:].unflatten(-1, (self.v_heads, self.v_dim))
         b, a = proj[:, z_end:z_end + self.v_heads], proj[:, z_end + self.v_heads:]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out, states = ops.gated_delta_rule(q, k, v, g, b.sigmoid(), rec0)
-        state.keep(first, x_full, states, rec0)
+        beta = b.sigmoid().float()
+        out, rec1 = kernels.delta_rule(q, k, v, g, beta, rec0)
+        state.keep(first, x_full, (q, k, v, g, beta), rec0, rec1)
         z = proj[:, c:z_end].unflatten(-1, (self.v_heads, self.v_dim))
         y = ops.gated_rms_norm(out.to(h.dtype), z, self.norm.weight, self.eps)
         return self.out_proj(y.flatten(-2), kernels)

@@ -234,21 +234,24 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor):
-    """The gated delta rule, token by token in float32: q, k [T, H, Dk] (l2-normalised here, q scaled by
-    Dk^-0.5), v [T, H, Dv], g (log decay) and beta [T, H], state [H, Dk, Dv]. Returns (outputs [T, H, Dv],
-    the state after each row [T, H, Dk, Dv]): a verify that keeps a rows resumes from the a-th."""
-    q, k = l2norm(q.float()), l2norm(k.float())
+                     state: torch.Tensor, rows: torch.Tensor | None = None):
+    """The gated delta rule, token by token in float32: q, k [T, Hk, Dk] (l2-normalised here, q scaled by
+    Dk^-0.5, each key head serving Hv / Hk value heads in a row), v [T, Hv, Dv], g (log decay) and
+    beta [T, Hv], state [Hv, Dk, Dv] before row 0. Returns (outputs [T, Hv, Dv], the state after the
+    rows). rows (a 0-dim device tensor): the state after only the first `rows` rows (a rollback's replay;
+    no host read, the later rows leave the state as it is)."""
+    rep = v.shape[1] // q.shape[1]
+    q, k = l2norm(q.float()).repeat_interleave(rep, 1), l2norm(k.float()).repeat_interleave(rep, 1)
     q = q / (q.shape[-1] ** 0.5)
     v, g, beta = v.float(), g.float(), beta.float()
-    outs, states = [], []
+    outs = []
     for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        delta = (v[t] - (state * k[t][:, :, None]).sum(dim=-2)) * beta[t][:, None]
-        state = state + k[t][:, :, None] * delta[:, None, :]
+        new = state * g[t].exp()[:, None, None]
+        delta = (v[t] - (new * k[t][:, :, None]).sum(dim=-2)) * beta[t][:, None]
+        new = new + k[t][:, :, None] * delta[:, None, :]
+        state = new if rows is None else torch.where(rows > t, new, state)
         outs.append((state * q[t][:, :, None]).sum(dim=-2))
-        states.append(state)
-    return torch.stack(outs), torch.stack(states)
+    return torch.stack(outs), state
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
