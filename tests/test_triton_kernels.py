@@ -49,13 +49,17 @@ def test_skinny_gemm_matches_linear_for_a_few_rows(dtype):
     w = torch.randn(52, 200, generator=gen).to(dtype)
     b = torch.randn(52, generator=gen).to(dtype)
     config = (16, 64, 2, 2)
-    for rows in (2, 5, 16):
+    for rows in (2, 5, 16, 33):  # 33: a 32-node tree's verify
         x = torch.randn(rows, 200, generator=gen).to(dtype)
         close(tk.skinny(x, w, config=config), F.linear(x, w), dtype)
         close(tk.skinny(x, w, b, config=config), F.linear(x, w, b), dtype)
         close(tk.skinny(x, w, glu=True, config=config), silu_mul(F.linear(x, w)), dtype)
-    x = torch.randn(8, 200, generator=gen).to(dtype)
-    close(tk.skinny(x, w), F.linear(x, w), dtype)  # the default configuration
+    for rows in (8, 33):  # the default configurations
+        x = torch.randn(rows, 200, generator=gen).to(dtype)
+        close(tk.skinny(x, w), F.linear(x, w), dtype)
+        close(tk.skinny(x, w, glu=True), silu_mul(F.linear(x, w)), dtype)
+    assert tk.projection_kernel(x, w) is None and tk.projection_kernel(x, w, glu=True) == "skinny"
+    assert tk.projection_kernel(x, torch.randn(16 * 200, 200)) == "skinny"  # as wide as an LM head
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -77,8 +81,12 @@ def test_attention_matches_grouped_matmuls(dtype, monkeypatch):
             close(tk.attention(q, k, v, mask), attend_grouped(q, k, v, mask), dtype)
     one = tk.attention(q[:1], k, v, causal[:1])  # the 1-token decode
     close(one, attend_grouped(q[:1], k, v, causal[:1]), dtype)
-    monkeypatch.setattr(tk, "ATTENTION_MAX_ROWS", 8)  # 3 rows x 4 heads a group: chunks of 2 rows, then 1
-    close(tk.attention(q, k, v, causal), attend_grouped(q, k, v, causal), dtype)
+    # a tree's verify: more query rows (5 rows x 4 heads a group) than a program holds, in blocks of 16
+    monkeypatch.setattr(tk, "ATTENTION_MAX_ROWS", 16)
+    tree = torch.randn(5, h, d, generator=gen).to(dtype)
+    visible = torch.rand(5, cells, generator=gen) < 0.3
+    visible[:, 0] = True
+    close(tk.attention(tree, k, v, visible), attend_grouped(tree, k, v, visible), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -196,7 +204,7 @@ def test_a_moe_step_runs_the_expert_gemvs(monkeypatch):
     target = random_target("tiny-moe", seed=2, num_hidden_layers=2)
     calls = []
     real = tk.experts
-    monkeypatch.setattr(tk, "experts", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(tk, "experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prompt = torch.randint(0, target.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
     outs = []
     for fns in (Kernels(attention="grouped", static=True), TritonKernels(compiled=False)):

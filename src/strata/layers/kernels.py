@@ -18,7 +18,8 @@ from . import fla_kernels, ops
 from .quant import QuantWeight
 
 #: the elementwise groups a compiled set fuses, each one kernel
-GROUPS = ("rms_norm", "add_rms_norm", "norm_rotate_store", "norm_rotate_store_kv", "silu_mul", "masked_softmax")
+GROUPS = ("rms_norm", "add_rms_norm", "norm_rotate_store", "norm_rotate_store_kv", "silu_mul", "masked_softmax",
+          "causal_conv", "delta_gates", "gated_rms_norm", "sum_slots")
 ATTENTION_KINDS = ("grouped", "sdpa")
 
 
@@ -109,7 +110,7 @@ class TritonKernels(Kernels):
     def gate_up_silu(self, x, gate_up):
         if isinstance(gate_up, QuantWeight):
             return super().gate_up_silu(x, gate_up)
-        name = self._tk.projection_kernel(x, gate_up)
+        name = self._tk.projection_kernel(x, gate_up, glu=True)
         slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731
         if name is None:
             return slow()
@@ -120,7 +121,7 @@ class TritonKernels(Kernels):
         slow = lambda: super(TritonKernels, self).experts(*args)  # noqa: E731
         if not self._tk.experts_fit(gate_up, down, experts):
             return slow()
-        return self._either("experts", lambda: self._tk.experts(*args), slow)
+        return self._either("experts", lambda: self._tk.experts(*args, reduce=self.sum_slots), slow)
 
     def delta_rule(self, q, k, v, g, beta, state, rows=None):
         slow = lambda: ops.gated_delta_rule(q, k, v, g, beta, state, rows)  # noqa: E731

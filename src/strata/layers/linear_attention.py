@@ -11,10 +11,8 @@ tensors (no host read, graph-safe); target-only decoding, chunked prefill and ro
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import ops
 from .kernels import Kernels
 from .modules import Linear, RMSNorm, Step
 
@@ -56,7 +54,8 @@ class LinearState:
         m = (torch.arange(self.slots + 1, device=x_full.device) + t - self.slots).clamp(0, t)  # 0: before row 0
         windows = x_full.unfold(0, kernel - 1, 1).transpose(1, 2)  # [T+1, K-1, C]: inputs before each position
         self.conv.copy_(windows.index_select(0, m))
-        self.rec.copy_(torch.stack([rec0, rec1]))
+        self.rec[0].copy_(rec0)
+        self.rec[1].copy_(rec1)
         n = min(t, self.slots)
         for buf, x in zip((self.q, self.k, self.v, self.g, self.beta), inputs):
             buf[:n].copy_(x[:n])
@@ -97,16 +96,15 @@ class GatedDeltaNet(nn.Module):
         first = step.positions.reshape(-1)[0]
         conv0, rec0 = state.start(first, kernels)
         x_full = torch.cat([conv0, proj[:, :c]])
-        mixed = ops.causal_conv(x_full, self.conv_weight)
+        mixed = kernels.causal_conv(x_full, self.conv_weight)
         kd = self.k_heads * self.k_dim
         q = mixed[:, :kd].unflatten(-1, (self.k_heads, self.k_dim))
         k = mixed[:, kd:2 * kd].unflatten(-1, (self.k_heads, self.k_dim))
         v = mixed[:, 2 * kd:].unflatten(-1, (self.v_heads, self.v_dim))
         b, a = proj[:, z_end:z_end + self.v_heads], proj[:, z_end + self.v_heads:]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        beta = b.sigmoid().float()
+        g, beta = kernels.delta_gates(a, b, self.A_log, self.dt_bias)
         out, rec1 = kernels.delta_rule(q, k, v, g, beta, rec0)
         state.keep(first, x_full, (q, k, v, g, beta), rec0, rec1)
         z = proj[:, c:z_end].unflatten(-1, (self.v_heads, self.v_dim))
-        y = ops.gated_rms_norm(out.to(h.dtype), z, self.norm.weight, self.eps)
+        y = kernels.gated_rms_norm(out.to(h.dtype), z, self.norm.weight, self.eps)
         return self.out_proj(y.flatten(-2), kernels)

@@ -254,6 +254,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return torch.stack(outs), state
 
 
+def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Gated DeltaNet's per-head log decay g = -exp(A_log) * softplus(a + dt_bias) and write strength
+    beta = sigmoid(b), both float32 (beta rounded to the model's type first, as transformers does)."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid().float()
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x, then times silu(gate) in float32 (DeltaNet's output norm)."""
     return (rms_norm(x, weight, eps).float() * F.silu(gate.float())).to(x.dtype)

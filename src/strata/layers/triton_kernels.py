@@ -119,11 +119,13 @@ def _build():
     @triton.jit
     def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
                                  stride_mask, chunk, scale, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
-                                 D: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
+                                 D: tl.constexpr, R: tl.constexpr, RT: tl.constexpr, BLOCK_S: tl.constexpr,
+                                 PRECISION: tl.constexpr):
+        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells."""
         kvh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
-        r = tl.arange(0, R)
+        r = tl.program_id(2) * R + tl.arange(0, R)
         t = r // G
         rvalid = r < T * G
         d = tl.arange(0, D)
@@ -150,21 +152,21 @@ def _build():
             v = tl.load(v_ptr + kv_off, mask=smask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
-        part = (kvh * splits + split) * R + r
+        part = (kvh * splits + split) * RT + r
         tl.store(m_ptr + part, m_i)
         tl.store(l_ptr + part, l_i)
         tl.store(o_ptr + part[:, None] * D + d[None, :], acc)
 
     @triton.jit
     def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, splits, G: tl.constexpr, HK: tl.constexpr,
-                                 D: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr):
+                                 D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr):
         """One query row of one K/V head per program: all its partials loaded at once."""
         kvh = tl.program_id(0)
         r = tl.program_id(1)
         sp = tl.arange(0, SPLITS)
         valid = sp < splits
         d = tl.arange(0, D)
-        part = (kvh * splits + sp) * R + r
+        part = (kvh * splits + sp) * RT + r
         m_s = tl.load(m_ptr + part, mask=valid, other=float("-inf"))
         m_max = tl.max(m_s, axis=0)
         scale = tl.where(valid, tl.exp(m_s - m_max), 0.0)
@@ -220,14 +222,17 @@ def _build():
             "attention_combine": attention_combine_kernel, "norm_rotate_store": norm_rotate_store_kernel}
 
 
-def projection_kernel(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    """The name of the kernel for x @ w^T ("gemv" for one row, "skinny" for up to SKINNY_MAX_ROWS), or
-    None for other shapes and layouts."""
+def projection_kernel(x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> str | None:
+    """The name of the kernel for x @ w^T ("gemv" for one row, "skinny" for up to SKINNY_MAX_ROWS, and up to
+    SKINNY_WIDE_MAX_ROWS for gate/up and LM-head-wide matrices), or None for other shapes and layouts."""
     if x.dim() != 2 or x.stride(1) != 1 or w.stride(1) != 1:
         return None
-    if x.shape[0] == 1:
+    rows = x.shape[0]
+    if rows == 1:
         return "gemv"
-    return "skinny" if x.shape[0] <= SKINNY_MAX_ROWS else None
+    if rows <= SKINNY_MAX_ROWS or (rows <= SKINNY_WIDE_MAX_ROWS and (glu or w.shape[0] >= 16 * w.shape[1])):
+        return "skinny"
+    return None
 
 
 #: (BLOCK_N, BLOCK_K, num_warps) of the GEMV, plain and gate/up; swept on the H200 over 2..16 output rows
@@ -257,10 +262,11 @@ EXPERT_GEMV_MAX = 256
 
 
 def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-            experts: torch.Tensor) -> torch.Tensor:
+            experts: torch.Tensor, reduce=None) -> torch.Tensor:
     """ops.experts_routed's contract in two launches plus the sum, for a few rows: every (row, expert)
     assignment a GEMV over its expert's gate/up (silu(gate) * up written directly), then over its down
-    matrix, reading only the experts hit; each row's outputs summed in ascending expert order."""
+    matrix, reading only the experts hit; each row's outputs summed in ascending expert order by
+    `reduce` (ops.sum_slots's contract; the compiled set passes its fused one)."""
     from .ops import by_expert, sum_slots
 
     n, k = experts.shape
@@ -280,7 +286,7 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     kernels["gemv"][(_cdiv(hidden, block_n), n * k)](
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    return sum_slots(y.view(n, k, hidden), weights, h.dtype)
+    return (reduce or sum_slots)(y.view(n, k, hidden), weights, h.dtype)
 
 
 def experts_fit(gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor) -> bool:
@@ -291,19 +297,25 @@ def experts_fit(gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row GEMM (a verify window, a drafter block): the
 #: least total time over the 8B shape's projections at 8 rows on the H200 (bench/results/triton-skinny-h200.json).
 SKINNY_CONFIG = (64, 256, 4, 4)
-#: past 16 rows cuBLAS was faster on the H200 (a 33-row verify of the 8B shape: 7.3 ms, 10.2 in this kernel)
 SKINNY_MAX_ROWS = 16
+#: 17..64 rows (a tree's verify): on the H200 at 33 and 64 rows cuBLAS was as fast or faster for the 8B
+#: shape's qkv, o and down projections, this kernel 10% faster for the fused gate/up and 13% for the LM
+#: head, with these configurations (bench/results/skinny-sweep-h200.json)
+SKINNY_WIDE_MAX_ROWS = 64
+SKINNY_WIDE_GLU_CONFIG = (64, 64, 4, 4)
+SKINNY_WIDE_CONFIG = (128, 128, 4, 4)
 
 
 def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False,
            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T (+ b) -> [M, N] for 1 <= M <= 16 rows (glu as in gemv), where cuBLAS would split K
+    """x [M, K] @ w[N, K]^T (+ b) -> [M, N] for 1 <= M <= 64 rows (glu as in gemv), where cuBLAS would split K
     and reduce in a second kernel."""
     rows, k = x.shape
     n_total = w.shape[0]
     n = n_total // 2 if glu else n_total
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    block_n, block_k, warps, stages = config or SKINNY_CONFIG
+    block_n, block_k, warps, stages = config or (SKINNY_CONFIG if rows <= SKINNY_MAX_ROWS else
+                                                 SKINNY_WIDE_GLU_CONFIG if glu else SKINNY_WIDE_CONFIG)
     _build()["skinny"][(_cdiv(n, block_n),)](
         x, w, b if b is not None else w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=b is not None, GLU=glu, BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n,
@@ -336,27 +348,25 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """ops.attend_grouped's contract: q [T, H, D]; k, v [S, Hkv, D] (rows of a cache layer); mask [T, S]
     bool (True = visible). Returns [T, H*D]. Every query must see at least one cell. More query rows than
-    a program holds (a tree's verify) run in chunks of rows, each over the same cells."""
+    a program holds (a tree's verify) are split over programs too, in the same launch."""
     t, h, d = q.shape
     s, hk, _ = k.shape
     g = h // hk
-    per = ATTENTION_MAX_ROWS // g
-    if t > per:
-        return torch.cat([attention(q[i:i + per], k, v, mask[i:i + per]) for i in range(0, t, per)])
-    rows = max(16, 1 << (t * g - 1).bit_length())
+    rows = min(ATTENTION_MAX_ROWS, max(16, 1 << (t * g - 1).bit_length()))
+    row_blocks = _cdiv(t * g, rows)
     blocks = _cdiv(s, ATTENTION_BLOCK)
     chunk = ATTENTION_BLOCK * _cdiv(blocks, ATTENTION_TARGET_SPLITS)
     splits = _cdiv(s, chunk)
     kernels = _build()
-    o = torch.empty(hk, splits, rows, d, device=q.device, dtype=torch.float32)
-    m = torch.empty(hk, splits, rows, device=q.device, dtype=torch.float32)
+    o = torch.empty(hk, splits, row_blocks * rows, d, device=q.device, dtype=torch.float32)
+    m = torch.empty(hk, splits, row_blocks * rows, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     q = q.contiguous()
-    kernels["attention_partial"][(hk, splits)](
+    kernels["attention_partial"][(hk, splits, row_blocks)](
         q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
-        BLOCK_S=ATTENTION_BLOCK, PRECISION=_precision(q), num_warps=4)
+        RT=row_blocks * rows, BLOCK_S=ATTENTION_BLOCK, PRECISION=_precision(q), num_warps=4)
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
-    kernels["attention_combine"][(hk, t * g)](o, m, l, out, splits, G=g, HK=hk, D=d, R=rows,
+    kernels["attention_combine"][(hk, t * g)](o, m, l, out, splits, G=g, HK=hk, D=d, RT=row_blocks * rows,
                                               SPLITS=max(2, 1 << (splits - 1).bit_length()), num_warps=2)
     return out
 
