@@ -325,7 +325,7 @@ def rollback_cost(engine: Engine, reps: int = 20) -> dict:
 
     def replay():
         for s in states:
-            kernels.delta_rule(s.q, s.k, s.v, s.g, s.beta, s.rec[0], rows)
+            kernels.delta_rule(s.qk[0], s.qk[1], s.v, s.gb[0], s.gb[1], s.rec[0], rows)
 
     def snapshots():
         for s, b in zip(states, buffers):

@@ -19,7 +19,7 @@ from .quant import QuantWeight
 
 #: the elementwise groups a compiled set fuses, each one kernel
 GROUPS = ("rms_norm", "add_rms_norm", "norm_rotate_store", "norm_rotate_store_kv", "silu_mul", "masked_softmax",
-          "causal_conv", "delta_gates", "gated_rms_norm", "sum_slots")
+          "delta_inputs", "gated_rms_norm", "sum_slots")
 ATTENTION_KINDS = ("grouped", "sdpa")
 
 

@@ -26,11 +26,9 @@ class LinearState:
         self.slots = slots
         self.conv = torch.zeros(slots + 1, kernel - 1, channels, device=device, dtype=dtype)
         self.rec = torch.zeros(2, v_heads, k_dim, v_dim, device=device, dtype=torch.float32)  # at begin, at end
-        self.q = torch.zeros(slots, k_heads, k_dim, device=device, dtype=dtype)
-        self.k = torch.zeros(slots, k_heads, k_dim, device=device, dtype=dtype)
+        self.qk = torch.zeros(2, slots, k_heads, k_dim, device=device, dtype=dtype)
         self.v = torch.zeros(slots, v_heads, v_dim, device=device, dtype=dtype)
-        self.g = torch.zeros(slots, v_heads, device=device, dtype=torch.float32)
-        self.beta = torch.zeros(slots, v_heads, device=device, dtype=torch.float32)
+        self.gb = torch.zeros(2, slots, v_heads, device=device, dtype=torch.float32)  # log decay, beta
         self.begin = torch.zeros((), dtype=torch.long, device=device)
         self.end = torch.zeros((), dtype=torch.long, device=device)
 
@@ -43,22 +41,24 @@ class LinearState:
         if not kernels.static and (fresh | at_end).item():  # eager steps may read the host: no replay needed
             return conv, torch.where(fresh, 0.0, self.rec[1])
         rows = (first - self.begin).clamp(0, self.slots)
-        _, replayed = kernels.delta_rule(self.q, self.k, self.v, self.g, self.beta, self.rec[0], rows)
+        _, replayed = kernels.delta_rule(self.qk[0], self.qk[1], self.v, self.gb[0], self.gb[1], self.rec[0], rows)
         return conv, torch.where(fresh, 0.0, torch.where(at_end, self.rec[1], replayed))
 
     def keep(self, first: torch.Tensor, x_full: torch.Tensor, inputs: tuple, rec0: torch.Tensor,
              rec1: torch.Tensor) -> None:
         """After a forward of T rows from `first`: the conv windows at its last `slots` + 1 positions, the
-        states before and after it, and its first `slots` rows' inputs (q, k, v, g, beta)."""
+        states before and after it, and its first `slots` rows' inputs (qk, v, gb as delta_inputs gives)."""
         t, kernel = x_full.shape[0] - self.conv.shape[1], self.conv.shape[1] + 1
         m = (torch.arange(self.slots + 1, device=x_full.device) + t - self.slots).clamp(0, t)  # 0: before row 0
         windows = x_full.unfold(0, kernel - 1, 1).transpose(1, 2)  # [T+1, K-1, C]: inputs before each position
-        self.conv.copy_(windows.index_select(0, m))
+        torch.index_select(windows, 0, m, out=self.conv)
         self.rec[0].copy_(rec0)
         self.rec[1].copy_(rec1)
         n = min(t, self.slots)
-        for buf, x in zip((self.q, self.k, self.v, self.g, self.beta), inputs):
-            buf[:n].copy_(x[:n])
+        qk, v, gb = inputs
+        self.qk[:, :n].copy_(qk[:, :n])
+        self.v[:n].copy_(v[:n])
+        self.gb[:, :n].copy_(gb[:, :n])
         self.begin.copy_(first)
         self.end.copy_(first + t)
 
@@ -95,16 +95,10 @@ class GatedDeltaNet(nn.Module):
         proj = self.in_proj(h, kernels)
         first = step.positions.reshape(-1)[0]
         conv0, rec0 = state.start(first, kernels)
-        x_full = torch.cat([conv0, proj[:, :c]])
-        mixed = kernels.causal_conv(x_full, self.conv_weight)
-        kd = self.k_heads * self.k_dim
-        q = mixed[:, :kd].unflatten(-1, (self.k_heads, self.k_dim))
-        k = mixed[:, kd:2 * kd].unflatten(-1, (self.k_heads, self.k_dim))
-        v = mixed[:, 2 * kd:].unflatten(-1, (self.v_heads, self.v_dim))
-        b, a = proj[:, z_end:z_end + self.v_heads], proj[:, z_end + self.v_heads:]
-        g, beta = kernels.delta_gates(a, b, self.A_log, self.dt_bias)
-        out, rec1 = kernels.delta_rule(q, k, v, g, beta, rec0)
-        state.keep(first, x_full, (q, k, v, g, beta), rec0, rec1)
+        x_full, qk, v, gb = kernels.delta_inputs(conv0, proj, self.conv_weight, self.A_log, self.dt_bias,
+                                                 self.k_heads, self.v_heads, self.k_dim, self.v_dim)
+        out, rec1 = kernels.delta_rule(qk[0], qk[1], v, gb[0], gb[1], rec0)
+        state.keep(first, x_full, (qk, v, gb), rec0, rec1)
         z = proj[:, c:z_end].unflatten(-1, (self.v_heads, self.v_dim))
         y = kernels.gated_rms_norm(out.to(h.dtype), z, self.norm.weight, self.eps)
         return self.out_proj(y.flatten(-2), kernels)

@@ -254,10 +254,21 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return torch.stack(outs), state
 
 
-def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
-    """Gated DeltaNet's per-head log decay g = -exp(A_log) * softplus(a + dt_bias) and write strength
-    beta = sigmoid(b), both float32 (beta rounded to the model's type first, as transformers does)."""
-    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid().float()
+def delta_inputs(conv0: torch.Tensor, proj: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
+                 dt_bias: torch.Tensor, k_heads: int, v_heads: int, k_dim: int, v_dim: int):
+    """Gated DeltaNet's inputs to the delta rule from its input projection proj [T, C + Hv*Dv + 2Hv] and the
+    K-1 inputs before it (conv0): (x_full [K-1+T, C], qk [2, T, Hk, Dk], v [T, Hv, Dv], gb [2, T, Hv]). q, k,
+    v are the convolution's output; g = -exp(A_log) * softplus(a + dt_bias) is the log decay and beta =
+    sigmoid(b) the write strength, float32 (beta rounded to the model's type first, as transformers does)."""
+    c = conv_weight.shape[0]
+    kd, vd = k_heads * k_dim, v_heads * v_dim
+    x_full = torch.cat([conv0, proj[:, :c]])
+    mixed = causal_conv(x_full, conv_weight)
+    qk = torch.stack([mixed[:, :kd], mixed[:, kd:2 * kd]]).unflatten(-1, (k_heads, k_dim))
+    v = mixed[:, 2 * kd:].unflatten(-1, (v_heads, v_dim)).contiguous()
+    b, a = proj[:, c + vd:c + vd + v_heads], proj[:, c + vd + v_heads:]
+    gb = torch.stack([-a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid().float()])
+    return x_full, qk, v, gb
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
