@@ -198,6 +198,22 @@ def test_expert_gemvs_match_the_routed_experts(dtype):
         close(tk.experts(h, gate_up, down, weights, experts), experts_routed(h, gate_up, down, weights, experts), dtype)
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_kernel_matches_the_routing(renormalize):
+    """The one-launch routing against ops.route: the same experts in ascending order, weights to rounding;
+    128 experts (a 30B-A3B layer's) and 6 (a tiny checkpoint's, the block padded)."""
+    from strata.layers.ops import route
+
+    gen = torch.Generator().manual_seed(9)
+    for e, k in ((128, 8), (6, 2)):
+        h = torch.randn(5, 32, generator=gen)
+        router = torch.randn(e, 32, generator=gen)
+        want_w, want_e = route(h, router, k, renormalize)
+        got_w, got_e = tk.route_topk(F.linear(h, router), k, renormalize)
+        assert got_e.equal(want_e) and bool((got_e.diff(dim=-1) > 0).all())
+        close(got_w, want_w, torch.float32)
+
+
 def test_a_moe_step_runs_the_expert_gemvs(monkeypatch):
     """A tiny MoE target's static verify step through TritonKernels takes the expert GEMVs in every sparse
     layer and keeps the eager step's logits."""

@@ -50,6 +50,10 @@ class Kernels:
             ops.experts_grouped if ops.grouped_gemm_fits(h) else ops.experts_gathered
         return run(h, gate_up, down, weights, experts)
 
+    def route(self, h: torch.Tensor, router, top_k: int, renormalize: bool):
+        """A MoE layer's routing (ops.route's contract)."""
+        return ops.route(h, router, top_k, renormalize)
+
     def delta_rule(self, q, k, v, g, beta, state, rows: torch.Tensor | None = None):
         """The gated delta rule (ops.gated_delta_rule's contract). Eager on a GPU (prefill) through
         fla-core's kernels, its chunked one for long chunks; elsewhere token by token in torch."""
@@ -122,6 +126,12 @@ class TritonKernels(Kernels):
         if not self._tk.experts_fit(gate_up, down, experts):
             return slow()
         return self._either("experts", lambda: self._tk.experts(*args, reduce=self.sum_slots), slow)
+
+    def route(self, h, router, top_k, renormalize):
+        slow = lambda: ops.route(h, router, top_k, renormalize)  # noqa: E731
+        if isinstance(router, QuantWeight):
+            return slow()
+        return self._either("route", lambda: self._tk.route_topk(self.linear(h, router), top_k, renormalize), slow)
 
     def delta_rule(self, q, k, v, g, beta, state, rows=None):
         slow = lambda: ops.gated_delta_rule(q, k, v, g, beta, state, rows)  # noqa: E731

@@ -206,7 +206,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         flat = h.reshape(-1, h.shape[-1])
-        weights, experts = ops.route(flat, self.gate.weight, self.top_k, self.renormalize)
+        weights, experts = kernels.route(flat, self.gate.weight, self.top_k, self.renormalize)
         if self.host_experts:
             out = ops.experts_placed(flat, self.gate_up_proj, self.down_proj, self.host_gate_up, self.host_down,
                                      self.slot, weights, experts, self.timing)

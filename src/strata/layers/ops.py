@@ -103,13 +103,14 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):
     """Qwen3-MoE routing of rows h [N, H]: the router's logits in h's dtype, softmax in float32, the top-k
-    (renormalised to sum 1 when asked), cast back. Returns (weights [N, k], experts [N, k] int64)."""
+    (renormalised to sum 1 when asked), cast back. Returns (weights [N, k], experts [N, k] int64), each
+    row's pairs in ascending expert order (the order its outputs are summed in)."""
     logits = F.linear(h, router)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), experts
+    return by_expert(weights.to(logits.dtype), experts)
 
 
 def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e: int) -> torch.Tensor:
@@ -137,7 +138,7 @@ def experts_routed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w
     """Each expert that a row was routed to, over its rows only; a row's weighted outputs summed from zero
     in ascending expert order (transformers' order). The host reads which experts were hit, so this is
     the eager path. h [N, H]; gate_up [2, E, I, H] (every expert's gate, then every expert's up); down
-    [E, H, I]; weights, experts [N, k]."""
+    [E, H, I]; weights, experts [N, k] as route gives them (each row's pairs in ascending expert order)."""
     out = torch.zeros_like(h)
     for e in torch.unique(experts).tolist():
         rows, slot = torch.where(experts == e)
@@ -149,7 +150,6 @@ def experts_gathered(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      experts: torch.Tensor) -> torch.Tensor:
     """experts_routed in static shapes, with no host read (CUDA-graph safe): slot by slot, every row's
     expert matrices gathered on the device and applied as batched matrix-vector products."""
-    weights, experts = by_expert(weights, experts)
     x = h[:, :, None]
     y = []
     for e in experts.T:
@@ -164,7 +164,6 @@ def experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     every (row, expert) pair sorted by expert, each expert's rows one group of a grouped GEMM
     (torch._grouped_mm)."""
     n, k = experts.shape
-    weights, experts = by_expert(weights, experts)
     flat = experts.reshape(-1)
     perm = torch.argsort(flat, stable=True)
     counts = torch.zeros(down.shape[0], dtype=torch.int32, device=h.device)
@@ -192,7 +191,6 @@ def experts_placed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, h
     ascending expert order, so placement never changes the result. timing: seconds accumulate under
     "routing_read" (waiting for the device's work up to the routing) and "host_experts" (the CPU's
     experts with their copies)."""
-    weights, experts = by_expert(weights, experts)
     t0 = time.perf_counter()
     routed = experts.cpu()
     t1 = time.perf_counter()

@@ -117,6 +117,33 @@ def _build():
         tl.store(y_ptr + m[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
+    def route_kernel(logits_ptr, w_ptr, e_ptr, E, stride_l, K: tl.constexpr, KP: tl.constexpr,
+                     BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+        """One row's routing: softmax over the experts in float32, the top K by repeated maximum (the lower
+        expert id first among equals), renormalised when asked, written in ascending expert order."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_E)
+        valid = cols < E
+        x = tl.load(logits_ptr + row * stride_l + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = tl.where(valid, p / tl.sum(p, axis=0), -1.0)
+        slots = tl.arange(0, KP)
+        vals = tl.zeros([KP], dtype=tl.float32)
+        idx = tl.full([KP], 1 << 30, dtype=tl.int32)
+        for i in tl.static_range(K):
+            best = tl.max(p, axis=0)
+            j = tl.min(tl.where(p == best, cols, BLOCK_E), axis=0)
+            vals = tl.where(slots == i, best, vals)
+            idx = tl.where(slots == i, j, idx)
+            p = tl.where(cols == j, -1.0, p)
+        if RENORM:
+            vals = vals / tl.sum(vals, axis=0)
+        rank = tl.sum((idx[None, :] < idx[:, None]).to(tl.int32), axis=1)  # experts below each one
+        live = slots < K
+        tl.store(w_ptr + row * K + rank, vals.to(w_ptr.dtype.element_ty), mask=live)
+        tl.store(e_ptr + row * K + rank, idx.to(tl.int64), mask=live)
+
+    @triton.jit
     def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
                                  stride_mask, chunk, scale, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
                                  D: tl.constexpr, R: tl.constexpr, RT: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -219,7 +246,8 @@ def _build():
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
     return {"gemv": gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
-            "attention_combine": attention_combine_kernel, "norm_rotate_store": norm_rotate_store_kernel}
+            "attention_combine": attention_combine_kernel, "route": route_kernel,
+            "norm_rotate_store": norm_rotate_store_kernel}
 
 
 def projection_kernel(x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> str | None:
@@ -267,10 +295,9 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     assignment a GEMV over its expert's gate/up (silu(gate) * up written directly), then over its down
     matrix, reading only the experts hit; each row's outputs summed in ascending expert order by
     `reduce` (ops.sum_slots's contract; the compiled set passes its fused one)."""
-    from .ops import by_expert, sum_slots
+    from .ops import sum_slots
 
     n, k = experts.shape
-    weights, experts = by_expert(weights, experts)
     flat = experts.reshape(-1).contiguous()
     x = h.repeat_interleave(k, dim=0)
     _, e, inter, hidden = gate_up.shape
@@ -287,6 +314,18 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return (reduce or sum_slots)(y.view(n, k, hidden), weights, h.dtype)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """ops.route after the router's logits [N, E], in one launch: (weights [N, k] in the logits' dtype,
+    experts [N, k] int64), each row's pairs in ascending expert order."""
+    n, e = logits.shape
+    weights = torch.empty(n, top_k, device=logits.device, dtype=logits.dtype)
+    experts = torch.empty(n, top_k, device=logits.device, dtype=torch.long)
+    _build()["route"][(n,)](logits, weights, experts, e, logits.stride(0), K=top_k,
+                            KP=max(2, 1 << (top_k - 1).bit_length()), BLOCK_E=max(16, 1 << (e - 1).bit_length()),
+                            RENORM=renormalize, num_warps=4)
+    return weights, experts
 
 
 def experts_fit(gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor) -> bool:
