@@ -49,17 +49,13 @@ def test_skinny_gemm_matches_linear_for_a_few_rows(dtype):
     w = torch.randn(52, 200, generator=gen).to(dtype)
     b = torch.randn(52, generator=gen).to(dtype)
     config = (16, 64, 2, 2)
-    for rows in (2, 5, 16, 33):  # 33: a 32-node tree's verify
+    for rows in (2, 5, 16):
         x = torch.randn(rows, 200, generator=gen).to(dtype)
         close(tk.skinny(x, w, config=config), F.linear(x, w), dtype)
         close(tk.skinny(x, w, b, config=config), F.linear(x, w, b), dtype)
         close(tk.skinny(x, w, glu=True, config=config), silu_mul(F.linear(x, w)), dtype)
-    for rows in (8, 33):  # the default configurations
-        x = torch.randn(rows, 200, generator=gen).to(dtype)
-        close(tk.skinny(x, w), F.linear(x, w), dtype)
-        close(tk.skinny(x, w, glu=True), silu_mul(F.linear(x, w)), dtype)
-    assert tk.projection_kernel(x, w) is None and tk.projection_kernel(x, w, glu=True) == "skinny"
-    assert tk.projection_kernel(x, torch.randn(16 * 200, 200)) == "skinny"  # as wide as an LM head
+    x = torch.randn(8, 200, generator=gen).to(dtype)
+    close(tk.skinny(x, w), F.linear(x, w), dtype)  # the default configuration
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -48,15 +48,14 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
     beam = torch.where(torch.arange(budget, device=dev) == 0, 0.0, float("-inf"))
     steps = vals - DEPTH_PENALTY
     scores, picks = [], []
-    for d in range(depths):  # two kernels a depth (one sort of N x k scores); tokens and parents read after
-        beam, pick = torch.sort((beam[:, None] + steps[d][None, :]).reshape(-1), descending=True)
-        beam, pick = beam[:budget], pick[:budget]
+    for d in range(depths):  # an unsorted top-N a depth; the tokens and parents are read off all picks after
+        beam, pick = torch.topk((beam[:, None] + steps[d][None, :]).reshape(-1), budget, sorted=False)
         scores.append(beam)
         picks.append(pick)
     score, pick = torch.stack(scores), torch.stack(picks)  # [D, N] each
     tokens = idx.gather(1, pick % k)
     parents = pick // k  # the slot in the previous depth's beam
-    chosen = torch.sort(score.reshape(-1), descending=True).indices[:budget]
+    chosen = torch.topk(score.reshape(-1), budget, sorted=False).indices
     chosen = chosen[torch.argsort(chosen)]  # by depth, then beam slot: parents come before children
     d_of, slot_of = chosen // budget, chosen % budget
     row_of = torch.full((depths, budget), -1, dtype=torch.long, device=dev)

@@ -114,7 +114,7 @@ class TritonKernels(Kernels):
     def gate_up_silu(self, x, gate_up):
         if isinstance(gate_up, QuantWeight):
             return super().gate_up_silu(x, gate_up)
-        name = self._tk.projection_kernel(x, gate_up, glu=True)
+        name = self._tk.projection_kernel(x, gate_up)
         slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731
         if name is None:
             return slow()

@@ -40,7 +40,7 @@ class LinearState:
         conv = torch.where(fresh, 0.0, self.conv.index_select(0, j.view(1))[0])
         if not kernels.static and (fresh | at_end).item():  # eager steps may read the host: no replay needed
             return conv, torch.where(fresh, 0.0, self.rec[1])
-        rows = (first - self.begin).clamp(0, self.slots)
+        rows = torch.where(at_end | fresh, 0, (first - self.begin).clamp(0, self.slots))  # replay only a rollback
         _, replayed = kernels.delta_rule(self.qk[0], self.qk[1], self.v, self.gb[0], self.gb[1], self.rec[0], rows)
         return conv, torch.where(fresh, 0.0, torch.where(at_end, self.rec[1], replayed))
 

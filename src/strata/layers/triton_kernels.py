@@ -117,6 +117,47 @@ def _build():
         tl.store(y_ptr + m[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
+    def expert_group_kernel(x_ptr, w_ptr, se_ptr, perm_ptr, y_ptr, N, K, A, stride_x, stride_e, stride_w, stride_y,
+                            up_offset, KROW: tl.constexpr, GLU: tl.constexpr, DUP: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """gemv_kernel's EXPERTS mode over a window's assignments sorted by expert (se, perm): program i works
+        only when it is its expert's first, for all (up to DUP) of that expert's assignments, so each expert's
+        weight tile is read once however many rows chose it. Assignment a reads x row a // KROW, writes y row a."""
+        i = tl.program_id(1)
+        e = tl.load(se_ptr + i)
+        leader = ((i == 0) | (tl.load(se_ptr + tl.maximum(i - 1, 0)) != e)).to(tl.int32)
+        j = i + tl.arange(0, DUP)
+        same = (j < A) & (j * 0 + leader > 0)
+        same = same & (tl.load(se_ptr + j, mask=same, other=-1) == e)
+        a = tl.load(perm_ptr + j, mask=same, other=0).to(tl.int64)
+        w_ptr += e.to(tl.int64) * stride_e
+        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rmask = (rows < N) & (rows * 0 + leader > 0)
+        cols = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([DUP, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([DUP, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + cols
+            kmask = kk < K
+            x = tl.load(x_ptr + (a // KROW)[:, None] * stride_x + kk[None, :], mask=same[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            wmask = rmask[:, None] & kmask[None, :]
+            w = tl.load(w_ptr + rows[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0,
+                        eviction_policy="evict_first")
+            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+            if GLU:
+                u = tl.load(w_ptr + up_offset + rows[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0,
+                            eviction_policy="evict_first")
+                acc_up += u.to(tl.float32)[None, :, :] * x[:, None, :]
+        out_ty = y_ptr.dtype.element_ty
+        y = tl.sum(acc, axis=2)
+        if GLU:
+            gate = y.to(out_ty).to(tl.float32)
+            up = tl.sum(acc_up, axis=2).to(out_ty).to(tl.float32)
+            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
+        tl.store(y_ptr + a[:, None] * stride_y + rows[None, :], y.to(out_ty), mask=same[:, None] & rmask[None, :])
+
+    @triton.jit
     def route_kernel(logits_ptr, w_ptr, e_ptr, E, stride_l, K: tl.constexpr, KP: tl.constexpr,
                      BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
         """One row's routing: softmax over the experts in float32, the top K by repeated maximum (the lower
@@ -246,21 +287,18 @@ def _build():
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
     return {"gemv": gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
-            "attention_combine": attention_combine_kernel, "route": route_kernel,
+            "attention_combine": attention_combine_kernel, "route": route_kernel, "expert_group": expert_group_kernel,
             "norm_rotate_store": norm_rotate_store_kernel}
 
 
-def projection_kernel(x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> str | None:
-    """The name of the kernel for x @ w^T ("gemv" for one row, "skinny" for up to SKINNY_MAX_ROWS, and up to
-    SKINNY_WIDE_MAX_ROWS for gate/up and LM-head-wide matrices), or None for other shapes and layouts."""
+def projection_kernel(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """The name of the kernel for x @ w^T ("gemv" for one row, "skinny" for up to SKINNY_MAX_ROWS), or
+    None for other shapes and layouts."""
     if x.dim() != 2 or x.stride(1) != 1 or w.stride(1) != 1:
         return None
-    rows = x.shape[0]
-    if rows == 1:
+    if x.shape[0] == 1:
         return "gemv"
-    if rows <= SKINNY_MAX_ROWS or (rows <= SKINNY_WIDE_MAX_ROWS and (glu or w.shape[0] >= 16 * w.shape[1])):
-        return "skinny"
-    return None
+    return "skinny" if x.shape[0] <= SKINNY_MAX_ROWS else None
 
 
 #: (BLOCK_N, BLOCK_K, num_warps) of the GEMV, plain and gate/up; swept on the H200 over 2..16 output rows
@@ -299,9 +337,11 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
 
     n, k = experts.shape
     flat = experts.reshape(-1).contiguous()
-    x = h.repeat_interleave(k, dim=0)
     _, e, inter, hidden = gate_up.shape
     kernels = _build()
+    if n > 1:
+        return (reduce or sum_slots)(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
+    x = h.repeat_interleave(k, dim=0)
     act = torch.empty(n * k, inter, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = GEMV_GLU_CONFIG
     kernels["gemv"][(_cdiv(inter, block_n), n * k)](
@@ -314,6 +354,26 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return (reduce or sum_slots)(y.view(n, k, hidden), weights, h.dtype)
+
+
+def _experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, flat: torch.Tensor,
+                     k: int) -> torch.Tensor:
+    """The outputs [N, k, H] of a window's (row, expert) assignments `flat` (row-major), each expert hit
+    read once: the union of the rows' experts, not one copy per assignment."""
+    n = h.shape[0]
+    _, _, inter, hidden = gate_up.shape
+    se, perm = torch.sort(flat, stable=True)
+    dup = max(2, 1 << (n - 1).bit_length())  # an expert serves each row at most once
+    kernels = _build()
+    act = torch.empty(n * k, inter, device=h.device, dtype=h.dtype)
+    y = torch.empty(n * k, hidden, device=h.device, dtype=h.dtype)
+    for x, w, out, rows, cols, krow, glu in ((h, gate_up, act, inter, hidden, k, True),
+                                              (act, down, y, hidden, inter, 1, False)):
+        block_k = min(512, max(64, (2048 if glu else 4096) // dup))
+        kernels["expert_group"][(_cdiv(rows, 2), n * k)](
+            x, w, se, perm, out, rows, cols, n * k, x.stride(0), w.stride(-3), w.stride(-2), out.stride(0),
+            w.stride(0) if glu else 0, KROW=krow, GLU=glu, DUP=dup, BLOCK_N=2, BLOCK_K=block_k, num_warps=4)
+    return y.view(n, k, hidden)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -336,25 +396,21 @@ def experts_fit(gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row GEMM (a verify window, a drafter block): the
 #: least total time over the 8B shape's projections at 8 rows on the H200 (bench/results/triton-skinny-h200.json).
 SKINNY_CONFIG = (64, 256, 4, 4)
+#: past 16 rows cuBLAS: at 33 and 64 rows of the 8B shape it was faster than every configuration swept
+#: over all the projections (bench/results/skinny-sweep-h200.json); the sweep's best for the gate/up and
+#: the LM head alone (a 10-13% win in isolation) made a 33-row tree verify no faster
 SKINNY_MAX_ROWS = 16
-#: 17..64 rows (a tree's verify): on the H200 at 33 and 64 rows cuBLAS was as fast or faster for the 8B
-#: shape's qkv, o and down projections, this kernel 10% faster for the fused gate/up and 13% for the LM
-#: head, with these configurations (bench/results/skinny-sweep-h200.json)
-SKINNY_WIDE_MAX_ROWS = 64
-SKINNY_WIDE_GLU_CONFIG = (64, 64, 4, 4)
-SKINNY_WIDE_CONFIG = (128, 128, 4, 4)
 
 
 def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False,
            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T (+ b) -> [M, N] for 1 <= M <= 64 rows (glu as in gemv), where cuBLAS would split K
+    """x [M, K] @ w[N, K]^T (+ b) -> [M, N] for a few rows (glu as in gemv), where cuBLAS would split K
     and reduce in a second kernel."""
     rows, k = x.shape
     n_total = w.shape[0]
     n = n_total // 2 if glu else n_total
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    block_n, block_k, warps, stages = config or (SKINNY_CONFIG if rows <= SKINNY_MAX_ROWS else
-                                                 SKINNY_WIDE_GLU_CONFIG if glu else SKINNY_WIDE_CONFIG)
+    block_n, block_k, warps, stages = config or SKINNY_CONFIG
     _build()["skinny"][(_cdiv(n, block_n),)](
         x, w, b if b is not None else w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=b is not None, GLU=glu, BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n,
@@ -394,7 +450,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     rows = min(ATTENTION_MAX_ROWS, max(16, 1 << (t * g - 1).bit_length()))
     row_blocks = _cdiv(t * g, rows)
     blocks = _cdiv(s, ATTENTION_BLOCK)
-    chunk = ATTENTION_BLOCK * _cdiv(blocks, ATTENTION_TARGET_SPLITS)
+    # the programs' count, and their float32 partials, stay near a decode's when row blocks multiply them
+    chunk = ATTENTION_BLOCK * _cdiv(blocks, max(1, ATTENTION_TARGET_SPLITS // row_blocks))
     splits = _cdiv(s, chunk)
     kernels = _build()
     o = torch.empty(hk, splits, row_blocks * rows, d, device=q.device, dtype=torch.float32)
