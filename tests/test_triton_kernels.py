@@ -191,7 +191,9 @@ def test_expert_gemvs_match_the_routed_experts(dtype):
     for rows in (1, 3):
         h = torch.randn(rows, hidden, generator=gen).to(dtype)
         weights, experts = route(h, router, 2, True)
-        close(tk.experts(h, gate_up, down, weights, experts), experts_routed(h, gate_up, down, weights, experts), dtype)
+        want = experts_routed(h, gate_up, down, weights, experts)
+        for grouped in (False, True):  # per assignment, and each expert once for all its rows
+            close(tk.experts(h, gate_up, down, weights, experts, grouped=grouped), want, dtype)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
