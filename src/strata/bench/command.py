@@ -112,6 +112,13 @@ def write(result: dict, out: Path) -> None:
     plot(result, out.with_suffix(".png"))
 
 
+def profile_lines(label: str, steps: dict | None) -> list[str]:
+    """One line per captured step that graph_profile replayed alone."""
+    return [f"{label} step {step}: {p['wall_ms']:.3f} ms replayed alone"
+            + (f", kernels {p['kernel_ms']:.3f} ms ({p['kernels']})" if "kernel_ms" in p else "")
+            for step, p in (steps or {}).items()]
+
+
 def summary(result: dict) -> list[str]:
     window = result["window"]
     t = result["target_only"]
@@ -141,13 +148,9 @@ def summary(result: dict) -> list[str]:
                          f"(x{r['tau_vs_chain']:.2f}), verify {r['verify_ms']:.2f} ms, "
                          f"{'identical' if r['identical_to_chain'] else 'DIFFERENT'} output")
         for name, r in [("chain", c), *sweep["budgets"].items()]:
-            for step, p in (r.get("profile") or {}).items():
-                lines.append(f"  {name} step {step}: {p['wall_ms']:.3f} ms replayed alone"
-                             + (f", kernels {p['kernel_ms']:.3f} ms ({p['kernels']})" if "kernel_ms" in p else ""))
+            lines += profile_lines(f"  {name}", r.get("profile"))
     for engine, steps in (result.get("profile") or {}).items():
-        for step, p in steps.items():
-            lines.append(f"{engine} step {step}: {p['wall_ms']:.3f} ms replayed alone"
-                         + (f", kernels {p['kernel_ms']:.3f} ms ({p['kernels']})" if "kernel_ms" in p else ""))
+        lines += profile_lines(engine, steps)
     rollback = result.get("rollback")
     if rollback:
         lines.append(f"rollback a round ({rollback['layers']} linear-attention layers): replay of {rollback['rows']} rows "

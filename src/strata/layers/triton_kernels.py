@@ -85,63 +85,37 @@ def _build():
         tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
 
     @triton.jit
-    def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
-                      HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        """y [M, N] = x [M, K] @ W^T for a few rows: each weight tile is streamed once, on tensor cores."""
+    def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, se_ptr, perm_ptr, M, N, K, stride_x, stride_w, stride_y, stride_e,
+                      up_offset, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, EXPERTS: tl.constexpr, KROW: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """y [M, N] = x [M, K] @ W^T for a few rows: each weight tile is streamed once, on tensor cores. GLU:
+        the up rows sit up_offset after the gate rows. EXPERTS: the M rows are a window's (row, expert)
+        assignments sorted by expert (se, perm); program (n, i) works only when assignment i is its expert's
+        first, for all (up to BLOCK_M) of that expert's assignments, over expert se[i]'s matrix at
+        w + se[i] * stride_e, so each expert hit is read once. Assignment a reads x row a // KROW and writes
+        y row a."""
         cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         nmask = cols < N
         m = tl.arange(0, BLOCK_M)
         mmask = m < M
+        rows = m.to(tl.int64)
+        if EXPERTS:
+            i = tl.program_id(1)
+            e = tl.load(se_ptr + i)
+            leader = ((i == 0) | (tl.load(se_ptr + tl.maximum(i - 1, 0)) != e)).to(tl.int32)
+            j = i + m
+            mmask = (j < M) & (j * 0 + leader > 0)
+            mmask = mmask & (tl.load(se_ptr + j, mask=mmask, other=-1) == e)
+            rows = tl.load(perm_ptr + j, mask=mmask, other=0).to(tl.int64)
+            nmask = nmask & (cols * 0 + leader > 0)
+            w_ptr += e.to(tl.int64) * stride_e
         kr = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + kr
             kmask = kk < K
-            x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wmask = kmask[:, None] & nmask[None, :]
-            w = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=wmask, other=0.0,
-                        eviction_policy="evict_first")
-            acc = tl.dot(x, w, acc, input_precision=PRECISION)
-            if GLU:
-                u = tl.load(w_ptr + (cols[None, :] + N) * stride_w + kk[:, None], mask=wmask, other=0.0,
-                            eviction_policy="evict_first")
-                acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
-        out_ty = y_ptr.dtype.element_ty
-        y = acc
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        if GLU:
-            gate = y.to(out_ty).to(tl.float32)
-            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
-        tl.store(y_ptr + m[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=mmask[:, None] & nmask[None, :])
-
-    @triton.jit
-    def expert_group_kernel(x_ptr, w_ptr, se_ptr, perm_ptr, y_ptr, N, K, A, stride_x, stride_e, stride_w, stride_y,
-                            up_offset, KROW: tl.constexpr, GLU: tl.constexpr, DUP: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        """A window's experts over the assignments sorted by expert (se, perm): program i works only when it
-        is its expert's first, on tensor cores for all (up to DUP) of that expert's assignments, so each
-        expert's weight tile is read once however many rows chose it. Assignment a reads x row a // KROW and
-        writes y row a."""
-        i = tl.program_id(1)
-        e = tl.load(se_ptr + i)
-        leader = ((i == 0) | (tl.load(se_ptr + tl.maximum(i - 1, 0)) != e)).to(tl.int32)
-        j = i + tl.arange(0, DUP)
-        same = (j < A) & (j * 0 + leader > 0)
-        same = same & (tl.load(se_ptr + j, mask=same, other=-1) == e)
-        a = tl.load(perm_ptr + j, mask=same, other=0).to(tl.int64)
-        w_ptr += e.to(tl.int64) * stride_e
-        cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        nmask = (cols < N) & (cols * 0 + leader > 0)
-        kr = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([DUP, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([DUP, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + kr
-            kmask = kk < K
-            x = tl.load(x_ptr + (a // KROW)[:, None] * stride_x + kk[None, :], mask=same[:, None] & kmask[None, :],
+            x = tl.load(x_ptr + (rows // KROW)[:, None] * stride_x + kk[None, :], mask=mmask[:, None] & kmask[None, :],
                         other=0.0)
             wmask = kmask[:, None] & nmask[None, :]
             w = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=wmask, other=0.0,
@@ -153,10 +127,12 @@ def _build():
                 acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
         out_ty = y_ptr.dtype.element_ty
         y = acc
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if GLU:
             gate = y.to(out_ty).to(tl.float32)
             y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
-        tl.store(y_ptr + a[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=same[:, None] & nmask[None, :])
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
     def route_kernel(logits_ptr, w_ptr, e_ptr, E, stride_l, K: tl.constexpr, KP: tl.constexpr,
@@ -288,7 +264,7 @@ def _build():
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
     return {"gemv": gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
-            "attention_combine": attention_combine_kernel, "route": route_kernel, "expert_group": expert_group_kernel,
+            "attention_combine": attention_combine_kernel, "route": route_kernel,
             "norm_rotate_store": norm_rotate_store_kernel}
 
 
@@ -339,10 +315,10 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
 
     n, k = experts.shape
     flat = experts.reshape(-1).contiguous()
-    _, e, inter, hidden = gate_up.shape
-    kernels = _build()
     if grouped if grouped is not None else n > EXPERT_GROUP_MIN_ROWS:
         return (reduce or sum_slots)(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
+    _, _, inter, hidden = gate_up.shape
+    kernels = _build()
     x = h.repeat_interleave(k, dim=0)
     act = torch.empty(n * k, inter, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = GEMV_GLU_CONFIG
@@ -372,14 +348,14 @@ def _experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     block_n, block_k, warps = EXPERT_GROUP_CONFIG
     for x, w, out, rows, cols, krow, glu in ((h, gate_up, act, inter, hidden, k, True),
                                               (act, down, y, hidden, inter, 1, False)):
-        kernels["expert_group"][(_cdiv(rows, block_n), n * k)](
-            x, w, se, perm, out, rows, cols, n * k, x.stride(0), w.stride(-3), w.stride(-2), out.stride(0),
-            w.stride(0) if glu else 0, KROW=krow, GLU=glu, DUP=dup, BLOCK_N=block_n, BLOCK_K=block_k,
-            PRECISION=_precision(h), num_warps=warps)
+        kernels["skinny"][(_cdiv(rows, block_n), n * k)](
+            x, w, w, out, se, perm, n * k, rows, cols, x.stride(0), w.stride(-2), out.stride(0), w.stride(-3),
+            w.stride(0) if glu else 0, HAS_BIAS=False, GLU=glu, EXPERTS=True, KROW=krow, BLOCK_M=dup,
+            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(h), num_warps=warps)
     return y.view(n, k, hidden)
 
 
-#: (BLOCK_N, BLOCK_K, num_warps) of the grouped expert kernel (the skinny GEMM's shape of work per expert)
+#: (BLOCK_N, BLOCK_K, num_warps) of the skinny kernel over a window's experts (the grouped expert path)
 EXPERT_GROUP_CONFIG = (64, 128, 4)
 #: per layer of the 30B-A3B shape on the H200 (random routing), per assignment vs grouped: 2 rows 68 vs 72 us,
 #: 4 rows 106 vs 114, 8 rows 180 vs 176, 16 rows 318 vs 233: grouped from 9 rows on
@@ -421,10 +397,11 @@ def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu:
     n = n_total // 2 if glu else n_total
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     block_n, block_k, warps, stages = config or SKINNY_CONFIG
-    _build()["skinny"][(_cdiv(n, block_n),)](
-        x, w, b if b is not None else w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=b is not None, GLU=glu, BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION=_precision(x), num_warps=warps, num_stages=stages)
+    _build()["skinny"][(_cdiv(n, block_n), 1)](
+        x, w, b if b is not None else w, y, w, w, rows, n, k, x.stride(0), w.stride(0), y.stride(0), 0,
+        n * w.stride(0), HAS_BIAS=b is not None, GLU=glu, EXPERTS=False, KROW=1,
+        BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(x),
+        num_warps=warps, num_stages=stages)
     return y
 
 
