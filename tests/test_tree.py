@@ -35,23 +35,31 @@ def best_first(logq: torch.Tensor, budget: int) -> set:
     return nodes
 
 
-def test_the_device_tree_is_the_best_first_search():
+def tree_paths(tree, budget: int) -> set:
+    """Every node's path of tokens from the anchor, checking the tree's structure on the way."""
+    assert tree.tokens[0] == 7 and tree.depth[0] == 0 and tree.parent[0] == 0 and tree.ancestors[0].sum() == 1
+    paths = set()
+    for i in range(1, budget + 1):
+        path, r = [], i
+        while r != 0:
+            path.append(tree.tokens[r].item())
+            r = tree.parent[r].item()
+        assert len(path) == tree.depth[i].item() and tree.parent[i] < i  # parents come first
+        assert {j for j in range(budget + 1) if tree.ancestors[i, j]} == \
+            {i} | {j for j in range(budget + 1) if tree.ancestors[tree.parent[i], j]}
+        paths.add(tuple(reversed(path)))
+    return paths
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_device_tree_is_the_best_first_search(fused):
+    """torch's build, and the GPU's single Triton launch (here in the interpreter)."""
     gen = torch.Generator().manual_seed(0)
-    for trial in range(40):
+    for trial in range(40 if not fused else 15):
         depths, budget = 2 + trial % 6, [4, 9, 16, 33, 64][trial % 5]
         logits = torch.randn(depths, 60, generator=gen) * (0.5 + trial % 4)
-        tree = build(torch.tensor([7]), logits, budget)
-        paths = set()
-        for i in range(1, budget + 1):
-            path, r = [], i
-            while r != 0:
-                path.append(tree.tokens[r].item())
-                r = tree.parent[r].item()
-            assert len(path) == tree.depth[i].item() and tree.parent[i] < i  # parents come first
-            assert {j for j in range(budget + 1) if tree.ancestors[i, j]} == \
-                {i} | {j for j in range(budget + 1) if tree.ancestors[tree.parent[i], j]}
-            paths.add(tuple(reversed(path)))
-        assert paths == best_first(torch.log_softmax(logits, -1), budget), trial
+        tree = build(torch.tensor([7]), logits, budget, fused=fused)
+        assert tree_paths(tree, budget) == best_first(torch.log_softmax(logits, -1), budget), trial
 
 
 class RankedOracle(Drafter):
@@ -110,19 +118,29 @@ def test_greedy_identity_with_a_real_drafter_in_both_layouts(pair, budget):
         assert res.stats()["nodes_verified"] == res.stats()["rounds"] * (budget + 1)
 
 
-@pytest.mark.parametrize("ranks,budget,static", [([1, 0, 2], 48, False), ([2], 64, True), ([1], 16, False)])
-def test_acceptance_down_non_first_branches(pair, ranks, budget, static):
+@pytest.mark.parametrize("ranks,budget,static", [([1, 0, 2], 48, False), ([2], 64, True), ([1], 16, "fused")])
+def test_acceptance_down_non_first_branches(pair, ranks, budget, static, monkeypatch):
+    """static="fused": static steps with the GPU's one-launch build (in the interpreter)."""
     _, _, target, prompt, base = pair
+    built = []
+    if static == "fused":
+        from strata.engine import runner, tree as tree_module
+        from strata.layers.kernels import Kernels
+
+        monkeypatch.setattr(runner, "TritonKernels", Kernels)  # the CPU's static kernel set takes it
+        fused = tree_module._build_fused
+        monkeypatch.setattr(tree_module, "_build_fused", lambda *a: built.append(1) or fused(*a))
     seq = prompt + base
     chain = Engine(target, RankedOracle(seq, 8, ranks, 256), max_len=256).generate(prompt, 48)
     oracle = RankedOracle(seq, 8, ranks, 256)
-    tree = Engine(target, oracle, max_len=256, tree=budget, static=static).generate(prompt, 48)
+    tree = Engine(target, oracle, max_len=256, tree=budget, static=bool(static)).generate(prompt, 48)
     assert chain.output_ids == tree.output_ids == base
     want = expected_lengths(oracle, budget)
     assert tree.accept_lengths[:-1] == want[:len(tree.accept_lengths) - 1]  # the last round may be cut
     assert tree.accept_lengths[-1] <= want[len(tree.accept_lengths) - 1]
     # the chain stops at the first truth not ranked first; the tree follows it down other branches
     assert tree.acceptance.tau > 1.5 * chain.acceptance.tau and max(tree.accept_lengths) >= 3
+    assert len(built) == (tree.acceptance.rounds if static == "fused" else 0)
 
 
 def test_what_a_tree_refuses(pair):

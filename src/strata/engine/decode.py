@@ -128,9 +128,9 @@ class Engine:
         runner.start_round(anchor, pos)
         marks = [self._clock()]
         if runner.tree is not None:  # greedy only (generate refuses sampling)
-            logits = runner.draft(anchor, pos, w - 1, kv_len).logits
+            tree = runner.draft_tree(anchor, pos, w - 1, kv_len)
             marks.append(self._clock())
-            out, positions, packed = runner.verify_tree(logits, kv_len)
+            out, positions, packed = runner.verify_tree(tree, kv_len)
         else:
             cands, q = self._draft(anchor, pos, w - 1, kv_len, params, gen)
             marks.append(self._clock())

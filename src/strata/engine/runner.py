@@ -20,11 +20,12 @@ import torch
 
 from ..cache import aligned_cells
 from ..errors import StrataError
-from ..layers.kernels import EAGER, select_kernels
+from ..layers.kernels import EAGER, TritonKernels, select_kernels
 from ..layers.modules import Step
 from ..models.decoder import ForwardOut
 from .config import EngineConfig
 from .drafter import Commit, Drafter, DraftRequest, Proposal
+from .tree import Tree
 from .verify import greedy_accept
 
 
@@ -99,6 +100,7 @@ class ModelRunner:
         self.candidates = torch.zeros(window - 1, dtype=torch.long, device=dev)
         self.padding = torch.zeros(max(0, self.rows - window), dtype=torch.long, device=dev)
         self.offsets = torch.arange(self.rows, device=dev)
+        self.tree_inputs: Tree | None = None
 
     def window_at(self, pos: int) -> int:
         """Tokens verified by the round at pos: fixed in the static layout (cells past the context are
@@ -177,19 +179,37 @@ class ModelRunner:
 
         return self.graphs.run(("verify", kv_len, rows), step) if self.static else step()
 
-    def verify_tree(self, logits: torch.Tensor, kv_len: int):
-        """Tree verification: the tree built from the drafter's logits [D, V], the target over all its rows
-        under the ancestor mask, its argmax walked down the tree, and the accepted path moved into position
-        order: its K/V into cells pos+1.., its taps into rows 1... Returns (ForwardOut with the path's taps,
-        the path's positions, the outcome [a, next, path tokens (D)]), all on the device."""
-        from .tree import build, walk
+    def draft_tree(self, anchor: int, pos: int, n: int, kv_len: int):
+        """The drafter's pass and the tree built from its logits [n, V], as one step (one graph with an
+        on-device drafter): the tree is the drafting, its verify only the target's step."""
+        from .tree import build
+
+        req = DraftRequest(anchor, pos, n, self.anchor, self.pos, kv_len, self.kernels, self.probe)
+        fused = isinstance(self.kernels, TritonKernels)
+        step = lambda: build(self.anchor, self.drafter.propose(req).logits[:n], self.tree, fused=fused)  # noqa: E731
+        if self.static and self.drafter.on_device:
+            return self.graphs.run(("draft", kv_len, n, "tree"), step)
+        tree = step()
+        if not self.graphs.enabled:
+            return tree
+        if self.tree_inputs is None:  # a host drafter's tree, where the captured verify reads it
+            self.tree_inputs = Tree(*(torch.empty_like(t) for t in vars(tree).values()))
+        for buf, t in zip(vars(self.tree_inputs).values(), vars(tree).values()):
+            buf.copy_(t)
+        return self.tree_inputs
+
+    def verify_tree(self, tree, kv_len: int):
+        """Tree verification: the target over all the tree's rows under the ancestor mask, its argmax walked
+        down the tree, and the accepted path moved into position order: its K/V into cells pos+1.., its
+        taps into rows 1... Returns (ForwardOut with the path's taps, the path's positions, the outcome
+        [a, next, path tokens (D)]), all on the device."""
+        from .tree import walk
 
         depths = self.window - 1
         dev = self.target.device
 
         def step():  # every tensor it reads is made inside or lives on: a graph replays the addresses it saw
             cells = torch.arange(kv_len, device=dev)
-            tree = build(self.anchor, logits[:depths], self.tree)
             rel = (cells - self.pos).clamp(0, self.tree)
             in_tree = (cells >= self.pos) & (cells <= self.pos + self.tree)
             mask = (cells < self.pos)[None, :] | (in_tree[None, :] & tree.ancestors[:, rel])

@@ -2,17 +2,20 @@
 a tree of candidate continuations instead of a chain; the target verifies every node in one forward
 under an ancestor-only mask and its own argmax walks the tree, so the output stays the target's.
 
-All of it runs on the device in static shapes (no host value read), so the runner captures it in a
-CUDA graph per budget:
+All of it runs on the device in static shapes (no host value read), so the runner captures it in CUDA
+graphs: the build with the drafter's pass, the verify and the walk as the target's step.
 - `build`: the N best prefixes by cumulative log-probability over the per-depth top-k. The best-first
   search the paper describes (pop the best node, push its next sibling and its first child) selects
   exactly the N highest-scoring prefixes, since a prefix scores at least as high as any extension of it;
-  a beam of N per depth holds every prefix that can be among them, and a global top-N picks them.
+  a beam of N per depth holds every prefix that can be among them, and a global top-N picks them. On a
+  GPU the beams, the selection and the ancestor rows are one Triton launch (in torch they are ~60 small
+  kernels, a third of a millisecond).
 - `walk`: the accepted path, following the target's argmax from the anchor through the children.
 Row 0 of a tree is the anchor (depth 0); rows 1..N are nodes in order of depth."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,17 +39,25 @@ def largest_budget(depths: int, top_k: int = TOP_K) -> int:
     return sum(top_k ** d for d in range(1, depths + 1))
 
 
-def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = TOP_K) -> Tree:
-    """anchor [1]; logits [D, V] the drafter's for depths 1..D; budget N nodes (at most largest_budget)."""
-    depths, _ = logits.shape
+def top_steps(logits: torch.Tensor, top_k: int = TOP_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each depth's top_k tokens [D, k] and their log-probabilities less the depth penalty (float32), from
+    the logits without writing the log-softmax out: the top of the logits, less their log-sum-exp."""
+    logits = logits.float()
+    vals, idx = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
+    return vals - torch.logsumexp(logits, dim=-1, keepdim=True) - DEPTH_PENALTY, idx
+
+
+def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = TOP_K, fused: bool = False) -> Tree:
+    """anchor [1]; logits [D, V] the drafter's for depths 1..D; budget N nodes (at most largest_budget).
+    fused: the Triton kernel (a CUDA device, or the interpreter)."""
+    steps, idx = top_steps(logits, top_k)
+    if fused:
+        return _build_fused(anchor, steps, idx, budget)
+    depths, k = steps.shape
     dev = logits.device
-    k = min(top_k, logits.shape[-1])
-    logq = torch.log_softmax(logits.float(), dim=-1)
-    vals, idx = torch.topk(logq, k, dim=-1)  # [D, k]
     # depth 0: the anchor alone (no item assignment: a Python scalar written into a CUDA tensor is a host
     # copy, which CUDA-graph capture refuses)
     beam = torch.where(torch.arange(budget, device=dev) == 0, 0.0, float("-inf"))
-    steps = vals - DEPTH_PENALTY
     scores, picks = [], []
     for d in range(depths):  # an unsorted top-N a depth; the tokens and parents are read off all picks after
         beam, pick = torch.topk((beam[:, None] + steps[d][None, :]).reshape(-1), budget, sorted=False)
@@ -71,6 +82,102 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
     anc = anc > 0
     return Tree(torch.cat([anchor, tokens[d_of, slot_of]]),
                 torch.cat([torch.zeros(1, dtype=torch.long, device=dev), d_of + 1]), parent, anc)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rank_in(s, c, scratch_ptr, C: tl.constexpr, CH: tl.constexpr):
+        """Each candidate's rank among the C candidates stored at scratch_ptr: how many score higher, ties
+        going to the lower index (so ranks are distinct)."""
+        rank = tl.zeros_like(c)
+        for c0 in range(0, C, CH):
+            o = c0 + tl.arange(0, CH)
+            so = tl.load(scratch_ptr + o, cache_modifier=".cg")
+            better = (so[None, :] > s[:, None]) | ((so[None, :] == s[:, None]) & (o[None, :] < c[:, None]))
+            rank += tl.sum(better.to(tl.int32), axis=1)
+        return rank
+
+    globals()["rank_in"] = rank_in  # Triton resolves a kernel's calls in its module's globals
+
+    @triton.jit
+    def tree_build_kernel(steps_ptr, idx_ptr, anchor_ptr, score_ptr, slot_ptr, tok_ptr, cand_ptr, row_ptr,
+                          tokens_ptr, depth_ptr, parent_ptr, anc_ptr, N, K, D: tl.constexpr, NP: tl.constexpr,
+                          KP: tl.constexpr, DP: tl.constexpr, RP: tl.constexpr, CH: tl.constexpr):
+        """One program: each depth's beam of N (ranked, best first), the global top N over all beams, the
+        rows in depth order with their parents' rows, and the ancestor rows by walking up the parents."""
+        C: tl.constexpr = NP * KP
+        c = tl.arange(0, C)
+        slot, j = c // KP, c % KP
+        for d in range(D):
+            if d == 0:
+                prev = tl.where(slot == 0, 0.0, float("-inf"))
+            else:
+                prev = tl.load(score_ptr + (d - 1) * NP + slot, mask=slot < N, other=float("-inf"),
+                               cache_modifier=".cg")
+            s = prev + tl.load(steps_ptr + d * K + j, mask=j < K, other=float("-inf"))
+            s = tl.where((slot < N) & (j < K), s, float("-inf"))
+            tl.store(cand_ptr + c, s)
+            tl.debug_barrier()
+            rank = rank_in(s, c, cand_ptr, C, CH)
+            keep = rank < N
+            tl.store(score_ptr + d * NP + rank, s, mask=keep)
+            tl.store(slot_ptr + d * NP + rank, slot, mask=keep)
+            tl.store(tok_ptr + d * NP + rank, tl.load(idx_ptr + d * K + j, mask=j < K, other=0), mask=keep)
+            tl.debug_barrier()
+        G: tl.constexpr = DP * NP
+        a = tl.arange(0, G)
+        da, sa = a // NP, a % NP
+        live = (da < D) & (sa < N)
+        s = tl.load(score_ptr + a, mask=live, other=float("-inf"), cache_modifier=".cg")
+        tl.store(cand_ptr + a, s)
+        tl.debug_barrier()
+        chosen = (rank_in(s, a, cand_ptr, G, CH) < N) & live
+        row = tl.cumsum(chosen.to(tl.int32), axis=0)  # 1-based in (depth, rank) order: row 0 is the anchor
+        tl.store(row_ptr + a, row, mask=chosen)
+        tl.debug_barrier()
+        up = tl.load(slot_ptr + a, mask=chosen, other=0, cache_modifier=".cg")
+        par = tl.load(row_ptr + (da - 1) * NP + up, mask=chosen & (da > 0), other=0, cache_modifier=".cg")
+        tl.store(tokens_ptr + row, tl.load(tok_ptr + a, mask=chosen, other=0, cache_modifier=".cg"), mask=chosen)
+        tl.store(depth_ptr + row, (da + 1).to(tl.int64), mask=chosen)
+        tl.store(parent_ptr + row, par.to(tl.int64), mask=chosen)
+        tl.store(tokens_ptr, tl.load(anchor_ptr))
+        tl.store(depth_ptr, tl.zeros((), dtype=tl.int64))
+        tl.store(parent_ptr, tl.zeros((), dtype=tl.int64))
+        r = tl.arange(0, RP)
+        rows = N + 1
+        tl.store(anc_ptr + r[:, None] * rows + r[None, :], tl.zeros([RP, RP], dtype=tl.int8),
+                 mask=(r[:, None] < rows) & (r[None, :] < rows))
+        tl.debug_barrier()
+        cur = r
+        for _ in range(D + 1):  # every row marks itself, its parent, ... up to the anchor (its own parent)
+            tl.store(anc_ptr + r * rows + cur, tl.full([RP], 1, dtype=tl.int8), mask=r < rows)
+            cur = tl.load(parent_ptr + cur, mask=r < rows, other=0, cache_modifier=".cg").to(tl.int32)
+
+    return tree_build_kernel
+
+
+def _build_fused(anchor: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor, budget: int) -> Tree:
+    depths, k = steps.shape
+    dev, rows = steps.device, budget + 1
+    np_, kp, dp = _pow2(budget), _pow2(k), _pow2(depths)
+    score = torch.empty(depths, np_, device=dev)
+    slot = torch.empty(depths, np_, dtype=torch.int32, device=dev)
+    tok = torch.empty(depths, np_, dtype=torch.long, device=dev)
+    cand = torch.empty(max(np_ * kp, dp * np_), device=dev)
+    row = torch.empty(dp * np_, dtype=torch.int32, device=dev)
+    tokens, depth, parent = (torch.empty(rows, dtype=torch.long, device=dev) for _ in range(3))
+    anc = torch.empty(rows, rows, dtype=torch.int8, device=dev)
+    _kernel()[(1,)](steps.contiguous(), idx.contiguous(), anchor, score, slot, tok, cand, row, tokens, depth,
+                    parent, anc, budget, k, D=depths, NP=np_, KP=kp, DP=dp, RP=_pow2(rows), CH=32, num_warps=4)
+    return Tree(tokens, depth, parent, anc.view(torch.bool))
 
 
 def walk(tree: Tree, best: torch.Tensor, depths: int) -> torch.Tensor:
