@@ -62,6 +62,11 @@ class Kernels:
                                                 chunked=q.shape[0] > fla_kernels.CHUNKED_MIN_ROWS)
         return ops.gated_delta_rule(q, k, v, g, beta, state, rows)
 
+    def gated_delta_net(self, layer, proj: torch.Tensor, first: torch.Tensor, state) -> torch.Tensor:
+        """A gated DeltaNet layer between its projections (GatedDeltaNet.mix's contract): its composition of
+        these methods."""
+        return layer.mix(proj, first, state, self)
+
     def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
         """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
         if isinstance(gate_up, QuantWeight):
