@@ -173,3 +173,26 @@ def test_rollback_through_fla_kernels_in_static_steps(hybrid, monkeypatch):
                  window=4).generate(prompt, 11)
     assert res.output_ids == base.output_ids and res.accept_lengths[:4] == [1, 2, 3, 4]
     assert calls
+
+
+def test_rollback_through_the_fused_deltanet_kernels_in_static_steps(hybrid, monkeypatch):
+    """Speculation at every acceptance length with the DeltaNet layers of the static steps through TritonKernels'
+    two launches each (delta_kernels.py, in the interpreter; the rest in torch to keep the test short) gives
+    target-only's tokens (the torch layers')."""
+    from strata.engine import runner
+    from strata.layers import delta_kernels
+    from strata.layers.kernels import Kernels, TritonKernels
+
+    _, _, target = hybrid
+    prompt = PROMPTS[0]
+    want = Engine(target, max_len=64, static=True, pad_rows=4).generate(prompt, 11).output_ids
+    triton = TritonKernels(compiled=False)
+    kernels = Kernels(attention="grouped", static=True)
+    kernels.gated_delta_net = triton.gated_delta_net
+    monkeypatch.setattr(runner, "select_kernels", lambda *a: kernels)
+    calls = []
+    real = delta_kernels.gated_delta_net
+    monkeypatch.setattr(delta_kernels, "gated_delta_net", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    res = Engine(target, Truncating(prompt + want, 4, 256), max_len=64, static=True, window=4).generate(prompt, 11)
+    assert res.output_ids == want and res.accept_lengths == [1, 2, 3, 4]
+    assert len(calls) == 4 * len(target.cfg.linear.layers) and not triton._failed

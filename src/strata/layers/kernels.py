@@ -4,7 +4,8 @@
 each elementwise group becomes one fused kernel through torch.compile, for the CUDA-graph path (a
 batch-1 decode step is otherwise hundreds of tiny kernels). `TritonKernels` also replaces the
 projections of up to 16 rows, attention and the q/k group with Strata's Triton kernels
-(triton_kernels.py), and the gated delta rule with fla-core's (fla_kernels.py). Modules call these
+(triton_kernels.py), a gated DeltaNet layer between its projections with two launches of its own
+(delta_kernels.py), and the gated delta rule elsewhere with fla-core's (fla_kernels.py). Modules call these
 methods and never choose a kernel themselves."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import fla_kernels, ops
+from . import delta_kernels, fla_kernels, ops
 from .quant import QuantWeight
 
 #: the elementwise groups a compiled set fuses, each one kernel
@@ -62,6 +63,11 @@ class Kernels:
                                                 chunked=q.shape[0] > fla_kernels.CHUNKED_MIN_ROWS)
         return ops.gated_delta_rule(q, k, v, g, beta, state, rows)
 
+    def gated_delta_net(self, layer, proj: torch.Tensor, first: torch.Tensor, state) -> torch.Tensor:
+        """A gated DeltaNet layer between its projections (GatedDeltaNet.mix's contract): its composition of
+        these methods."""
+        return layer.mix(proj, first, state, self)
+
     def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
         """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
         if isinstance(gate_up, QuantWeight):
@@ -78,7 +84,8 @@ class Kernels:
 class TritonKernels(Kernels):
     """The compiled set, with Strata's Triton kernels where their shapes allow: projections of up to 16
     rows (the 1-token decode, a verify window, a drafter block), the experts of up to 256 (row, expert)
-    assignments, attention and the q/k norm + RoPE + cache write. Larger shapes keep cuBLAS (and the
+    assignments, attention, the q/k norm + RoPE + cache write, and a gated DeltaNet layer between its
+    projections (delta_kernels.py: two launches in place of ~40). Larger shapes keep cuBLAS (and the
     grouped GEMM for experts). A kernel that fails to build or launch (an older GPU, a
     Triton that rejects it) warns once and leaves its torch path. compiled=False leaves the other
     groups eager (the tests' interpreter runs)."""
@@ -138,6 +145,13 @@ class TritonKernels(Kernels):
         if not fla_kernels.available(q.device):
             return slow()
         return self._either("delta_rule", lambda: fla_kernels.gated_delta_rule(q, k, v, g, beta, state, rows), slow)
+
+    def gated_delta_net(self, layer, proj, first, state):
+        slow = lambda: layer.mix(proj, first, state, self)  # noqa: E731
+        if not (self._tk.available(proj.device) and delta_kernels.fits(layer, proj, state)):
+            return slow()
+        return self._either("gated_delta_net",
+                            lambda: delta_kernels.gated_delta_net(layer, proj, first, state, self.gated_rms_norm), slow)
 
     def attend(self, q, k, v, mask):
         slow = lambda: super(TritonKernels, self).attend(q, k, v, mask)  # noqa: E731

@@ -89,16 +89,20 @@ class GatedDeltaNet(nn.Module):
         """h [T, hidden] at consecutive positions from step.positions[0] -> the mixer's output [T, hidden]."""
         if h.dim() != 2:
             raise NotImplementedError("linear-attention layers run one sequence at a time")
-        c = self.channels
-        vd = self.v_heads * self.v_dim
-        z_end = c + vd
         proj = self.in_proj(h, kernels)
-        first = step.positions.reshape(-1)[0]
+        y = kernels.gated_delta_net(self, proj, step.positions.reshape(-1)[0], state)
+        return self.out_proj(y, kernels)
+
+    def mix(self, proj: torch.Tensor, first: torch.Tensor, state: LinearState, kernels: Kernels) -> torch.Tensor:
+        """What runs between the projections, in the reference ops and the kernel set's groups: the input
+        projection proj [T, C + Hv*Dv + 2Hv] of rows from position `first` -> the gated RMSNorm's output
+        [T, Hv*Dv] in the model's type, the state advanced past the rows."""
+        c = self.channels
+        z_end = c + self.v_heads * self.v_dim
         conv0, rec0 = state.start(first, kernels)
         x_full, qk, v, gb = kernels.delta_inputs(conv0, proj, self.conv_weight, self.A_log, self.dt_bias,
                                                  self.k_heads, self.v_heads, self.k_dim, self.v_dim)
         out, rec1 = kernels.delta_rule(qk[0], qk[1], v, gb[0], gb[1], rec0)
         state.keep(first, x_full, (qk, v, gb), rec0, rec1)
         z = proj[:, c:z_end].unflatten(-1, (self.v_heads, self.v_dim))
-        y = kernels.gated_rms_norm(out.to(h.dtype), z, self.norm.weight, self.eps)
-        return self.out_proj(y.flatten(-2), kernels)
+        return kernels.gated_rms_norm(out.to(self.norm.weight.dtype), z, self.norm.weight, self.eps).flatten(-2)
