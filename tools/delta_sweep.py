@@ -33,6 +33,10 @@ def layer_and_states(n: int, slots: int, dev, dtype):
         s = layer.make_state(slots, dev, dtype)
         s.rec.normal_(0, 0.05)
         s.conv.normal_(0, 1)
+        s.qk.normal_(0, 1)
+        s.v.normal_(0, 1)
+        s.gb[0].uniform_(-1, 0)
+        s.gb[1].uniform_(0, 1)
         s.begin.fill_(96)
         s.end.fill_(96 + slots)
         states.append(s)
@@ -80,25 +84,26 @@ def main():
         first = torch.tensor(96 + 16, device=dev)  # at the end: decode's case
         rollback = torch.tensor(96 + 5, device=dev)  # 5 kept rows replayed
         row = {}
-        copy_state(ref_state, states[0])
-        want = layer.mix(proj, first, ref_state, kernels)
-        want_rec = ref_state.rec.clone()
-        copy_state(ref_state, states[0])
-        want_rb = layer.mix(proj, rollback, ref_state, kernels)
-        want_rb_rec = ref_state.rec.clone()
+        init = layer.make_state(16, dev, dtype)
+        copy_state(init, states[0])  # the timings advance the states: every check starts from this copy
+        cases = {"at_end": first, "rollback": rollback, "fresh": torch.tensor(0, device=dev)}
+        wants = {}
+        for name, f in cases.items():
+            copy_state(ref_state, init)
+            wants[name] = (layer.mix(proj, f, ref_state, kernels), ref_state.rec.clone(), ref_state.conv.clone())
         row["fla_mix_us"] = 1e3 * timed(lambda: [layer.mix(proj, first, s, kernels) for s in states]) / args.layers
         row["fla_mix_rollback_us"] = 1e3 * timed(
             lambda: [layer.mix(proj, rollback, s, kernels) for s in states]) / args.layers
         for cfg in CONFIGS:
             entry = {}
             try:
-                for f, w, wr in ((first, want, want_rec), (rollback, want_rb, want_rb_rec)):
-                    copy_state(ref_state, states[0])
+                for name, f in cases.items():
+                    copy_state(ref_state, init)
                     got = delta_kernels.gated_delta_net(layer, proj, f, ref_state, kernels.gated_rms_norm, config=cfg)
-                    err = ((got.float() - w.float()).abs().max() / w.float().abs().max()).item()
-                    rerr = ((ref_state.rec - wr).abs().max() / wr.abs().max()).item()
-                    entry["out_rel_err" if f is first else "rollback_out_rel_err"] = err
-                    entry["rec_rel_err" if f is first else "rollback_rec_rel_err"] = rerr
+                    w, wr, wc = wants[name]
+                    entry[name + "_out_rel_err"] = ((got.float() - w.float()).abs().max() / w.float().abs().max()).item()
+                    entry[name + "_rec_rel_err"] = ((ref_state.rec - wr).abs().max() / wr.abs().max()).item()
+                    entry[name + "_conv_equal"] = bool(ref_state.conv.equal(wc))
                 entry["us"] = 1e3 * timed(lambda: [delta_kernels.gated_delta_net(
                     layer, proj, first, s, kernels.gated_rms_norm, config=cfg) for s in states]) / args.layers
                 entry["rollback_us"] = 1e3 * timed(lambda: [delta_kernels.gated_delta_net(

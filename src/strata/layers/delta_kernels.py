@@ -23,9 +23,10 @@ import torch
 
 #: (BV, num_warps) of the recurrence programs. BV None: a whole value head a program (Dv rounded up to a power
 #: of two), which then applies the gated RMSNorm itself (two launches a layer); a smaller BV gives Dv / BV
-#: times the programs and a third launch for the norm (the kernel set's gated_rms_norm). Not measured on a GPU
-#: yet; ptxas for sm_90 at Dk = Dv = 128: (None, 8) 181 registers a thread, (None, 16) 97, (16, 1) 128, no spills
-DELTA_CONFIG = (None, 8)
+#: times the programs and a third launch for the norm (the kernel set's gated_rms_norm). H200, Qwen3.5-9B
+#: layer (tools/delta_sweep.py, bench/results/delta-sweep-h200.json): (16, 1) 11.7 us at 1 row, 39.9 at 16;
+#: a whole head with 8 warps 17.8 and 121; fla-core's composition 55.8 and 88.3
+DELTA_CONFIG = (16, 1)
 #: channels a convolution program covers, per warp
 CONV_CHANNELS_PER_WARP = 64
 
