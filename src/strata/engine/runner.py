@@ -25,7 +25,7 @@ from ..layers.modules import Step
 from ..models.decoder import ForwardOut
 from .config import EngineConfig
 from .drafter import Commit, Drafter, DraftRequest, Proposal
-from .tree import Tree
+from .tree import Tree, build, walk
 from .verify import greedy_accept
 
 
@@ -182,8 +182,6 @@ class ModelRunner:
     def draft_tree(self, anchor: int, pos: int, n: int, kv_len: int):
         """The drafter's pass and the tree built from its logits [n, V], as one step (one graph with an
         on-device drafter): the tree is the drafting, its verify only the target's step."""
-        from .tree import build
-
         req = DraftRequest(anchor, pos, n, self.anchor, self.pos, kv_len, self.kernels, self.probe)
         fused = isinstance(self.kernels, TritonKernels)
         step = lambda: build(self.anchor, self.drafter.propose(req).logits[:n], self.tree, fused=fused)  # noqa: E731
@@ -203,8 +201,6 @@ class ModelRunner:
         down the tree, and the accepted path moved into position order: its K/V into cells pos+1.., its
         taps into rows 1... Returns (ForwardOut with the path's taps, the path's positions, the outcome
         [a, next, path tokens (D)]), all on the device."""
-        from .tree import walk
-
         depths = self.window - 1
         dev = self.target.device
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layers.triton_kernels import pow2
+
 #: tokens each depth offers the search (the paper's per-position top-k)
 TOP_K = 8
 #: a prefix's score falls by at least this per depth, so ties never rank a node above its parent
@@ -82,10 +84,6 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
     anc = anc > 0
     return Tree(torch.cat([anchor, tokens[d_of, slot_of]]),
                 torch.cat([torch.zeros(1, dtype=torch.long, device=dev), d_of + 1]), parent, anc)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @functools.cache
@@ -167,7 +165,7 @@ def _kernel():
 def _build_fused(anchor: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor, budget: int) -> Tree:
     depths, k = steps.shape
     dev, rows = steps.device, budget + 1
-    np_, kp, dp = _pow2(budget), _pow2(k), _pow2(depths)
+    np_, kp, dp = pow2(budget), pow2(k), pow2(depths)
     score = torch.empty(depths, np_, device=dev)
     slot = torch.empty(depths, np_, dtype=torch.int32, device=dev)
     tok = torch.empty(depths, np_, dtype=torch.long, device=dev)
@@ -176,7 +174,7 @@ def _build_fused(anchor: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor, b
     tokens, depth, parent = (torch.empty(rows, dtype=torch.long, device=dev) for _ in range(3))
     anc = torch.empty(rows, rows, dtype=torch.int8, device=dev)
     _kernel()[(1,)](steps.contiguous(), idx.contiguous(), anchor, score, slot, tok, cand, row, tokens, depth,
-                    parent, anc, budget, k, D=depths, NP=np_, KP=kp, DP=dp, RP=_pow2(rows), CH=32, num_warps=4)
+                    parent, anc, budget, k, D=depths, NP=np_, KP=kp, DP=dp, RP=pow2(rows), CH=32, num_warps=4)
     return Tree(tokens, depth, parent, anc.view(torch.bool))
 
 

@@ -1,5 +1,5 @@
-"""Gated DeltaNet's static decode/verify step (GatedDeltaNet.mix's contract) in two Triton launches, where
-the torch composition is ~40 small kernels a layer and two full-state copies.
+"""Gated DeltaNet's static decode/verify step (GatedDeltaNet.mix's contract) in two Triton launches and
+the gated norm, where the torch composition is ~40 small kernels a layer and two full-state copies.
 
 - Launch 1, per (value head, Dv block): the start state chosen on the device (zero at position 0, the end
   state at the end, else the begin state with a rollback's kept rows replayed), written into rec[0] in
@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from .triton_kernels import pow2
 
 #: (BV, num_warps) of the recurrence programs. BV None: a whole value head a program (Dv rounded up to a power
 #: of two), which then applies the gated RMSNorm itself (two launches a layer); a smaller BV gives Dv / BV
@@ -142,10 +144,6 @@ def _build():
     return delta_net_kernel
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def fits(layer, proj: torch.Tensor, state) -> bool:
     """The kernel's layout: projection rows with contiguous features, the model's type throughout (the
     convolution and norm weights, the conv windows), contiguous state buffers."""
@@ -166,16 +164,16 @@ def gated_delta_net(layer, proj: torch.Tensor, first: torch.Tensor, state, norm=
     t = proj.shape[0]
     hk, hv, dk, dv, c = layer.k_heads, layer.v_heads, layer.k_dim, layer.v_dim, layer.channels
     bv, warps = config or DELTA_CONFIG
-    bv = _pow2(dv) if bv is None or bv >= dv else bv
+    bv = pow2(dv) if bv is None or bv >= dv else bv
     fused = bv >= dv
     programs = hv * -(-dv // bv)
-    block = min(CONV_CHANNELS_PER_WARP * warps, _pow2(c))
+    block = min(CONV_CHANNELS_PER_WARP * warps, pow2(c))
     mixed = torch.empty(t, c, device=proj.device, dtype=proj.dtype)
     out = torch.empty(t, hv * dv, device=proj.device, dtype=proj.dtype)
     args = (t, first, proj, layer.conv_weight, layer.A_log, layer.dt_bias, layer.norm.weight, mixed, out, state.conv,
             state.rec, state.qk, state.v, state.gb, state.begin, state.end, state.slots, proj.stride(0), layer.eps)
-    meta = dict(HK=hk, HV=hv, DK=dk, DV=dv, KERNEL=layer.kernel, BK=_pow2(dk), BV=bv, BC=block,
-                BW=_pow2(layer.kernel), NORM=fused, num_warps=warps)
+    meta = dict(HK=hk, HV=hv, DK=dk, DV=dv, KERNEL=layer.kernel, BK=pow2(dk), BV=bv, BC=block,
+                BW=pow2(layer.kernel), NORM=fused, num_warps=warps)
     kernel = _build()
     kernel[(programs + -(-c // block),)](0, *args, **meta)
     kernel[(programs,)](1, *args, **meta)

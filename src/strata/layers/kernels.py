@@ -4,8 +4,8 @@
 each elementwise group becomes one fused kernel through torch.compile, for the CUDA-graph path (a
 batch-1 decode step is otherwise hundreds of tiny kernels). `TritonKernels` also replaces the
 projections of up to 16 rows, attention and the q/k group with Strata's Triton kernels
-(triton_kernels.py), a gated DeltaNet layer between its projections with two launches of its own
-(delta_kernels.py), and the gated delta rule elsewhere with fla-core's (fla_kernels.py). Modules call these
+(triton_kernels.py), a gated DeltaNet layer between its projections with two or three launches of its
+own (delta_kernels.py), and the gated delta rule elsewhere with fla-core's (fla_kernels.py). Modules call these
 methods and never choose a kernel themselves."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class TritonKernels(Kernels):
     """The compiled set, with Strata's Triton kernels where their shapes allow: projections of up to 16
     rows (the 1-token decode, a verify window, a drafter block), the experts of up to 256 (row, expert)
     assignments, attention, the q/k norm + RoPE + cache write, and a gated DeltaNet layer between its
-    projections (delta_kernels.py: two launches in place of ~40). Larger shapes keep cuBLAS (and the
+    projections (delta_kernels.py: three launches in place of ~40). Larger shapes keep cuBLAS (and the
     grouped GEMM for experts). A kernel that fails to build or launch (an older GPU, a
     Triton that rejects it) warns once and leaves its torch path. compiled=False leaves the other
     groups eager (the tests' interpreter runs)."""

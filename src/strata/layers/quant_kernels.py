@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from .triton_kernels import cdiv, pow2, precision
+
 # GGML type ids and their (weights per block, bytes per block)
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
 BLOCKS = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
@@ -254,18 +256,14 @@ def _check(data: torch.Tensor, qtype: int, cols: int) -> None:
     assert data.shape[1] == cols // block * size and data.stride(1) == 1, (qtype, cols, data.shape)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def dequantize(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     """A [rows, row_bytes] uint8 matrix of GGUF blocks -> float32 [rows, cols]."""
     rows = data.shape[0]
     _check(data, qtype, cols)
     out = torch.empty(rows, cols, dtype=torch.float32, device=data.device)
     block_n = 8
-    _build()["dequant"][(_cdiv(rows, block_n), cols // TILE)](data, _table(data.device), out, rows, cols,
-                                                              data.stride(0), QTYPE=qtype, BLOCK_N=block_n)
+    _build()["dequant"][(cdiv(rows, block_n), cols // TILE)](data, _table(data.device), out, rows, cols,
+                                                             data.stride(0), QTYPE=qtype, BLOCK_N=block_n)
     return out
 
 
@@ -301,12 +299,12 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     name = "gemv" if rows == 1 else "skinny"
     args = (x, data, tab, y, n, k, data.stride(0)) if rows == 1 else \
         (x, data, tab, y, rows, n, k, data.stride(0), x.stride(0), y.stride(0))
-    extra = {} if rows == 1 else {"BLOCK_M": max(16, 1 << (rows - 1).bit_length()),
-                                  "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+    extra = {} if rows == 1 else {"BLOCK_M": max(16, pow2(rows)),
+                                  "PRECISION": precision(x)}
     if config is None and f"{name}_tuned" in kernels:
-        kernels[f"{name}_tuned"][lambda meta: (_cdiv(n, meta["BLOCK_N"]),)](*args, QTYPE=qtype, GLU=glu, **extra)
+        kernels[f"{name}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]),)](*args, QTYPE=qtype, GLU=glu, **extra)
     else:
         block_n, warps, unroll = config or (GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS)[0]
-        kernels[name][(_cdiv(n, block_n),)](*args, QTYPE=qtype, GLU=glu, BLOCK_N=block_n, UNROLL=unroll,
+        kernels[name][(cdiv(n, block_n),)](*args, QTYPE=qtype, GLU=glu, BLOCK_N=block_n, UNROLL=unroll,
                                             num_warps=warps, **extra)
     return y

@@ -294,7 +294,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: b
     n = n_total // 2 if glu else n_total
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
     block_n, block_k, warps = config or (GEMV_GLU_CONFIG if glu else GEMV_CONFIG)
-    _build()["gemv"][(_cdiv(n, block_n), 1)](
+    _build()["gemv"][(cdiv(n, block_n), 1)](
         x, w, w, b if b is not None else w, y, n, k, 0, 0, w.stride(0), 0, n * w.stride(0), HAS_BIAS=b is not None,
         GLU=glu, EXPERTS=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y
@@ -322,13 +322,13 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     x = h.repeat_interleave(k, dim=0)
     act = torch.empty(n * k, inter, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = GEMV_GLU_CONFIG
-    kernels["gemv"][(_cdiv(inter, block_n), n * k)](
+    kernels["gemv"][(cdiv(inter, block_n), n * k)](
         x, gate_up, flat, gate_up, act, inter, hidden, x.stride(0), gate_up.stride(1), gate_up.stride(2),
         act.stride(0), gate_up.stride(0), HAS_BIAS=False, GLU=True, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps)
     y = torch.empty(n * k, hidden, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = GEMV_CONFIG
-    kernels["gemv"][(_cdiv(hidden, block_n), n * k)](
+    kernels["gemv"][(cdiv(hidden, block_n), n * k)](
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return (reduce or sum_slots)(y.view(n, k, hidden), weights, h.dtype)
@@ -341,17 +341,17 @@ def _experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     n = h.shape[0]
     _, _, inter, hidden = gate_up.shape
     se, perm = torch.sort(flat, stable=True)
-    dup = max(16, 1 << (n - 1).bit_length())  # an expert serves each row at most once
+    dup = max(16, pow2(n))  # an expert serves each row at most once
     kernels = _build()
     act = torch.empty(n * k, inter, device=h.device, dtype=h.dtype)
     y = torch.empty(n * k, hidden, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = EXPERT_GROUP_CONFIG
     for x, w, out, rows, cols, krow, glu in ((h, gate_up, act, inter, hidden, k, True),
                                               (act, down, y, hidden, inter, 1, False)):
-        kernels["skinny"][(_cdiv(rows, block_n), n * k)](
+        kernels["skinny"][(cdiv(rows, block_n), n * k)](
             x, w, w, out, se, perm, n * k, rows, cols, x.stride(0), w.stride(-2), out.stride(0), w.stride(-3),
             w.stride(0) if glu else 0, HAS_BIAS=False, GLU=glu, EXPERTS=True, KROW=krow, BLOCK_M=dup,
-            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(h), num_warps=warps)
+            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(h), num_warps=warps)
     return y.view(n, k, hidden)
 
 
@@ -369,7 +369,7 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool):
     weights = torch.empty(n, top_k, device=logits.device, dtype=logits.dtype)
     experts = torch.empty(n, top_k, device=logits.device, dtype=torch.long)
     _build()["route"][(n,)](logits, weights, experts, e, logits.stride(0), K=top_k,
-                            KP=max(2, 1 << (top_k - 1).bit_length()), BLOCK_E=max(16, 1 << (e - 1).bit_length()),
+                            KP=max(2, pow2(top_k)), BLOCK_E=max(16, pow2(e)),
                             RENORM=renormalize, num_warps=4)
     return weights, experts
 
@@ -397,21 +397,26 @@ def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu:
     n = n_total // 2 if glu else n_total
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     block_n, block_k, warps, stages = config or SKINNY_CONFIG
-    _build()["skinny"][(_cdiv(n, block_n), 1)](
+    _build()["skinny"][(cdiv(n, block_n), 1)](
         x, w, b if b is not None else w, y, w, w, rows, n, k, x.stride(0), w.stride(0), y.stride(0), 0,
         n * w.stride(0), HAS_BIAS=b is not None, GLU=glu, EXPERTS=False, KROW=1,
-        BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(x),
+        BLOCK_M=max(16, pow2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(x),
         num_warps=warps, num_stages=stages)
     return y
 
 
-def _precision(x: torch.Tensor) -> str:
+def precision(x: torch.Tensor) -> str:
     """float32 models keep full-precision dots (Triton's default would round their inputs to TF32)."""
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (>= 1): Triton's block shapes."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 ATTENTION_BLOCK = 64
@@ -434,12 +439,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     t, h, d = q.shape
     s, hk, _ = k.shape
     g = h // hk
-    rows = min(ATTENTION_MAX_ROWS, max(16, 1 << (t * g - 1).bit_length()))
-    row_blocks = _cdiv(t * g, rows)
-    blocks = _cdiv(s, ATTENTION_BLOCK)
+    rows = min(ATTENTION_MAX_ROWS, max(16, pow2(t * g)))
+    row_blocks = cdiv(t * g, rows)
+    blocks = cdiv(s, ATTENTION_BLOCK)
     # the programs' count, and their float32 partials, stay near a decode's when row blocks multiply them
-    chunk = ATTENTION_BLOCK * _cdiv(blocks, max(1, ATTENTION_TARGET_SPLITS // row_blocks))
-    splits = _cdiv(s, chunk)
+    chunk = ATTENTION_BLOCK * cdiv(blocks, max(1, ATTENTION_TARGET_SPLITS // row_blocks))
+    splits = cdiv(s, chunk)
     kernels = _build()
     o = torch.empty(hk, splits, row_blocks * rows, d, device=q.device, dtype=torch.float32)
     m = torch.empty(hk, splits, row_blocks * rows, device=q.device, dtype=torch.float32)
@@ -447,10 +452,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q = q.contiguous()
     kernels["attention_partial"][(hk, splits, row_blocks)](
         q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
-        RT=row_blocks * rows, BLOCK_S=ATTENTION_BLOCK, PRECISION=_precision(q), num_warps=4)
+        RT=row_blocks * rows, BLOCK_S=ATTENTION_BLOCK, PRECISION=precision(q), num_warps=4)
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
     kernels["attention_combine"][(hk, t * g)](o, m, l, out, splits, G=g, HK=hk, D=d, RT=row_blocks * rows,
-                                              SPLITS=max(2, 1 << (splits - 1).bit_length()), num_warps=2)
+                                              SPLITS=max(2, pow2(splits)), num_warps=2)
     return out
 
 
