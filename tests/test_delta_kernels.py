@@ -63,7 +63,7 @@ def test_kernel_follows_the_layer_through_every_start(dtype, config):
 def test_a_rollback_replays_bit_for_bit():
     """A forward of 3 rows, then one from 0-3 rows into it (its start state replayed from the kept rows),
     against the forward of just those rows before the same next one: the same state, bit for bit, and the
-    same next outputs."""
+    same next outputs; the first launch's replay alone (delta_kernels.start_state) gives that state too."""
     layer, gen = layer_of(torch.float32, seed=2), torch.Generator().manual_seed(3)
     warm = layer.make_state(3, "cpu", torch.float32)
     delta_kernels.gated_delta_net(layer, projections(layer, 3, gen, torch.float32), torch.tensor(0), warm)
@@ -77,6 +77,11 @@ def test_a_rollback_replays_bit_for_bit():
         run(rolled, proj, 3)
         if n:
             run(exact, proj[:n], 3)
+        alone = layer.make_state(3, "cpu", torch.float32)  # the first launch's replay on its own (the bench's)
+        for name in STATE:
+            getattr(alone, name).copy_(getattr(rolled, name))
+        delta_kernels.start_state(layer, torch.tensor(3 + n), alone)
+        assert alone.rec[0].equal(exact.rec[1]), n
         assert run(rolled, after, 3 + n).equal(run(exact, after, 3 + n)), n
         for name in STATE:
             assert getattr(rolled, name).equal(getattr(exact, name)), (n, name)

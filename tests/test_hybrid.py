@@ -63,6 +63,26 @@ def test_rollback_at_every_acceptance_length(hybrid, static):
         assert res.accept_lengths[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
+def test_target_only_rounds_run_one_ahead(hybrid):
+    """Target-only decoding launches each round before reading the last one's token: no launch past the
+    budget, one wasted at a stop token, and that round (it advanced the recurrent state) leaves the next
+    generation as it was."""
+    _, _, target = hybrid
+    engine = Engine(target, max_len=128, static=True)
+    launches = []
+    verify = engine.runner.verify
+    engine.runner.verify = lambda *a: launches.append(1) or verify(*a)
+    base = engine.generate(PROMPTS[0], 24)
+    assert len(launches) == 23
+    stop = base.output_ids[6]
+    first = base.output_ids.index(stop)
+    launches.clear()
+    stopped = engine.generate(PROMPTS[0], 24, stop_ids={stop})
+    assert stopped.output_ids == base.output_ids[:first + 1] and stopped.finish_reason == "stop"
+    assert len(launches) == first + 1
+    assert engine.generate(PROMPTS[0], 24).output_ids == base.output_ids
+
+
 def test_dflash_and_prompt_lookup_equal_target_only(hybrid, tmp_path):
     _, _, target = hybrid
     drafter_dir = write_hf_drafter(tmp_path / "drafter", layers=2, taps=(0, 3), num_target_layers=4, seed=4,
@@ -109,6 +129,8 @@ def test_bench_hybrid_shape_against_transformers(tmp_path):
 
     result = bench_tiny_shape(tmp_path, "tiny-hybrid")
     assert result["hf"]["eager"]["identical_to_strata"] and result["dflash_oracle"]["identical_to_target_only"]
+    rollback = result["rollback"]
+    assert rollback["rows"] == 7 and not rollback["fused_kernel"] and rollback["replay_ms"] > 0
 
 
 def test_bad_hybrid_configs_are_one_line_errors(hybrid, tmp_path):

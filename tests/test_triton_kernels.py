@@ -83,6 +83,11 @@ def test_attention_matches_grouped_matmuls(dtype, monkeypatch):
     visible = torch.rand(5, cells, generator=gen) < 0.3
     visible[:, 0] = True
     close(tk.attention(tree, k, v, visible), attend_grouped(tree, k, v, visible), dtype)
+    # head dim 256 (Qwen3.5's gated attention): smaller tiles, two row blocks of 32
+    monkeypatch.setattr(tk, "ATTENTION_MAX_ROWS", 64)
+    q, kv = torch.randn(16, 4, 256, generator=gen).to(dtype), torch.randn(2, 90, 1, 256, generator=gen).to(dtype)
+    late = torch.arange(90).unsqueeze(0) <= torch.arange(60, 76).unsqueeze(1)
+    close(tk.attention(q, kv[0], kv[1], late), attend_grouped(q, kv[0], kv[1], late), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -153,8 +153,9 @@ def summary(result: dict) -> list[str]:
         lines += profile_lines(engine, steps)
     rollback = result.get("rollback")
     if rollback:
-        lines.append(f"rollback a round ({rollback['layers']} linear-attention layers): replay of {rollback['rows']} rows "
-                     f"{rollback['replay_ms']:.3f} ms; writing a state per verified row instead "
+        end = f" (from the end state, nothing replayed: {rollback['at_end_ms']:.3f} ms)" if "at_end_ms" in rollback else ""
+        lines.append(f"rollback a round ({rollback['layers']} linear-attention layers): start state with {rollback['rows']} "
+                     f"rows replayed {rollback['replay_ms']:.3f} ms{end}; writing a state per verified row instead "
                      f"{rollback['snapshot_writes_ms']:.3f} ms")
     verify = result.get("verify_sweep")
     if verify:

@@ -310,30 +310,46 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
 
 
 def rollback_cost(engine: Engine, reps: int = 20) -> dict:
-    """Recurrent targets: what a round's rollback of the linear-attention states costs, after a generate.
-    replay: every layer's recurrence replayed over W-1 kept rows (the most a round replays), as each verify
-    does at its start; snapshot_writes: writing W per-position states per layer instead (what keeping a
-    snapshot per verified row would add to every verify). ms each, in CUDA graphs on a GPU."""
+    """Recurrent targets: what a round's rollback of the linear-attention states costs, after a generate, on
+    the steps' own path, in every layer at once. With Strata's DeltaNet kernel a verify's first launch
+    chooses the start state: replay_ms is that launch's recurrence part from a rollback of W-1 kept rows (the
+    most a round replays), at_end_ms the same from the end state (a round that accepted everything), so a
+    rollback costs at most their difference. Without it, replay_ms is the kernel set's delta rule over the
+    kept rows. snapshot_writes_ms: writing W per-position states per layer instead (what keeping a snapshot
+    per verified row would add to every verify). ms, in CUDA graphs on a GPU."""
+    from ..layers import delta_kernels
     from ..layers.linear_attention import LinearState
 
-    states = [s for s in engine.runner.cache.layers if isinstance(s, LinearState)]
-    if not states:
+    layers = [(layer.linear_attn, engine.runner.cache.layers[layer.index]) for layer in engine.target.layers
+              if isinstance(engine.runner.cache.layers[layer.index], LinearState)]
+    if not layers:
         return {}
     kernels, dev = engine.runner.kernels, engine.target.device
+    states = [s for _, s in layers]
+    fused = isinstance(kernels, TritonKernels) and "gated_delta_net" not in kernels._failed and dev.type == "cuda"
     rows = torch.tensor(states[0].slots - 1, device=dev)
     buffers = [torch.empty(s.slots, *s.rec.shape[1:], device=dev, dtype=s.rec.dtype) for s in states]
+    ends = [s.end.clone() for s in states]
 
     def replay():
-        for s in states:
-            kernels.delta_rule(s.qk[0], s.qk[1], s.v, s.gb[0], s.gb[1], s.rec[0], rows)
+        for layer, s in layers:
+            if fused:
+                delta_kernels.start_state(layer, s.begin + rows, s)
+            else:
+                kernels.delta_rule(s.qk[0], s.qk[1], s.v, s.gb[0], s.gb[1], s.rec[0], rows)
+
+    def at_end():
+        for (layer, s), end in zip(layers, ends):
+            delta_kernels.start_state(layer, end, s)
 
     def snapshots():
         for s, b in zip(states, buffers):
             b.copy_(s.rec[1].expand_as(b))
 
-    out = {"layers": len(states), "rows": states[0].slots - 1,
+    out = {"layers": len(states), "rows": states[0].slots - 1, "fused_kernel": fused,
            "state_bytes_per_layer": states[0].rec[0].numel() * states[0].rec.element_size()}
-    for name, fn in (("replay_ms", replay), ("snapshot_writes_ms", snapshots)):
+    steps = (("replay_ms", replay), ("snapshot_writes_ms", snapshots)) + ((("at_end_ms", at_end),) if fused else ())
+    for name, fn in steps:
         fn()
         sync(dev)
         if dev.type == "cuda":

@@ -14,8 +14,9 @@ import torch
 
 from ..errors import StrataError
 from .config import EngineConfig
+from ..models.decoder import ForwardOut
 from .drafter import Drafter
-from .runner import ModelRunner
+from .runner import HostCopy, ModelRunner
 from .sampling import SamplingParams, process, sample
 from .stats import Acceptance
 from .verify import speculative_accept
@@ -117,15 +118,17 @@ class Engine:
             return sample(q, gen), q
         return proposal.tokens, None
 
-    def _round(self, anchor: int, pos: int, params: SamplingParams, gen) -> tuple[RoundOutcome, list[float]]:
-        """One propose -> verify -> observe round, and its clock marks."""
+    def _launch(self, anchor: int | None, pos: int, params: SamplingParams, gen) -> Launched:
+        """A round at pos enqueued: propose, verify, and its outcome's copy to the host, nothing waited for.
+        anchor None: the device already holds it (runner.advance after the round before)."""
         runner = self.runner
         started = time.perf_counter()
         w = runner.window_at(pos)
         if self.policy is not None:
             w = min(w, self.policy.choose())
         kv_len = runner.kv_len(pos, w)
-        runner.start_round(anchor, pos)
+        if anchor is not None:
+            runner.start_round(anchor, pos)
         marks = [self._clock()]
         if runner.tree is not None:  # greedy only (generate refuses sampling)
             tree = runner.draft_tree(anchor, pos, w - 1, kv_len)
@@ -139,14 +142,20 @@ class Engine:
                 packed = greedy
             else:
                 packed = speculative_accept(process(out.logits[:w], params), runner.candidates[:w - 1], q, gen)
-        values = packed.tolist()  # the round's one host synchronisation
-        outcome = RoundOutcome(values[0], values[1], values[2:], w)
-        runner.cache.commit(pos + outcome.accepted + 1)
-        marks.append(self._clock())
-        runner.observe(pos, [anchor] + outcome.candidates[:outcome.accepted], out.taps, positions, kv_len)
+        return Launched(pos, w, kv_len, out, positions, HostCopy(packed), started, marks)
+
+    def _finish(self, r: Launched, anchor: int) -> tuple[RoundOutcome, list[float]]:
+        """Wait for a launched round's outcome (the round's one host synchronisation), commit it and let the
+        drafter observe it; the outcome and the round's clock marks. anchor: the round's first token."""
+        runner = self.runner
+        values = r.outcome.values()
+        outcome = RoundOutcome(values[0], values[1], values[2:], r.window)
+        runner.cache.commit(r.pos + outcome.accepted + 1)
+        marks = r.marks + [self._clock()]
+        runner.observe(r.pos, [anchor] + outcome.candidates[:outcome.accepted], r.out.taps, r.positions, r.kv_len)
         marks.append(self._clock())
         if self.policy is not None:
-            self.policy.record(w, outcome.accepted, time.perf_counter() - started)
+            self.policy.record(r.window, outcome.accepted, time.perf_counter() - r.started)
         return outcome, marks
 
     @torch.inference_mode()
@@ -199,15 +208,27 @@ class Engine:
         res.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         done, _ = emit([anchor])
+        # Target-only rounds (window 1) advance one position whatever the device decides, so the next round is
+        # launched before this one's outcome is read: the GPU runs it while the host reads, emits and decides.
+        # A stop token found then wastes that round; it only wrote past the committed length.
+        ahead = self.window == 1 and not self.config.profile
+        launched = None
         while not done:
             if should_stop is not None and should_stop():
                 res.finish_reason = "abort"
                 break
             pos = runner.cache.length
-            if pos >= self.max_len:
-                res.finish_reason, res.limit = "length", "context"
-                break
-            outcome, (t_draft, t_verify, t_observe, t_end) = self._round(anchor, pos, params, gen)
+            if launched is None:
+                if pos >= self.max_len:
+                    res.finish_reason, res.limit = "length", "context"
+                    break
+                launched = self._launch(anchor, pos, params, gen)
+            following = None
+            if ahead and pos + 1 < self.max_len and len(res.output_ids) + 1 < budget:
+                runner.advance(launched.outcome.device)
+                following = self._launch(None, pos + 1, params, gen)
+            outcome, (t_draft, t_verify, t_observe, t_end) = self._finish(launched, anchor)
+            launched = following
             anchor = outcome.next_token
             res.draft_s += (t_verify - t_draft) + (t_end - t_observe)
             res.verify_s += t_observe - t_verify
@@ -215,3 +236,17 @@ class Engine:
             res.acceptance.add_round(outcome.accepted, outcome.window, delivered=used)
         res.decode_s = time.perf_counter() - t1
         return res
+
+
+@dataclass
+class Launched:
+    """A round enqueued on the device, its outcome still on its way to the host."""
+
+    pos: int
+    window: int
+    kv_len: int
+    out: ForwardOut
+    positions: torch.Tensor
+    outcome: HostCopy  # [a, next, c1..] (verify.py)
+    started: float
+    marks: list[float]

@@ -66,6 +66,27 @@ class CudaGraphs:
         return out
 
 
+class HostCopy:
+    """A small device tensor's values on their way to the host: the copy is enqueued at once (into pinned
+    memory on a GPU, so later work may overwrite the tensor), and values() waits for that copy alone."""
+
+    def __init__(self, t: torch.Tensor):
+        self.device = t
+        self.ready = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = t.clone()
+
+    def values(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 class ModelRunner:
     def __init__(self, target, drafter: Drafter, cfg: EngineConfig, window: int):
         """window: the verify window W. In the static layout target-only decoding (W = 1) can run in
@@ -155,6 +176,12 @@ class ModelRunner:
     def start_round(self, anchor: int, pos: int) -> None:
         self.anchor.fill_(anchor)
         self.pos.fill_(pos)
+
+    def advance(self, outcome: torch.Tensor) -> None:
+        """The device's anchor and position moved past a round's outcome [a, next, ...] without the host:
+        the next round can be launched before this one's outcome is read."""
+        self.anchor.copy_(outcome[1:2])
+        self.pos.add_(outcome[:1] + 1)
 
     def draft(self, anchor: int, pos: int, n: int, kv_len: int) -> Proposal:
         req = DraftRequest(anchor, pos, n, self.anchor, self.pos, kv_len, self.kernels, self.probe)

@@ -154,18 +154,13 @@ def fits(layer, proj: torch.Tensor, state) -> bool:
             and all(b.is_contiguous() for b in (state.conv, state.rec, state.qk, state.v, state.gb)))
 
 
-def gated_delta_net(layer, proj: torch.Tensor, first: torch.Tensor, state, norm=None,
-                    config: tuple | None = None) -> torch.Tensor:
-    """GatedDeltaNet.mix's contract: the input projection proj [T, C + Hv*Dv + 2Hv] of rows from position
-    `first` (a 0-dim device tensor) -> the normalised, gated outputs [T, Hv*Dv], `state` advanced. norm:
-    ops.gated_rms_norm's contract, when a program holds less than a head (the kernel set's compiled one)."""
-    from .ops import gated_rms_norm
-
+def _launch(layer, proj: torch.Tensor, first: torch.Tensor, state, config: tuple | None):
+    """(kernel, its arguments for a forward of proj's rows, their meta-parameters, the recurrence programs,
+    the convolution programs, the raw outputs)."""
     t = proj.shape[0]
     hk, hv, dk, dv, c = layer.k_heads, layer.v_heads, layer.k_dim, layer.v_dim, layer.channels
     bv, warps = config or DELTA_CONFIG
     bv = pow2(dv) if bv is None or bv >= dv else bv
-    fused = bv >= dv
     programs = hv * -(-dv // bv)
     block = min(CONV_CHANNELS_PER_WARP * warps, pow2(c))
     mixed = torch.empty(t, c, device=proj.device, dtype=proj.dtype)
@@ -173,11 +168,32 @@ def gated_delta_net(layer, proj: torch.Tensor, first: torch.Tensor, state, norm=
     args = (t, first, proj, layer.conv_weight, layer.A_log, layer.dt_bias, layer.norm.weight, mixed, out, state.conv,
             state.rec, state.qk, state.v, state.gb, state.begin, state.end, state.slots, proj.stride(0), layer.eps)
     meta = dict(HK=hk, HV=hv, DK=dk, DV=dv, KERNEL=layer.kernel, BK=pow2(dk), BV=bv, BC=block,
-                BW=pow2(layer.kernel), NORM=fused, num_warps=warps)
-    kernel = _build()
-    kernel[(programs + -(-c // block),)](0, *args, **meta)
+                BW=pow2(layer.kernel), NORM=bv >= dv, num_warps=warps)
+    return _build(), args, meta, programs, -(-c // block), out
+
+
+def gated_delta_net(layer, proj: torch.Tensor, first: torch.Tensor, state, norm=None,
+                    config: tuple | None = None) -> torch.Tensor:
+    """GatedDeltaNet.mix's contract: the input projection proj [T, C + Hv*Dv + 2Hv] of rows from position
+    `first` (a 0-dim device tensor) -> the normalised, gated outputs [T, Hv*Dv], `state` advanced. norm:
+    ops.gated_rms_norm's contract, when a program holds less than a head (the kernel set's compiled one)."""
+    from .ops import gated_rms_norm
+
+    kernel, args, meta, programs, conv_programs, out = _launch(layer, proj, first, state, config)
+    kernel[(programs + conv_programs,)](0, *args, **meta)
     kernel[(programs,)](1, *args, **meta)
-    if fused:
+    if meta["NORM"]:
         return out
+    t, hv, dv, c = proj.shape[0], layer.v_heads, layer.v_dim, layer.channels
     z = proj[:, c:c + hv * dv].unflatten(-1, (hv, dv))
     return (norm or gated_rms_norm)(out.view(t, hv, dv), z, layer.norm.weight, layer.eps).flatten(-2)
+
+
+def start_state(layer, first: torch.Tensor, state, config: tuple | None = None) -> None:
+    """Launch 1's recurrence programs alone: the start state at `first` into rec[0], the rows kept by the last
+    forward replayed when `first` falls inside it. What a rollback adds to a verify is this launch's time at
+    a rollback less its time at the end state (the bench's measure); it leaves rec[0] changed."""
+    width = layer.channels + (layer.v_dim + 2) * layer.v_heads
+    proj = torch.empty(0, width, device=state.rec.device, dtype=state.conv.dtype)
+    kernel, args, meta, programs, _, _ = _launch(layer, proj, first, state, config)
+    kernel[(programs,)](0, *args, **meta)

@@ -49,13 +49,14 @@ def _build():
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
                     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-        """y = W x for row a = program_id(1) (one row unless EXPERTS); with EXPERTS row a has its own matrix,
-        expert e[a]'s at w + e[a] * stride_e. GLU: the up rows sit up_offset after the gate rows."""
+                    BLOCK_K: tl.constexpr, SHARE: tl.constexpr = 1):
+        """y = W x for output row a = program_id(1) (one row unless EXPERTS), from input row a // SHARE; with
+        EXPERTS row a has its own matrix, expert e[a]'s at w + e[a] * stride_e. GLU: the up rows sit up_offset
+        after the gate rows."""
         a = tl.program_id(1).to(tl.int64)
         if EXPERTS:
             w_ptr += tl.load(e_ptr + a) * stride_e
-        x_ptr += a * stride_x
+        x_ptr += (a // SHARE) * stride_x
         y_ptr += a * stride_y
         rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rmask = rows < N
@@ -302,6 +303,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: b
 
 #: assignments (row, expert pairs) up to which experts run as per-assignment GEMVs (decode, verify windows)
 EXPERT_GEMV_MAX = 256
+#: (BLOCK_N, BLOCK_K, num_warps) of those GEMVs over an expert's gate/up and over its down matrix
+EXPERT_GLU_CONFIG = GEMV_GLU_CONFIG
+EXPERT_DOWN_CONFIG = GEMV_CONFIG
 
 
 def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -319,15 +323,14 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
         return (reduce or sum_slots)(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
     _, _, inter, hidden = gate_up.shape
     kernels = _build()
-    x = h.repeat_interleave(k, dim=0)
     act = torch.empty(n * k, inter, device=h.device, dtype=h.dtype)
-    block_n, block_k, warps = GEMV_GLU_CONFIG
+    block_n, block_k, warps = EXPERT_GLU_CONFIG
     kernels["gemv"][(cdiv(inter, block_n), n * k)](
-        x, gate_up, flat, gate_up, act, inter, hidden, x.stride(0), gate_up.stride(1), gate_up.stride(2),
+        h, gate_up, flat, gate_up, act, inter, hidden, h.stride(0), gate_up.stride(1), gate_up.stride(2),
         act.stride(0), gate_up.stride(0), HAS_BIAS=False, GLU=True, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps)
+        SHARE=k, num_warps=warps)
     y = torch.empty(n * k, hidden, device=h.device, dtype=h.dtype)
-    block_n, block_k, warps = GEMV_CONFIG
+    block_n, block_k, warps = EXPERT_DOWN_CONFIG
     kernels["gemv"][(cdiv(hidden, block_n), n * k)](
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
@@ -419,9 +422,18 @@ def pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-ATTENTION_BLOCK = 64
+ATTENTION_BLOCK = 64  # cells a program's loop step reads
 ATTENTION_TARGET_SPLITS = 16
 ATTENTION_MAX_ROWS = 64  # query rows (window rows x heads of a group) one program holds
+#: the head dim the two sizes above are for; a larger one shrinks both in proportion (at 256, 64 x 64 tiles
+#: pipelined over three stages need 232 KiB of shared memory, more than an H200 has)
+ATTENTION_TILE_DIM = 128
+
+
+def attention_tiles(d: int) -> tuple[int, int]:
+    """(query rows a program holds, cells a loop step reads) at head dim d."""
+    shrink = max(1, d // ATTENTION_TILE_DIM)
+    return max(16, ATTENTION_MAX_ROWS // shrink), max(16, ATTENTION_BLOCK // shrink)
 
 
 def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -429,7 +441,7 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     rows, and a query group within ATTENTION_MAX_ROWS."""
     _, h, d = q.shape
     return (d >= 16 and d & (d - 1) == 0 and k.stride(-1) == 1 and k.stride(-2) == d and v.stride() == k.stride()
-            and h // k.shape[-2] <= ATTENTION_MAX_ROWS and mask.stride(-1) == 1)
+            and h // k.shape[-2] <= attention_tiles(d)[0] and mask.stride(-1) == 1)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -439,11 +451,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     t, h, d = q.shape
     s, hk, _ = k.shape
     g = h // hk
-    rows = min(ATTENTION_MAX_ROWS, max(16, pow2(t * g)))
+    max_rows, block = attention_tiles(d)
+    rows = min(max_rows, max(16, pow2(t * g)))
     row_blocks = cdiv(t * g, rows)
-    blocks = cdiv(s, ATTENTION_BLOCK)
+    blocks = cdiv(s, block)
     # the programs' count, and their float32 partials, stay near a decode's when row blocks multiply them
-    chunk = ATTENTION_BLOCK * cdiv(blocks, max(1, ATTENTION_TARGET_SPLITS // row_blocks))
+    chunk = block * cdiv(blocks, max(1, ATTENTION_TARGET_SPLITS // row_blocks))
     splits = cdiv(s, chunk)
     kernels = _build()
     o = torch.empty(hk, splits, row_blocks * rows, d, device=q.device, dtype=torch.float32)
@@ -452,7 +465,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q = q.contiguous()
     kernels["attention_partial"][(hk, splits, row_blocks)](
         q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
-        RT=row_blocks * rows, BLOCK_S=ATTENTION_BLOCK, PRECISION=precision(q), num_warps=4)
+        RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4)
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
     kernels["attention_combine"][(hk, t * g)](o, m, l, out, splits, G=g, HK=hk, D=d, RT=row_blocks * rows,
                                               SPLITS=max(2, pow2(splits)), num_warps=2)
