@@ -279,12 +279,12 @@ def projection_kernel(x: torch.Tensor, w: torch.Tensor) -> str | None:
     return "skinny" if x.shape[0] <= SKINNY_MAX_ROWS else None
 
 
-#: (BLOCK_N, BLOCK_K, num_warps) of the GEMV, plain and gate/up; swept on the H200 over 2..16 output rows
-#: and 256..1024 columns a program and 2..8 warps, for the 8B shape's five matrices
-#: (bench/results/triton-gemv-h200.json): two rows a program (thousands of programs) was at or near the
-#: best for all of them.
-GEMV_CONFIG = (2, 512, 2)
-GEMV_GLU_CONFIG = (2, 512, 4)
+#: (BLOCK_N, BLOCK_K, num_warps) of the GEMV, plain and gate/up. Swept on the H200 over 1..8 rows, 128..1024
+#: columns a program and 1..4 warps, on the 8B and 30B-A3B shapes' projections (tools/gemv_sweep.py,
+#: bench/results/gemv-sweep-h200.json): the least total time of the plain ones (8B q/k/v + o + down 50.6 us
+#: against 52.1 for the former (2, 512, 2)) and of the 8B gate/up (48.2 us against 51.3 for (2, 512, 4)).
+GEMV_CONFIG = (2, 1024, 1)
+GEMV_GLU_CONFIG = (1, 1024, 4)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False,
@@ -303,9 +303,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: b
 
 #: assignments (row, expert pairs) up to which experts run as per-assignment GEMVs (decode, verify windows)
 EXPERT_GEMV_MAX = 256
-#: (BLOCK_N, BLOCK_K, num_warps) of those GEMVs over an expert's gate/up and over its down matrix
-EXPERT_GLU_CONFIG = GEMV_GLU_CONFIG
-EXPERT_DOWN_CONFIG = GEMV_CONFIG
+#: (BLOCK_N, BLOCK_K, num_warps) of those GEMVs over an expert's gate/up and over its down matrix: the sweep's
+#: best for a 30B-A3B layer's 8 experts at 1 row (50.0 and 50.8 us a layer, each with the other at its
+#: former (2, 512, 4) / (2, 512, 2), against 51.7 and 51.8 with both at those)
+EXPERT_GLU_CONFIG = (1, 512, 2)
+EXPERT_DOWN_CONFIG = (4, 128, 1)
 
 
 def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
