@@ -1,6 +1,6 @@
 """The 1-row GEMV's configurations on a GPU: every projection of the dense 8B, hybrid 9B and MoE 30B-A3B
 shapes, and the MoE layer's per-expert gate/up and down GEMVs (8 experts of 128, a different set each call),
-timed in CUDA graphs over enough weight copies that nothing is served from L2. Prints and writes, per
+timed in CUDA graphs (skinny_sweep.timed) over enough weight copies that nothing is served from L2. Prints and writes, per
 configuration, microseconds per shape and the effective bandwidth; every configuration is first checked
 against F.linear (the experts against ops.experts_routed).
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from strata.layers import ops
 from strata.layers import triton_kernels as tk
+from skinny_sweep import timed  # noqa: E402 - tools/ is the script's directory
 
 DENSE = {  # (N, K) of a 1-row projection, per shape
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (2 * 12288, 4096), "down": (4096, 12288)},
@@ -27,25 +28,14 @@ EXPERTS, INTER, HIDDEN, TOP_K = 128, 768, 2048, 8
 BYTES = 1 << 28  # weight bytes cycled through per timing (several times L2)
 
 
-def timed(fn, calls: int) -> float:
-    """us per call of fn(i), i = 0..calls-1 captured in one graph, median of 5 replays."""
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def per_call(fn, calls: int):
+    """fn(0..calls-1) as one step, returning the count (skinny_sweep.timed's contract): us per call."""
+    def step() -> int:
         for i in range(calls):
             fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[2]
+        return calls
+
+    return timed(step)
 
 
 def main() -> None:
@@ -72,7 +62,7 @@ def main() -> None:
                     if err > 2e-2:
                         row[str(c)] = {"error": err}
                         continue
-                    us = timed(lambda i: tk.gemv(x, ws[i % copies], glu=glu, config=c), 2 * copies)
+                    us = per_call(lambda i: tk.gemv(x, ws[i % copies], glu=glu, config=c), 2 * copies)
                     row[str(c)] = {"us": us, "GBps": n * k * 2 / us / 1e3}
                 key = f"{shape} {name}{' glu' if glu else ''} {n}x{k}"
                 result["dense"][key] = row
@@ -97,7 +87,7 @@ def main() -> None:
             if err > 2e-2:
                 row[str(c)] = {"error": err}
                 continue
-            row[str(c)] = {"us_layer": timed(lambda i: tk.experts(h, gate_up, down, weights, sets[i % 32]), 32)}
+            row[str(c)] = {"us_layer": per_call(lambda i: tk.experts(h, gate_up, down, weights, sets[i % 32]), 32)}
         tk.EXPERT_GLU_CONFIG, tk.EXPERT_DOWN_CONFIG = saved
         result["experts"][part] = row
         best = min((v["us_layer"], c) for c, v in row.items() if "us_layer" in v)
