@@ -50,18 +50,6 @@ def test_dequantize_is_bit_exact_and_products_match(qtype):
     assert torch.equal(qk.gather(data, int(qtype), 512, tokens, torch.float32), w[tokens])
 
 
-def test_q4k_word_gemv_at_every_step_shape():
-    """The Q4_K GEMV on whole words over 3 superblocks: steps of 1, 2 (the second's half past K) and 4
-    superblocks, row blocks past the last row; plain and gate/up."""
-    raw = blocks(T.Q4_K, 5, 768, 7)
-    data = torch.from_numpy(raw.copy())
-    w = torch.from_numpy(quants.dequantize(raw, T.Q4_K).astype(np.float32))
-    x = torch.randn(1, 768, generator=torch.Generator().manual_seed(2))
-    for config in ((1, 1, 1), (2, 2, 2), (4, 4, 4)):
-        assert rel(qk.matmul(x, data, qk.Q4_K, 5, config=config), x @ w.T) <= 1e-5, config
-        assert rel(qk.matmul(x, data, qk.Q4_K, 2, glu=True, config=config), silu_mul(x @ w[:4].T)) <= 1e-5, config
-
-
 def test_quant_weight_segments_slices_and_bytes():
     """A fused q/k/v of two types (as Q4_K_M makes), sliced by rows as a drafter's context path does."""
     a, b = blocks(T.Q4_K, 4, 256, 1), blocks(T.Q6_K, 2, 256, 2)
@@ -88,7 +76,6 @@ def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
     from test_gguf_target import qwen2_tokenizer, write_gguf_target
 
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
-    monkeypatch.setattr(qk, "Q4K_GEMV_CONFIGS", [(128, 4, 1)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     hf, _ = write_hf_model(tmp_path / "hf", "qwen3", seed=4, vocab=320, hidden_size=256, intermediate_size=256,
                            head_dim=64, layers=2)

@@ -58,12 +58,9 @@ def main() -> None:
                 want = x.float() @ dense.T
                 err = ((qk.matmul(x, data, qtype, n).float() - want).abs().max() / want.abs().max()).item()
                 results.setdefault("relative_error", {})[f"{name}-{mat}-{m}"] = err
-                configs = [(False, c) for c in (qk.GEMV_CONFIGS if m == 1 else qk.SKINNY_CONFIGS)]
-                if m == 1 and qtype == qk.Q4_K:  # its word GEMV beside the byte one
-                    configs += [(True, c) for c in qk.Q4K_GEMV_CONFIGS]
+                configs = qk.GEMV_CONFIGS if m == 1 else qk.SKINNY_CONFIGS
                 best = None
-                for words, cfg in configs:
-                    qk.Q4K_WORDS = words
+                for cfg in configs:
                     try:
                         s = timed(lambda: qk.matmul(x, data, qtype, n, config=cfg))
                         cfg_err = ((qk.matmul(x, data, qtype, n, config=cfg).float() - want).abs().max()
@@ -71,16 +68,13 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses
                         print(f"{name} {mat} m={m} {cfg}: {type(e).__name__}")
                         continue
-                    finally:
-                        qk.Q4K_WORDS = True
                     gbps = data.numel() / s / 1e9
                     results["runs"].append({"type": name, "matrix": mat, "rows": m, "config": cfg, "us": s * 1e6,
-                                            "GBps": gbps, "relative_error": cfg_err,
-                                            "kernel": "gemv_q4k" if words else "generic"})
+                                            "GBps": gbps, "relative_error": cfg_err})
                     if cfg_err > 0.05:
                         print(f"{name} {mat} m={m} {cfg}: WRONG, relative error {cfg_err:.2e}")
                     if best is None or gbps > best[1]:
-                        best = ((words, cfg), gbps, s)
+                        best = (cfg, gbps, s)
                 print(f"{name:6} {mat:8} m={m:2}: best {best[0]} {best[2] * 1e6:8.1f} us {best[1]:7.0f} GB/s "
                       f"({best[1] * 1e9 / copy:.2f} of copy), rel err {err:.1e}", flush=True)
     if args.out:

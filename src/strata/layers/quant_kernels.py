@@ -187,82 +187,6 @@ def _build():
         tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
 
     @triton.jit
-    def _q4k_dot(w32, f16, base, x_lo, x_hi, xs_lo, xs_hi, acc, acc_min):
-        """One step of gemv_q4k_kernel over the superblocks at word offsets base [R, S] (0 where masked)."""
-        p = tl.arange(0, 4)[None, None, :]
-        s0 = tl.load(w32 + base + 1)[:, :, None]  # scale bytes 0..3, 4..7, 8..11
-        s1 = tl.load(w32 + base + 2)[:, :, None]
-        s2 = tl.load(w32 + base + 3)[:, :, None]
-        first = p < 2  # sub-blocks 2p (low nibbles) and 2p+1 (high): 0..3 plain 6 bits, 4..7 split
-        sh_lo = 8 * ((2 * p) % 4)
-        sh_hi = 8 * ((2 * p + 1) % 4)
-        a1, b1, c1 = (s0 >> sh_lo) & 255, (s1 >> sh_lo) & 255, (s2 >> sh_lo) & 255
-        a2, b2, c2 = (s0 >> sh_hi) & 255, (s1 >> sh_hi) & 255, (s2 >> sh_hi) & 255
-        sc_lo = tl.where(first, a1 & 63, (c1 & 15) | ((a1 >> 2) & 48)).to(tl.float32)
-        m_lo = tl.where(first, b1 & 63, (c1 >> 4) | ((b1 >> 2) & 48)).to(tl.float32)
-        sc_hi = tl.where(first, a2 & 63, (c2 & 15) | ((a2 >> 2) & 48)).to(tl.float32)
-        m_hi = tl.where(first, b2 & 63, (c2 >> 4) | ((b2 >> 2) & 48)).to(tl.float32)
-        d = tl.load(f16 + 2 * base).to(tl.float32)[:, :, None]
-        dmin = tl.load(f16 + 2 * base + 1).to(tl.float32)[:, :, None]
-        jj = tl.arange(0, 8)[None, None, None, :]
-        q = tl.load(w32 + base[:, :, None, None] + 4 + p[:, :, :, None] * 8 + jj)[:, :, :, :, None]  # [R, S, 4, 8, 1]
-        i = 8 * tl.arange(0, 4)[None, None, None, None, :]
-        lo = ((q >> i) & 15).to(tl.float32) * x_lo
-        hi = ((q >> (i + 4)) & 15).to(tl.float32) * x_hi
-        dot_lo = tl.sum(tl.sum(lo, axis=4), axis=3)
-        dot_hi = tl.sum(tl.sum(hi, axis=4), axis=3)
-        acc += d * sc_lo * dot_lo + d * sc_hi * dot_hi
-        acc_min += dmin * m_lo * xs_lo + dmin * m_hi * xs_hi
-        return acc, acc_min
-
-    globals()["_q4k_dot"] = _q4k_dot
-
-    @triton.jit
-    def gemv_q4k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-                        S: tl.constexpr):
-        """Q4_K's 1-row GEMV in whole 32-bit words (16-byte loads, not gemv_kernel's bytes) and without a
-        dequantized tile: per sub-block of 32 weights, d * scale * sum(q x) - dmin * min * sum(x), S
-        superblocks of BLOCK_N rows a step. The products round differently from gemv_kernel's (the scales
-        applied to sums), within float32 accumulation order."""
-        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        rmask = rows < N
-        w32 = w_ptr.to(tl.pointer_type(tl.int32))
-        f16 = w_ptr.to(tl.pointer_type(tl.float16))
-        gate_row = tl.where(rmask, rows * row_words, 0)[:, None]
-        up_row = tl.where(rmask, (rows + N) * row_words, 0)[:, None]
-        p = tl.arange(0, 4)[None, :, None, None]
-        jj = tl.arange(0, 8)[None, None, :, None]
-        i = tl.arange(0, 4)[None, None, None, :]
-        acc = tl.zeros([BLOCK_N, S, 4], dtype=tl.float32)
-        acc_min = tl.zeros([BLOCK_N, S, 4], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, S, 4], dtype=tl.float32)
-        acc_up_min = tl.zeros([BLOCK_N, S, 4], dtype=tl.float32)
-        blocks = K // 256
-        for sb0 in range(0, blocks, S):
-            sb = sb0 + tl.arange(0, S)
-            live = sb < blocks
-            sbc = tl.where(live, sb, 0)[:, None, None, None]
-            xo = sbc * 256 + p * 64 + 4 * jj + i  # [S, 4, 8, 4]: the low nibbles' weights; the high ones +32
-            x_lo = tl.load(x_ptr + xo, mask=live[:, None, None, None], other=0.0).to(tl.float32)
-            x_hi = tl.load(x_ptr + xo + 32, mask=live[:, None, None, None], other=0.0).to(tl.float32)
-            xs_lo = tl.sum(tl.sum(x_lo, axis=3), axis=2)[None, :, :]
-            xs_hi = tl.sum(tl.sum(x_hi, axis=3), axis=2)[None, :, :]
-            x_lo = x_lo[None, :, :, :, :]
-            x_hi = x_hi[None, :, :, :, :]
-            offset = tl.where(live, sb, 0)[None, :] * 36  # 144 bytes a superblock
-            acc, acc_min = _q4k_dot(w32, f16, gate_row + offset, x_lo, x_hi, xs_lo, xs_hi, acc, acc_min)
-            if GLU:
-                acc_up, acc_up_min = _q4k_dot(w32, f16, up_row + offset, x_lo, x_hi, xs_lo, xs_hi, acc_up,
-                                              acc_up_min)
-        out_ty = y_ptr.dtype.element_ty
-        y = tl.sum(tl.sum(acc - acc_min, axis=2), axis=1)
-        if GLU:
-            gate = y.to(out_ty).to(tl.float32)
-            up = tl.sum(tl.sum(acc_up - acc_up_min, axis=2), axis=1).to(out_ty).to(tl.float32)
-            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
-        tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
-
-    @triton.jit
     def skinny_kernel(x_ptr, w_ptr, tab_ptr, y_ptr, M, N, K, row_bytes, stride_x, stride_y, QTYPE: tl.constexpr,
                       GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                       UNROLL: tl.constexpr):
@@ -297,15 +221,11 @@ def _build():
             y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
         tl.store(y_ptr + m[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=mmask[:, None] & nmask[None, :])
 
-    kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
-               "gemv_q4k": gemv_q4k_kernel}
+    kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
             key=["N", "K", "QTYPE", "GLU"])(gemv_kernel)
-        kernels["gemv_q4k_tuned"] = triton.autotune(
-            [triton.Config({"BLOCK_N": b, "S": u}, num_warps=w) for b, w, u in Q4K_GEMV_CONFIGS],
-            key=["N", "K", "GLU"])(gemv_q4k_kernel)
         kernels["skinny_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -363,10 +283,6 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
 #: GEMV: on the H200 (Triton 3.6) every 2-warp configuration of 2+ rows gave wrong Q4_K products (relative
 #: error ~1, bench/results/quant-sweep-h200-unroll.json) while the interpreter and 4+ warps were exact
 GEMV_CONFIGS = [(2, 4, 4), (1, 4, 4), (2, 4, 8), (4, 4, 4), (4, 4, 8), (8, 4, 4), (8, 8, 4), (16, 8, 1)]
-#: the Q4_K GEMV's (rows of W per program, warps, superblocks a step)
-Q4K_GEMV_CONFIGS = [(2, 2, 2), (1, 1, 2), (4, 4, 1), (4, 4, 2), (2, 4, 4), (8, 4, 1), (1, 2, 4), (4, 8, 4)]
-#: Q4_K's 1-row products through gemv_q4k_kernel (False: gemv_kernel, as every other type; for sweeps)
-Q4K_WORDS = True
 SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (32, 8, 4), (64, 4, 1), (32, 4, 1)]
 
 
@@ -379,14 +295,6 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     x = x.contiguous()
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     kernels = _build()
-    if rows == 1 and qtype == Q4_K and Q4K_WORDS:
-        args = (x, data, y, n, k, data.stride(0) // 4)
-        if config is None and "gemv_q4k_tuned" in kernels:
-            kernels["gemv_q4k_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]),)](*args, GLU=glu)
-        else:
-            block_n, warps, steps = config or Q4K_GEMV_CONFIGS[0]
-            kernels["gemv_q4k"][(cdiv(n, block_n),)](*args, GLU=glu, BLOCK_N=block_n, S=steps, num_warps=warps)
-        return y
     tab = _table(x.device)
     name = "gemv" if rows == 1 else "skinny"
     args = (x, data, tab, y, n, k, data.stride(0)) if rows == 1 else \
