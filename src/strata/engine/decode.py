@@ -1,8 +1,8 @@
 """The decode loop: prefill, then rounds of propose -> verify -> commit.
 
-Target-only decoding is the same loop with a drafter that proposes nothing (window 1). The model
-runner (runner.py) runs the steps; this loop only decides what to ask for, reads one host value per
-round, and emits tokens."""
+Target-only decoding is the same loop with a drafter that proposes nothing (window 1), each round
+launched one ahead in the static layout. The model runner (runner.py) runs the steps; this loop only
+decides what to ask for, reads one host value per round, and emits tokens."""
 
 from __future__ import annotations
 
@@ -208,10 +208,11 @@ class Engine:
         res.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         done, _ = emit([anchor])
-        # Target-only rounds (window 1) advance one position whatever the device decides, so the next round is
-        # launched before this one's outcome is read: the GPU runs it while the host reads, emits and decides.
-        # A stop token found then wastes that round; it only wrote past the committed length.
-        ahead = self.window == 1 and not self.config.profile
+        # Target-only rounds (window 1) advance one position whatever the device decides, so in the static
+        # layout the next round is launched before this one's outcome is read: the GPU runs it while the host
+        # reads, emits and decides. A stop token found then wastes that round; it only wrote past the
+        # committed length. (The dynamic layout runs on the host's clock: there it would only add the waste.)
+        ahead = self.window == 1 and runner.static and not self.config.profile
         launched = None
         while not done:
             if should_stop is not None and should_stop():
