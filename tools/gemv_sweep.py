@@ -1,8 +1,8 @@
 """The 1-row GEMV's configurations on a GPU: every projection of the dense 8B, hybrid 9B and MoE 30B-A3B
 shapes, and the MoE layer's per-expert gate/up and down GEMVs (8 experts of 128, a different set each call),
-timed in CUDA graphs (skinny_sweep.timed) over enough weight copies that nothing is served from L2. Prints and writes, per
-configuration, microseconds per shape and the effective bandwidth; every configuration is first checked
-against F.linear (the experts against ops.experts_routed).
+timed in CUDA graphs (skinny_sweep.timed) over enough weight copies that nothing is served from L2. Prints
+and writes, per configuration, microseconds per shape and the effective bandwidth; every configuration is
+first checked against F.linear (the experts against ops.experts_routed).
 
     PYTHONPATH=src python3 tools/gemv_sweep.py --out bench/results/gemv-sweep-h200.json"""
 
@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
 from strata.layers import ops
 from strata.layers import triton_kernels as tk
-from skinny_sweep import timed  # noqa: E402 - tools/ is the script's directory
+from skinny_sweep import timed  # tools/, the script's own directory
 
 DENSE = {  # (N, K) of a 1-row projection, per shape
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (2 * 12288, 4096), "down": (4096, 12288)},
@@ -92,10 +91,9 @@ def main() -> None:
         result["experts"][part] = row
         best = min((v["us_layer"], c) for c, v in row.items() if "us_layer" in v)
         print("experts", part, "best", best, "now", row.get(str(saved[0] if part == "glu" else saved[1])), flush=True)
-    t0 = time.time()
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print("wrote", args.out, round(time.time() - t0, 1))
+    print("wrote", args.out)
 
 
 if __name__ == "__main__":

@@ -329,7 +329,6 @@ def rollback_cost(engine: Engine, reps: int = 20) -> dict:
     fused = isinstance(kernels, TritonKernels) and "gated_delta_net" not in kernels._failed and dev.type == "cuda"
     rows = torch.tensor(states[0].slots - 1, device=dev)
     buffers = [torch.empty(s.slots, *s.rec.shape[1:], device=dev, dtype=s.rec.dtype) for s in states]
-    ends = [s.end.clone() for s in states]
 
     def replay():
         for layer, s in layers:
@@ -338,9 +337,9 @@ def rollback_cost(engine: Engine, reps: int = 20) -> dict:
             else:
                 kernels.delta_rule(s.qk[0], s.qk[1], s.v, s.gb[0], s.gb[1], s.rec[0], rows)
 
-    def at_end():
-        for (layer, s), end in zip(layers, ends):
-            delta_kernels.start_state(layer, end, s)
+    def at_end():  # start_state never moves begin or end
+        for layer, s in layers:
+            delta_kernels.start_state(layer, s.end, s)
 
     def snapshots():
         for s, b in zip(states, buffers):

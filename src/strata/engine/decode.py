@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 
 from ..errors import StrataError
-from .config import EngineConfig
 from ..models.decoder import ForwardOut
+from .config import EngineConfig
 from .drafter import Drafter
 from .runner import HostCopy, ModelRunner
 from .sampling import SamplingParams, process, sample

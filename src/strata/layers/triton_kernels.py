@@ -325,6 +325,7 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
         return (reduce or sum_slots)(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
     _, _, inter, hidden = gate_up.shape
     kernels = _build()
+    h = h.contiguous()  # each row read in place by its k assignments
     act = torch.empty(n * k, inter, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = EXPERT_GLU_CONFIG
     kernels["gemv"][(cdiv(inter, block_n), n * k)](
