@@ -77,6 +77,7 @@ def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
 
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
+    monkeypatch.setattr(qk, "Q4K_GEMV_CONFIGS", [(256, 1, 8)])
     hf, _ = write_hf_model(tmp_path / "hf", "qwen3", seed=4, vocab=320, hidden_size=256, intermediate_size=256,
                            head_dim=64, layers=2)
     qwen2_tokenizer(hf, 320)
@@ -131,6 +132,7 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
 
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
+    monkeypatch.setattr(qk, "Q4K_GEMV_CONFIGS", [(256, 1, 8)])
     target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
                                    head_dim=64, layers=2)
     qwen2_tokenizer(target_dir, 320)

@@ -58,7 +58,7 @@ def main() -> None:
                 want = x.float() @ dense.T
                 err = ((qk.matmul(x, data, qtype, n).float() - want).abs().max() / want.abs().max()).item()
                 results.setdefault("relative_error", {})[f"{name}-{mat}-{m}"] = err
-                configs = qk.GEMV_CONFIGS if m == 1 else qk.SKINNY_CONFIGS
+                configs = qk.configs(qtype, m)
                 best = None
                 for cfg in configs:
                     try:

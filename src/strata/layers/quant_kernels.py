@@ -221,11 +221,155 @@ def _build():
             y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
         tl.store(y_ptr + m[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=mmask[:, None] & nmask[None, :])
 
-    kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel}
+    @triton.jit
+    def _f(v):
+        """float32 of a small non-negative int32 v (< 2**23): 2**23 + v through the mantissa, less 2**23;
+        an integer op and an add in place of a conversion, a quarter-rate instruction on recent GPUs."""
+        return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _words(v):
+        """[..., 4] (the last dim held by one thread) -> its four [...] slices, in order."""
+        a, b = tl.split(tl.reshape(v, v.shape[:-1] + (2, 2)))
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        return a0, b0, a1, b1
+
+    @triton.jit
+    def _bf16x2(u):
+        return (u << 16).to(tl.float32, bitcast=True), (u & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _half2(u, F16: tl.constexpr):
+        if F16:
+            return ((u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+                    (u >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
+        return _bf16x2(u)
+
+    @triton.jit
+    def _x16(x_ptr, off, i):
+        """float32 x[off .. off + 15] for each thread's element offset off [NT, 1], as a 16-tuple of [NT]
+        (16-byte loads: one per 8 half-precision values, per 4 float32 ones)."""
+        if x_ptr.dtype.element_ty == tl.float32:
+            return _words(tl.load(x_ptr + off + i)) + _words(tl.load(x_ptr + off + 4 + i)) + \
+                _words(tl.load(x_ptr + off + 8 + i)) + _words(tl.load(x_ptr + off + 12 + i))
+        F16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+        x32 = x_ptr.to(tl.pointer_type(tl.uint32))
+        w = _words(tl.load(x32 + off // 2 + i)) + _words(tl.load(x32 + off // 2 + 4 + i))
+        out = ()
+        for k in tl.static_range(8):
+            out += _half2(w[k], F16)
+        return out
+
+    @triton.jit
+    def _lo(qq, x0, x1, x2, x3, a):
+        """Low nibbles of word qq (weights 4i..4i+3 of a sub-block) times x0..x3, into 4 accumulators that
+        hold them scaled by 2**0, 2**8, 2**16, 2**12: each nibble masked in place (one op, no shift)."""
+        t = qq >> 12
+        a0, a8, a16, a12 = a
+        return (a0 + _f(qq & 0xF) * x0, a8 + _f(qq & 0xF00) * x1, a16 + _f(qq & 0xF0000) * x2,
+                a12 + _f(t & 0xF000) * x3)
+
+    @triton.jit
+    def _hi(qq, x0, x1, x2, x3, b):
+        """The high nibbles, scaled by 2**4, 2**12, 2**8, 2**16."""
+        t = qq >> 12
+        b4, b12, b8, b16 = b
+        return (b4 + _f(qq & 0xF0) * x0, b12 + _f(qq & 0xF000) * x1, b8 + _f(t & 0xF00) * x2,
+                b16 + _f(t & 0xF0000) * x3)
+
+    @triton.jit
+    def gemv_q4k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr):
+        """One thread per (row pair, K slice): rows r and r + BLOCK_N (with GLU: gate row r, up row r + N), and
+        superblocks k, k + S, ...: lanes along rows, so a warp's x is one superblock's (loaded once a warp)."""
+        NT: tl.constexpr = BLOCK_N * S
+        t = tl.arange(0, NT)
+        r0 = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + t % BLOCK_N
+        r1 = r0 + (N if GLU else BLOCK_N)
+        ks = t // BLOCK_N
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        off0 = tl.where(r0 < N, r0 * row_words, 0)
+        off1 = tl.where(r1 < (2 * N if GLU else N), r1 * row_words, 0)
+        i = tl.arange(0, 4)[None, :]
+        blocks = K // 256
+        acc0 = tl.zeros([NT], dtype=tl.float32)
+        acc1 = tl.zeros([NT], dtype=tl.float32)
+        for sb0 in range(0, blocks, S):
+            sb = sb0 + ks
+            live = sb < blocks
+            sbc = tl.where(live, sb, 0)
+            bases = (tl.multiple_of(off0 + sbc * 36, 4)[:, None], tl.multiple_of(off1 + sbc * 36, 4)[:, None])
+            xoff = tl.multiple_of(sbc * 256, 256)[:, None]
+            scales = ()
+            for s in tl.static_range(2):
+                w0, w1, w2, w3 = _words(tl.load(w32 + bases[s] + i))
+                d = tl.where(live, (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32), 0.0)
+                dmin = tl.where(live, (w0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32), 0.0)
+                # the 6-bit scales and mins of sub-blocks 0..3, then 4..7, a byte each
+                scales += ((d, dmin, w1 & 0x3F3F3F3F, w2 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030),
+                            ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)),)
+            for p in tl.static_range(4):  # sub-blocks 2p (low nibbles of 32 bytes) and 2p + 1 (high)
+                z = tl.zeros([NT], dtype=tl.float32)
+                lo = ((z, z, z, z), (z, z, z, z))
+                hi = ((z, z, z, z), (z, z, z, z))
+                x_lo = z
+                x_hi = z
+                for c in tl.static_range(2):
+                    q = (_words(tl.load(w32 + bases[0] + 4 + 8 * p + 4 * c + i)),
+                         _words(tl.load(w32 + bases[1] + 4 + 8 * p + 4 * c + i)))
+                    for h in tl.static_range(2):
+                        xs = _x16(x_ptr, xoff + 64 * p + 32 * h + 16 * c, i)
+                        for wi in tl.static_range(4):
+                            x0, x1, x2, x3 = xs[4 * wi], xs[4 * wi + 1], xs[4 * wi + 2], xs[4 * wi + 3]
+                            if h == 0:
+                                lo = (_lo(q[0][wi], x0, x1, x2, x3, lo[0]), _lo(q[1][wi], x0, x1, x2, x3, lo[1]))
+                                x_lo += (x0 + x1) + (x2 + x3)
+                            else:
+                                hi = (_hi(q[0][wi], x0, x1, x2, x3, hi[0]), _hi(q[1][wi], x0, x1, x2, x3, hi[1]))
+                                x_hi += (x0 + x1) + (x2 + x3)
+                for s in tl.static_range(2):
+                    d, dmin, scl, mnl, sch, mnh = scales[s]
+                    scw = scl if p < 2 else sch
+                    mnw = mnl if p < 2 else mnh
+                    a0, a8, a16, a12 = lo[s]
+                    b4, b12, b8, b16 = hi[s]
+                    s_lo = a0 + a8 * (1.0 / 256) + a12 * (1.0 / 4096) + a16 * (1.0 / 65536)
+                    s_hi = b4 * (1.0 / 16) + b8 * (1.0 / 256) + b12 * (1.0 / 4096) + b16 * (1.0 / 65536)
+                    part = d * (_f((scw >> (16 * (p % 2))) & 0xFF) * s_lo + _f((scw >> (16 * (p % 2) + 8)) & 0xFF) * s_hi) \
+                        - dmin * (_f((mnw >> (16 * (p % 2))) & 0xFF) * x_lo + _f((mnw >> (16 * (p % 2) + 8)) & 0xFF) * x_hi)
+                    if s == 0:
+                        acc0 += part
+                    else:
+                        acc1 += part
+        y0 = tl.sum(tl.reshape(acc0, (S, BLOCK_N)), axis=0)
+        y1 = tl.sum(tl.reshape(acc1, (S, BLOCK_N)), axis=0)
+        rows = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + tl.arange(0, BLOCK_N)
+        out_ty = y_ptr.dtype.element_ty
+        if GLU:
+            gate = y0.to(out_ty).to(tl.float32)
+            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * y1.to(out_ty).to(tl.float32)
+            tl.store(y_ptr + rows, y.to(out_ty), mask=rows < N)
+        else:
+            tl.store(y_ptr + rows, y0.to(out_ty), mask=rows < N)
+            tl.store(y_ptr + rows + BLOCK_N, y1.to(out_ty), mask=rows + BLOCK_N < N)
+
+    globals()["_f"] = _f
+    globals()["_words"] = _words
+    globals()["_bf16x2"] = _bf16x2
+    globals()["_half2"] = _half2
+    globals()["_x16"] = _x16
+    globals()["_lo"] = _lo
+    globals()["_hi"] = _hi
+
+    kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
+               "gemv_q4k": gemv_q4k_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
             key=["N", "K", "QTYPE", "GLU"])(gemv_kernel)
+        kernels["gemv_q4k_tuned"] = triton.autotune(
+            [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in Q4K_GEMV_CONFIGS],
+            key=["N", "K", "GLU"])(gemv_q4k_kernel)
         kernels["skinny_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -284,6 +428,16 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
 #: error ~1, bench/results/quant-sweep-h200-unroll.json) while the interpreter and 4+ warps were exact
 GEMV_CONFIGS = [(2, 4, 4), (1, 4, 4), (2, 4, 8), (4, 4, 4), (4, 4, 8), (8, 4, 4), (8, 8, 4), (16, 8, 1)]
 SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (32, 8, 4), (64, 4, 1), (32, 4, 1)]
+#: Q4_K's own 1-row GEMV (gemv_q4k_kernel): (rows a thread's lane covers, K slices, warps), lanes times
+#: slices being the program's threads
+Q4K_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4)]
+
+
+def configs(qtype: int, rows: int) -> list[tuple[int, int, int]]:
+    """The block shapes a product of `rows` rows over a `qtype` matrix is tried with (for sweeps)."""
+    if rows == 1:
+        return Q4K_GEMV_CONFIGS if qtype == Q4_K else GEMV_CONFIGS
+    return SKINNY_CONFIGS
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
@@ -295,6 +449,16 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     x = x.contiguous()
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     kernels = _build()
+    if rows == 1 and qtype == Q4_K:
+        per = 1 if glu else 2  # row blocks a program covers: gate and up rows, or two blocks of rows
+        args = (x, data, y, n, k, data.stride(0) // 4)
+        if config is None and "gemv_q4k_tuned" in kernels:
+            kernels["gemv_q4k_tuned"][lambda meta: (cdiv(n, per * meta["BLOCK_N"]),)](*args, GLU=glu)
+        else:
+            block_n, slices, warps = config or Q4K_GEMV_CONFIGS[0]
+            kernels["gemv_q4k"][(cdiv(n, per * block_n),)](*args, GLU=glu, BLOCK_N=block_n, S=slices,
+                                                           num_warps=warps)
+        return y
     tab = _table(x.device)
     name = "gemv" if rows == 1 else "skinny"
     args = (x, data, tab, y, n, k, data.stride(0)) if rows == 1 else \
