@@ -1,14 +1,17 @@
 """Triton kernels over GGUF-quantized weights: the blocks stay as llama.cpp wrote them, in GPU memory,
 and each kernel dequantizes the tiles it needs in registers.
 
-Every kernel is built on one function, `_halves`: the float32 values of a [rows, 256] tile of a
+The kernels but one are built on one function, `_halves`: the float32 values of a [rows, 256] tile of a
 quantized matrix (as two halves: each byte loaded once yields a value in each), computed in the same
 float32 operations, in the same order, as gguf's reference
 (`gguf.quants.dequantize`), so the dequantization kernel matches it bit for bit (the tests run it in
 Triton's interpreter). Over it: a 1-row GEMV and a few-row GEMM (a verify window, a drafter block) on
 tensor cores, both with the gate/up silu*up variant, an embedding gather, and a whole-matrix
-dequantization. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit at
-even offsets, so they are read through a float16 view of the same bytes."""
+dequantization. The exception is Q4_K's 1-row GEMV (gemv_q4k_kernel), the product a Q4_K_M decode
+step spends its time in: it reads blocks and x as 32-bit words and never forms the dequantized tile
+(applying scales to sums), which cuts its instructions per weight about six-fold. Block layouts are the
+GGML formats' (ggml-common.h); d and other float16 fields sit at even offsets, so they are read through
+a float16 view of the same bytes."""
 
 from __future__ import annotations
 
@@ -279,7 +282,8 @@ def _build():
                 b16 + _f(t & 0xF0000) * x3)
 
     @triton.jit
-    def gemv_q4k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr):
+    def gemv_q4k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+                        S: tl.constexpr):
         """One thread per (row pair, K slice): rows r and r + BLOCK_N (with GLU: gate row r, up row r + N), and
         superblocks k, k + S, ...: lanes along rows, so a warp's x is one superblock's (loaded once a warp)."""
         NT: tl.constexpr = BLOCK_N * S
@@ -335,8 +339,9 @@ def _build():
                     b4, b12, b8, b16 = hi[s]
                     s_lo = a0 + a8 * (1.0 / 256) + a12 * (1.0 / 4096) + a16 * (1.0 / 65536)
                     s_hi = b4 * (1.0 / 16) + b8 * (1.0 / 256) + b12 * (1.0 / 4096) + b16 * (1.0 / 65536)
-                    part = d * (_f((scw >> (16 * (p % 2))) & 0xFF) * s_lo + _f((scw >> (16 * (p % 2) + 8)) & 0xFF) * s_hi) \
-                        - dmin * (_f((mnw >> (16 * (p % 2))) & 0xFF) * x_lo + _f((mnw >> (16 * (p % 2) + 8)) & 0xFF) * x_hi)
+                    at = 16 * (p % 2)  # sub-blocks 2p and 2p + 1: bytes p % 2 * 2 and the next
+                    part = d * (_f((scw >> at) & 0xFF) * s_lo + _f((scw >> (at + 8)) & 0xFF) * s_hi) \
+                        - dmin * (_f((mnw >> at) & 0xFF) * x_lo + _f((mnw >> (at + 8)) & 0xFF) * x_hi)
                     if s == 0:
                         acc0 += part
                     else:

@@ -1,0 +1,75 @@
+"""Count the instructions the quantized 1-row GEMVs (layers/quant_kernels.py) issue per weight, with no
+GPU: each kernel compiled by Triton for sm_90, disassembled with the cuobjdump Triton ships, and its
+main loop (the longest backward branch) counted against the weights a thread takes per trip.
+
+usage: python tools/sass_count.py"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from strata.layers import quant_kernels as qk  # noqa: E402
+
+
+def compile_sass(fn, signature: dict, constexprs: dict, warps: int, aligned: tuple) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_ops(sass: str) -> collections.Counter:
+    """Opcodes of the longest loop: from a backward branch's target to the branch."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in
+            re.finditer(r"^\s+/\*([0-9a-f]{4})\*/\s+(.*?);", sass, re.M)]
+    best = (0, 0, -1)
+    for end, (addr, text) in enumerate(code):
+        b = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
+        if b and int(b.group(1), 16) < addr:
+            start = next(k for k, (a, _) in enumerate(code) if a == int(b.group(1), 16))
+            best = max(best, (end - start + 1, start, end))
+    _, start, end = best
+    return collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", t).group(1)
+                               for _, t in code[start:end + 1])
+
+
+def main() -> None:
+    kernels = qk._build()
+    byte_sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "tab_ptr": "*i8", "y_ptr": "*bf16", "N": "i32", "K": "i32",
+                "row_bytes": "i32", "QTYPE": "constexpr", "GLU": "constexpr", "BLOCK_N": "constexpr",
+                "UNROLL": "constexpr"}
+    word_sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "N": "i32", "K": "i32", "row_words": "i32",
+                "GLU": "constexpr", "BLOCK_N": "constexpr", "S": "constexpr"}
+    runs = []
+    for name, qtype in (("Q4_K", qk.Q4_K), ("Q6_K", qk.Q6_K), ("Q8_0", qk.Q8_0)):
+        for block_n, warps, unroll in ((16, 8, 1), (8, 4, 4)):
+            sass = compile_sass(kernels["gemv"], byte_sig, {"QTYPE": qtype, "GLU": False, "BLOCK_N": block_n,
+                                                           "UNROLL": unroll}, warps, (0, 1, 6))
+            runs.append((f"gemv_kernel {name} {block_n, warps, unroll}", loop_ops(sass),
+                         block_n * 256 * unroll / (32 * warps)))
+    for block_n, slices, warps in qk.Q4K_GEMV_CONFIGS[:2]:
+        sass = compile_sass(kernels["gemv_q4k"], word_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices}, warps,
+                            (0, 1, 5))
+        runs.append((f"gemv_q4k_kernel Q4_K {block_n, slices, warps}", loop_ops(sass), 512))  # 2 rows x 256
+    for label, ops, weights in runs:
+        total = sum(ops.values())
+        top = ", ".join(f"{k} {v / weights:.2f}" for k, v in ops.most_common(6))
+        print(f"{label:36} {total / weights:6.2f} instructions a weight ({top})")
+
+
+if __name__ == "__main__":
+    main()
