@@ -50,6 +50,26 @@ def test_dequantize_is_bit_exact_and_products_match(qtype):
     assert torch.equal(qk.gather(data, int(qtype), 512, tokens, torch.float32), w[tokens])
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_word_gemvs_match_the_reference_dequantization(qtype):
+    """The 1-row GEMVs on 32-bit words: 2048 columns put Q6_K's superblocks at every offset from a
+    16-byte boundary (its last one reads a chunk past the matrix, which must stay masked), float32 x to
+    1e-6 and bfloat16 x as rounded; rows not a multiple of a program's, gate/up fused."""
+    raw = blocks(qtype, 10, 2048, 40 + qtype.value)
+    w = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)).double()
+    data = torch.from_numpy(raw.copy())
+    assert qk._word_kernel(int(qtype), 1, 2048)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 2048, generator=gen)
+    want = x.double() @ w.T
+    for config in ((4, 8, 1),):  # two programs, the second part empty
+        assert rel(qk.matmul(x, data, int(qtype), 9, config=config).double(), want[:, :9]) <= 1e-6
+        got = qk.matmul(x, data, int(qtype), 5, glu=True, config=config).double()
+        assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
+    got = qk.matmul(x.bfloat16(), data, int(qtype), 10).double()
+    assert rel(got, x.bfloat16().double() @ w.T) <= 2 ** -7  # the output rounded to bfloat16
+
+
 def test_quant_weight_segments_slices_and_bytes():
     """A fused q/k/v of two types (as Q4_K_M makes), sliced by rows as a drafter's context path does."""
     a, b = blocks(T.Q4_K, 4, 256, 1), blocks(T.Q6_K, 2, 256, 2)
@@ -77,7 +97,7 @@ def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
 
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
-    monkeypatch.setattr(qk, "Q4K_GEMV_CONFIGS", [(256, 1, 8)])
+    monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
     hf, _ = write_hf_model(tmp_path / "hf", "qwen3", seed=4, vocab=320, hidden_size=256, intermediate_size=256,
                            head_dim=64, layers=2)
     qwen2_tokenizer(hf, 320)
@@ -132,7 +152,7 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
 
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
-    monkeypatch.setattr(qk, "Q4K_GEMV_CONFIGS", [(256, 1, 8)])
+    monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
     target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
                                    head_dim=64, layers=2)
     qwen2_tokenizer(target_dir, 320)

@@ -61,10 +61,14 @@ def main() -> None:
                                                            "UNROLL": unroll}, warps, (0, 1, 6))
             runs.append((f"gemv_kernel {name} {block_n, warps, unroll}", loop_ops(sass),
                          block_n * 256 * unroll / (32 * warps)))
-    for block_n, slices, warps in qk.Q4K_GEMV_CONFIGS[:2]:
-        sass = compile_sass(kernels["gemv_q4k"], word_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices}, warps,
-                            (0, 1, 5))
-        runs.append((f"gemv_q4k_kernel Q4_K {block_n, slices, warps}", loop_ops(sass), 512))  # 2 rows x 256
+    for name, qtype in (("Q4_K", qk.Q4_K), ("Q6_K", qk.Q6_K)):
+        kernel = qk.WORD_KERNELS[qtype]
+        for block_n, slices, warps in qk.WORD_GEMV_CONFIGS[:2]:
+            sass = compile_sass(kernels[kernel], word_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices}, warps,
+                                (0, 1, 5))
+            # a trip: 2 rows of a superblock (Q4_K) or of half of one (Q6_K)
+            runs.append((f"{kernel}_kernel {name} {block_n, slices, warps}", loop_ops(sass),
+                         512 if qtype == qk.Q4_K else 256))
     for label, ops, weights in runs:
         total = sum(ops.values())
         top = ", ".join(f"{k} {v / weights:.2f}" for k, v in ops.most_common(6))

@@ -358,6 +358,116 @@ def _build():
             tl.store(y_ptr + rows, y0.to(out_ty), mask=rows < N)
             tl.store(y_ptr + rows + BLOCK_N, y1.to(out_ty), mask=rows + BLOCK_N < N)
 
+    @triton.jit
+    def _sel4(W, k: tl.constexpr, dw):
+        a = tl.where((dw & 1) != 0, W[k + 1], W[k])
+        b = tl.where((dw & 1) != 0, W[k + 3], W[k + 2])
+        return tl.where((dw & 2) != 0, b, a)
+
+    @triton.jit
+    def _pick(W, k: tl.constexpr, dw, odd):
+        """Word k of a Q6_K superblock, from the words W loaded from the 16-byte boundary at or before it:
+        the superblock starts dw words and (odd) 2 bytes in."""
+        v0 = _sel4(W, k, dw)
+        v1 = _sel4(W, k + 1, dw)
+        return tl.where(odd, (v0 >> 16) | (v1 << 16), v0)
+
+    @triton.jit
+    def _q6_dot(P, x0, x1, x2, x3, a):
+        """Bytes of P (6-bit values) times x0..x3, into accumulators of values scaled 2**0, 2**8, 2**16."""
+        a0, a8, a16 = a
+        return (a0 + _f(P & 0x3F) * x0, a8 + _f(P & 0x3F00) * x1,
+                a16 + _f(P & 0x3F0000) * x2 + _f((P >> 8) & 0x3F0000) * x3)
+
+    @triton.jit
+    def _chunks(w32, base, c0: tl.constexpr, n: tl.constexpr, total, i):
+        """Words of the 16-byte chunks c0 .. c0 + n - 1 from word base [NT] (none past word total), and a zero."""
+        W = ()
+        for c in tl.static_range(n):
+            at = base + 4 * (c0 + c)
+            W += _words(tl.load(w32 + at[:, None] + i, mask=(at + 4 <= total)[:, None], other=0))
+        return W + (tl.zeros(base.shape, dtype=tl.uint32),)
+
+    @triton.jit
+    def gemv_q6k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr):
+        NT: tl.constexpr = BLOCK_N * S
+        t = tl.arange(0, NT)
+        r0 = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + t % BLOCK_N
+        r1 = r0 + (N if GLU else BLOCK_N)
+        ks = t // BLOCK_N
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        total = (2 * N if GLU else N) * row_words
+        offs = (tl.where(r0 < N, r0 * row_words, 0), tl.where(r1 < (2 * N if GLU else N), r1 * row_words, 0))
+        i = tl.arange(0, 4)[None, :]
+        blocks = K // 256
+        acc0 = tl.zeros([NT], dtype=tl.float32)
+        acc1 = tl.zeros([NT], dtype=tl.float32)
+        for it in range(0, 2 * tl.cdiv(blocks, S)):  # a half superblock a trip: fewer words live at once
+            sb0 = (it // 2) * S
+            h2 = it % 2
+            sb = sb0 + ks
+            live = sb < blocks
+            sbc = tl.where(live, sb, 0)
+            at = sbc * 210
+            dw = (at & 15) >> 2
+            odd = (at & 2) != 0
+            xoff = tl.multiple_of(sbc * 256, 256)[:, None]
+            bases = (tl.multiple_of(offs[0] + (at >> 4) * 4, 4), tl.multiple_of(offs[1] + (at >> 4) * 4, 4))
+            head = ()
+            for s in tl.static_range(2):
+                W = _chunks(w32, bases[s], 12, 2, total, i)  # words 48..52: the 16 scales, then d
+                sw = (_pick(W, 0, dw, odd), _pick(W, 1, dw, odd), _pick(W, 2, dw, odd), _pick(W, 3, dw, odd))
+                d = tl.where(live, (_pick(W, 4, dw, odd) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+                             .to(tl.float32), 0.0)
+                head += ((d, sw),)
+            if True:  # weights 128 h2 ..: 64 bytes of low bits from byte 64 h2, 32 of high
+                Wq = (_chunks(w32, bases[0] + 16 * h2, 0, 5, total, i), _chunks(w32, bases[1] + 16 * h2, 0, 5, total, i))
+                Wh = (_chunks(w32, bases[0] + 8 * h2, 8, 3, total, i), _chunks(w32, bases[1] + 8 * h2, 8, 3, total, i))
+                for jj in tl.static_range(2):
+                    for m in tl.static_range(4):
+                        xs = _x16(x_ptr, xoff + 128 * h2 + 32 * m + 16 * jj, i)
+                        z = tl.zeros([NT], dtype=tl.float32)
+                        a = ((z, z, z), (z, z, z))
+                        xsum = z
+                        for j4 in tl.static_range(4):
+                            x0, x1, x2, x3 = xs[4 * j4], xs[4 * j4 + 1], xs[4 * j4 + 2], xs[4 * j4 + 3]
+                            xsum += (x0 + x1) + (x2 + x3)
+                            nxt = ()
+                            for s in tl.static_range(2):
+                                q = _pick(Wq[s], 8 * (m % 2) + 4 * jj + j4, dw, odd)  # ql bytes l or l + 32
+                                hb = _pick(Wh[s], 4 * jj + j4, dw, odd)
+                                if m == 0:
+                                    hs = hb << 4
+                                elif m == 1:
+                                    hs = hb << 2
+                                elif m == 2:
+                                    hs = hb
+                                else:
+                                    hs = hb >> 2
+                                P = ((q >> (4 * (m // 2))) & 0x0F0F0F0F) | (hs & 0x30303030)
+                                nxt += (_q6_dot(P, x0, x1, x2, x3, a[s]),)
+                            a = nxt
+                        for s in tl.static_range(2):
+                            d, sw = head[s]
+                            sc = _f(((tl.where(h2 == 0, sw[(2 * m + jj) // 4], sw[2 + (2 * m + jj) // 4]) >> (8 * ((2 * m + jj) % 4))) & 0xFF) ^ 0x80) - 128.0
+                            a0, a8, a16 = a[s]
+                            part = d * sc * (a0 + a8 * (1.0 / 256) + a16 * (1.0 / 65536) - 32.0 * xsum)
+                            if s == 0:
+                                acc0 += part
+                            else:
+                                acc1 += part
+        y0 = tl.sum(tl.reshape(acc0, (S, BLOCK_N)), axis=0)
+        y1 = tl.sum(tl.reshape(acc1, (S, BLOCK_N)), axis=0)
+        rows = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + tl.arange(0, BLOCK_N)
+        out_ty = y_ptr.dtype.element_ty
+        if GLU:
+            gate = y0.to(out_ty).to(tl.float32)
+            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * y1.to(out_ty).to(tl.float32)
+            tl.store(y_ptr + rows, y.to(out_ty), mask=rows < N)
+        else:
+            tl.store(y_ptr + rows, y0.to(out_ty), mask=rows < N)
+            tl.store(y_ptr + rows + BLOCK_N, y1.to(out_ty), mask=rows + BLOCK_N < N)
+
     globals()["_f"] = _f
     globals()["_words"] = _words
     globals()["_bf16x2"] = _bf16x2
@@ -365,16 +475,21 @@ def _build():
     globals()["_x16"] = _x16
     globals()["_lo"] = _lo
     globals()["_hi"] = _hi
+    globals()["_sel4"] = _sel4
+    globals()["_pick"] = _pick
+    globals()["_q6_dot"] = _q6_dot
+    globals()["_chunks"] = _chunks
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
-               "gemv_q4k": gemv_q4k_kernel}
+               "gemv_q4k": gemv_q4k_kernel, "gemv_q6k": gemv_q6k_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
             key=["N", "K", "QTYPE", "GLU"])(gemv_kernel)
-        kernels["gemv_q4k_tuned"] = triton.autotune(
-            [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in Q4K_GEMV_CONFIGS],
-            key=["N", "K", "GLU"])(gemv_q4k_kernel)
+        for name in WORD_KERNELS.values():
+            kernels[f"{name}_tuned"] = triton.autotune(
+                [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
+                key=["N", "K", "GLU"])(kernels[name])
         kernels["skinny_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -433,16 +548,28 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
 #: error ~1, bench/results/quant-sweep-h200-unroll.json) while the interpreter and 4+ warps were exact
 GEMV_CONFIGS = [(2, 4, 4), (1, 4, 4), (2, 4, 8), (4, 4, 4), (4, 4, 8), (8, 4, 4), (8, 8, 4), (16, 8, 1)]
 SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (32, 8, 4), (64, 4, 1), (32, 4, 1)]
-#: Q4_K's own 1-row GEMV (gemv_q4k_kernel): (rows a thread's lane covers, K slices, warps), lanes times
-#: slices being the program's threads
-Q4K_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4)]
+#: the word GEMVs' (gemv_q4k_kernel, gemv_q6k_kernel): (rows a thread's lane covers, K slices, warps), lanes
+#: times slices being the program's threads
+WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4)]
 
 
-def configs(qtype: int, rows: int) -> list[tuple[int, int, int]]:
+#: the types with a 1-row GEMV of their own on 32-bit words, and its name in _build()
+WORD_KERNELS = {Q4_K: "gemv_q4k", Q6_K: "gemv_q6k"}
+
+
+def _word_kernel(qtype: int, rows: int, cols: int) -> str | None:
+    """The word GEMV for this product, if any: Q6_K's reads 16-byte chunks from 16-byte boundaries of the
+    row, its 210-byte superblocks lying anywhere in them, so its rows must start on one (2048 | cols)."""
+    if rows != 1 or qtype not in WORD_KERNELS or (qtype == Q6_K and cols % 2048):
+        return None
+    return WORD_KERNELS[qtype]
+
+
+def configs(qtype: int, rows: int, cols: int = 4096) -> list[tuple[int, int, int]]:
     """The block shapes a product of `rows` rows over a `qtype` matrix is tried with (for sweeps)."""
-    if rows == 1:
-        return Q4K_GEMV_CONFIGS if qtype == Q4_K else GEMV_CONFIGS
-    return SKINNY_CONFIGS
+    if _word_kernel(qtype, rows, cols):
+        return WORD_GEMV_CONFIGS
+    return GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
@@ -454,15 +581,15 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     x = x.contiguous()
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     kernels = _build()
-    if rows == 1 and qtype == Q4_K:
+    word = _word_kernel(qtype, rows, k)
+    if word:
         per = 1 if glu else 2  # row blocks a program covers: gate and up rows, or two blocks of rows
         args = (x, data, y, n, k, data.stride(0) // 4)
-        if config is None and "gemv_q4k_tuned" in kernels:
-            kernels["gemv_q4k_tuned"][lambda meta: (cdiv(n, per * meta["BLOCK_N"]),)](*args, GLU=glu)
+        if config is None and f"{word}_tuned" in kernels:
+            kernels[f"{word}_tuned"][lambda meta: (cdiv(n, per * meta["BLOCK_N"]),)](*args, GLU=glu)
         else:
-            block_n, slices, warps = config or Q4K_GEMV_CONFIGS[0]
-            kernels["gemv_q4k"][(cdiv(n, per * block_n),)](*args, GLU=glu, BLOCK_N=block_n, S=slices,
-                                                           num_warps=warps)
+            block_n, slices, warps = config or WORD_GEMV_CONFIGS[0]
+            kernels[word][(cdiv(n, per * block_n),)](*args, GLU=glu, BLOCK_N=block_n, S=slices, num_warps=warps)
         return y
     tab = _table(x.device)
     name = "gemv" if rows == 1 else "skinny"
