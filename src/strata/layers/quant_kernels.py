@@ -1,17 +1,17 @@
 """Triton kernels over GGUF-quantized weights: the blocks stay as llama.cpp wrote them, in GPU memory,
 and each kernel dequantizes the tiles it needs in registers.
 
-The kernels but one are built on one function, `_halves`: the float32 values of a [rows, 256] tile of a
+The kernels but two are built on one function, `_halves`: the float32 values of a [rows, 256] tile of a
 quantized matrix (as two halves: each byte loaded once yields a value in each), computed in the same
 float32 operations, in the same order, as gguf's reference
 (`gguf.quants.dequantize`), so the dequantization kernel matches it bit for bit (the tests run it in
 Triton's interpreter). Over it: a 1-row GEMV and a few-row GEMM (a verify window, a drafter block) on
 tensor cores, both with the gate/up silu*up variant, an embedding gather, and a whole-matrix
-dequantization. The exception is Q4_K's 1-row GEMV (gemv_q4k_kernel), the product a Q4_K_M decode
-step spends its time in: it reads blocks and x as 32-bit words and never forms the dequantized tile
-(applying scales to sums), which cuts its instructions per weight about six-fold. Block layouts are the
-GGML formats' (ggml-common.h); d and other float16 fields sit at even offsets, so they are read through
-a float16 view of the same bytes."""
+dequantization. The exceptions are the 1-row GEMVs of Q4_K and Q6_K (gemv_q4k_kernel, gemv_q6k_kernel),
+the products a Q4_K_M decode step spends its time in: they read blocks and x as 32-bit words and never
+form the dequantized tile (applying scales to sums), which cuts their instructions per weight three- to
+six-fold. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit at even
+offsets, so they are read through a float16 view of the same bytes."""
 
 from __future__ import annotations
 
@@ -282,18 +282,38 @@ def _build():
                 b16 + _f(t & 0xF0000) * x3)
 
     @triton.jit
-    def gemv_q4k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-                        S: tl.constexpr):
-        """One thread per (row pair, K slice): rows r and r + BLOCK_N (with GLU: gate row r, up row r + N), and
-        superblocks k, k + S, ...: lanes along rows, so a warp's x is one superblock's (loaded once a warp)."""
-        NT: tl.constexpr = BLOCK_N * S
-        t = tl.arange(0, NT)
+    def _pair_rows(N, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr):
+        """The word GEMVs' threads: each takes rows r and r + BLOCK_N (with GLU: gate row r, up row r + N) and
+        the K slice k: superblocks k, k + S, .... Lanes run along rows, so a warp's x is one superblock's.
+        Returns both rows' word offsets (0 past the matrix) and the slices, [BLOCK_N * S] each."""
+        t = tl.arange(0, BLOCK_N * S)
         r0 = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + t % BLOCK_N
         r1 = r0 + (N if GLU else BLOCK_N)
-        ks = t // BLOCK_N
+        return (tl.where(r0 < N, r0 * row_words, 0), tl.where(r1 < (2 * N if GLU else N), r1 * row_words, 0),
+                t // BLOCK_N)
+
+    @triton.jit
+    def _store_pair(y_ptr, acc0, acc1, N, GLU: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr):
+        """Sum the K slices of both rows' partials and store them (with GLU: silu(gate) * up)."""
+        y0 = tl.sum(tl.reshape(acc0, (S, BLOCK_N)), axis=0)
+        y1 = tl.sum(tl.reshape(acc1, (S, BLOCK_N)), axis=0)
+        rows = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + tl.arange(0, BLOCK_N)
+        out_ty = y_ptr.dtype.element_ty
+        if GLU:
+            gate = y0.to(out_ty).to(tl.float32)
+            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * y1.to(out_ty).to(tl.float32)
+            tl.store(y_ptr + rows, y.to(out_ty), mask=rows < N)
+        else:
+            tl.store(y_ptr + rows, y0.to(out_ty), mask=rows < N)
+            tl.store(y_ptr + rows + BLOCK_N, y1.to(out_ty), mask=rows + BLOCK_N < N)
+
+    @triton.jit
+    def gemv_q4k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+                        S: tl.constexpr):
+        """Q4_K, one x row: a superblock of two rows (_pair_rows) a trip, 16-byte loads of words."""
+        NT: tl.constexpr = BLOCK_N * S
+        off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
-        off0 = tl.where(r0 < N, r0 * row_words, 0)
-        off1 = tl.where(r1 < (2 * N if GLU else N), r1 * row_words, 0)
         i = tl.arange(0, 4)[None, :]
         blocks = K // 256
         acc0 = tl.zeros([NT], dtype=tl.float32)
@@ -346,17 +366,7 @@ def _build():
                         acc0 += part
                     else:
                         acc1 += part
-        y0 = tl.sum(tl.reshape(acc0, (S, BLOCK_N)), axis=0)
-        y1 = tl.sum(tl.reshape(acc1, (S, BLOCK_N)), axis=0)
-        rows = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + tl.arange(0, BLOCK_N)
-        out_ty = y_ptr.dtype.element_ty
-        if GLU:
-            gate = y0.to(out_ty).to(tl.float32)
-            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * y1.to(out_ty).to(tl.float32)
-            tl.store(y_ptr + rows, y.to(out_ty), mask=rows < N)
-        else:
-            tl.store(y_ptr + rows, y0.to(out_ty), mask=rows < N)
-            tl.store(y_ptr + rows + BLOCK_N, y1.to(out_ty), mask=rows + BLOCK_N < N)
+        _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
 
     @triton.jit
     def _sel4(W, k: tl.constexpr, dw):
@@ -389,15 +399,14 @@ def _build():
         return W + (tl.zeros(base.shape, dtype=tl.uint32),)
 
     @triton.jit
-    def gemv_q6k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr):
+    def gemv_q6k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+                        S: tl.constexpr):
+        """Q6_K, one x row: half a superblock of two rows (_pair_rows) a trip. Its 210-byte superblocks lie
+        0-14 bytes past a 16-byte boundary: 16-byte chunks are read from the boundary and the words picked."""
         NT: tl.constexpr = BLOCK_N * S
-        t = tl.arange(0, NT)
-        r0 = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + t % BLOCK_N
-        r1 = r0 + (N if GLU else BLOCK_N)
-        ks = t // BLOCK_N
+        off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
-        total = (2 * N if GLU else N) * row_words
-        offs = (tl.where(r0 < N, r0 * row_words, 0), tl.where(r1 < (2 * N if GLU else N), r1 * row_words, 0))
+        total = (2 * N if GLU else N) * row_words  # words: no chunk is read past them
         i = tl.arange(0, 4)[None, :]
         blocks = K // 256
         acc0 = tl.zeros([NT], dtype=tl.float32)
@@ -412,7 +421,7 @@ def _build():
             dw = (at & 15) >> 2
             odd = (at & 2) != 0
             xoff = tl.multiple_of(sbc * 256, 256)[:, None]
-            bases = (tl.multiple_of(offs[0] + (at >> 4) * 4, 4), tl.multiple_of(offs[1] + (at >> 4) * 4, 4))
+            bases = (tl.multiple_of(off0 + (at >> 4) * 4, 4), tl.multiple_of(off1 + (at >> 4) * 4, 4))
             head = ()
             for s in tl.static_range(2):
                 W = _chunks(w32, bases[s], 12, 2, total, i)  # words 48..52: the 16 scales, then d
@@ -420,55 +429,49 @@ def _build():
                 d = tl.where(live, (_pick(W, 4, dw, odd) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
                              .to(tl.float32), 0.0)
                 head += ((d, sw),)
-            if True:  # weights 128 h2 ..: 64 bytes of low bits from byte 64 h2, 32 of high
-                Wq = (_chunks(w32, bases[0] + 16 * h2, 0, 5, total, i), _chunks(w32, bases[1] + 16 * h2, 0, 5, total, i))
-                Wh = (_chunks(w32, bases[0] + 8 * h2, 8, 3, total, i), _chunks(w32, bases[1] + 8 * h2, 8, 3, total, i))
-                for jj in tl.static_range(2):
-                    for m in tl.static_range(4):
-                        xs = _x16(x_ptr, xoff + 128 * h2 + 32 * m + 16 * jj, i)
-                        z = tl.zeros([NT], dtype=tl.float32)
-                        a = ((z, z, z), (z, z, z))
-                        xsum = z
-                        for j4 in tl.static_range(4):
-                            x0, x1, x2, x3 = xs[4 * j4], xs[4 * j4 + 1], xs[4 * j4 + 2], xs[4 * j4 + 3]
-                            xsum += (x0 + x1) + (x2 + x3)
-                            nxt = ()
-                            for s in tl.static_range(2):
-                                q = _pick(Wq[s], 8 * (m % 2) + 4 * jj + j4, dw, odd)  # ql bytes l or l + 32
-                                hb = _pick(Wh[s], 4 * jj + j4, dw, odd)
-                                if m == 0:
-                                    hs = hb << 4
-                                elif m == 1:
-                                    hs = hb << 2
-                                elif m == 2:
-                                    hs = hb
-                                else:
-                                    hs = hb >> 2
-                                P = ((q >> (4 * (m // 2))) & 0x0F0F0F0F) | (hs & 0x30303030)
-                                nxt += (_q6_dot(P, x0, x1, x2, x3, a[s]),)
-                            a = nxt
+            # weights 128 h2 ..: low 4 bits in the 64 bytes from byte 64 h2, high 2 in the 32 from 128 + 32 h2
+            Wq = (_chunks(w32, bases[0] + 16 * h2, 0, 5, total, i), _chunks(w32, bases[1] + 16 * h2, 0, 5, total, i))
+            Wh = (_chunks(w32, bases[0] + 8 * h2, 8, 3, total, i), _chunks(w32, bases[1] + 8 * h2, 8, 3, total, i))
+            for jj in tl.static_range(2):
+                for m in tl.static_range(4):
+                    xs = _x16(x_ptr, xoff + 128 * h2 + 32 * m + 16 * jj, i)
+                    z = tl.zeros([NT], dtype=tl.float32)
+                    a = ((z, z, z), (z, z, z))
+                    xsum = z
+                    for j4 in tl.static_range(4):
+                        x0, x1, x2, x3 = xs[4 * j4], xs[4 * j4 + 1], xs[4 * j4 + 2], xs[4 * j4 + 3]
+                        xsum += (x0 + x1) + (x2 + x3)
+                        nxt = ()
                         for s in tl.static_range(2):
-                            d, sw = head[s]
-                            sc = _f(((tl.where(h2 == 0, sw[(2 * m + jj) // 4], sw[2 + (2 * m + jj) // 4]) >> (8 * ((2 * m + jj) % 4))) & 0xFF) ^ 0x80) - 128.0
-                            a0, a8, a16 = a[s]
-                            part = d * sc * (a0 + a8 * (1.0 / 256) + a16 * (1.0 / 65536) - 32.0 * xsum)
-                            if s == 0:
-                                acc0 += part
+                            q = _pick(Wq[s], 8 * (m % 2) + 4 * jj + j4, dw, odd)  # ql bytes l or l + 32
+                            hb = _pick(Wh[s], 4 * jj + j4, dw, odd)
+                            if m == 0:
+                                hs = hb << 4
+                            elif m == 1:
+                                hs = hb << 2
+                            elif m == 2:
+                                hs = hb
                             else:
-                                acc1 += part
-        y0 = tl.sum(tl.reshape(acc0, (S, BLOCK_N)), axis=0)
-        y1 = tl.sum(tl.reshape(acc1, (S, BLOCK_N)), axis=0)
-        rows = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + tl.arange(0, BLOCK_N)
-        out_ty = y_ptr.dtype.element_ty
-        if GLU:
-            gate = y0.to(out_ty).to(tl.float32)
-            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * y1.to(out_ty).to(tl.float32)
-            tl.store(y_ptr + rows, y.to(out_ty), mask=rows < N)
-        else:
-            tl.store(y_ptr + rows, y0.to(out_ty), mask=rows < N)
-            tl.store(y_ptr + rows + BLOCK_N, y1.to(out_ty), mask=rows + BLOCK_N < N)
+                                hs = hb >> 2
+                            P = ((q >> (4 * (m // 2))) & 0x0F0F0F0F) | (hs & 0x30303030)
+                            nxt += (_q6_dot(P, x0, x1, x2, x3, a[s]),)
+                        a = nxt
+                    for s in tl.static_range(2):
+                        d, sw = head[s]
+                        # the int8 scale of weights 16 (8 h2 + 2m + jj) ..
+                        scw = tl.where(h2 == 0, sw[(2 * m + jj) // 4], sw[2 + (2 * m + jj) // 4])
+                        sc = _f(((scw >> (8 * ((2 * m + jj) % 4))) & 0xFF) ^ 0x80) - 128.0
+                        a0, a8, a16 = a[s]
+                        part = d * sc * (a0 + a8 * (1.0 / 256) + a16 * (1.0 / 65536) - 32.0 * xsum)
+                        if s == 0:
+                            acc0 += part
+                        else:
+                            acc1 += part
+        _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
 
     globals()["_f"] = _f
+    globals()["_pair_rows"] = _pair_rows
+    globals()["_store_pair"] = _store_pair
     globals()["_words"] = _words
     globals()["_bf16x2"] = _bf16x2
     globals()["_half2"] = _half2
