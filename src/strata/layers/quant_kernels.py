@@ -469,19 +469,9 @@ def _build():
                             acc1 += part
         _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
 
-    globals()["_f"] = _f
-    globals()["_pair_rows"] = _pair_rows
-    globals()["_store_pair"] = _store_pair
-    globals()["_words"] = _words
-    globals()["_bf16x2"] = _bf16x2
-    globals()["_half2"] = _half2
-    globals()["_x16"] = _x16
-    globals()["_lo"] = _lo
-    globals()["_hi"] = _hi
-    globals()["_sel4"] = _sel4
-    globals()["_pick"] = _pick
-    globals()["_q6_dot"] = _q6_dot
-    globals()["_chunks"] = _chunks
+    for helper in (_pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _x16, _lo, _hi, _sel4, _pick, _q6_dot,
+                   _chunks):  # called by name, as _halves is
+        globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "gemv_q4k": gemv_q4k_kernel, "gemv_q6k": gemv_q6k_kernel}
