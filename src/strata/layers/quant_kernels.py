@@ -244,6 +244,7 @@ def _build():
 
     @triton.jit
     def _half2(u, F16: tl.constexpr):
+        """The two float16 (F16) or bfloat16 values of an int32, low half first, as float32."""
         if F16:
             return ((u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
                     (u >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
@@ -327,8 +328,9 @@ def _build():
             scales = ()
             for s in tl.static_range(2):
                 w0, w1, w2, w3 = _words(tl.load(w32 + bases[s] + i))
-                d = tl.where(live, (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32), 0.0)
-                dmin = tl.where(live, (w0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32), 0.0)
+                d, dmin = _half2(w0, True)
+                d = tl.where(live, d, 0.0)
+                dmin = tl.where(live, dmin, 0.0)
                 # the 6-bit scales and mins of sub-blocks 0..3, then 4..7, a byte each
                 scales += ((d, dmin, w1 & 0x3F3F3F3F, w2 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030),
                             ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)),)
@@ -426,8 +428,8 @@ def _build():
             for s in tl.static_range(2):
                 W = _chunks(w32, bases[s], 12, 2, total, i)  # words 48..52: the 16 scales, then d
                 sw = (_pick(W, 0, dw, odd), _pick(W, 1, dw, odd), _pick(W, 2, dw, odd), _pick(W, 3, dw, odd))
-                d = tl.where(live, (_pick(W, 4, dw, odd) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-                             .to(tl.float32), 0.0)
+                d, _ = _half2(_pick(W, 4, dw, odd), True)
+                d = tl.where(live, d, 0.0)
                 head += ((d, sw),)
             # weights 128 h2 ..: low 4 bits in the 64 bytes from byte 64 h2, high 2 in the 32 from 128 + 32 h2
             Wq = (_chunks(w32, bases[0] + 16 * h2, 0, 5, total, i), _chunks(w32, bases[1] + 16 * h2, 0, 5, total, i))
@@ -558,7 +560,7 @@ def _word_kernel(qtype: int, rows: int, cols: int) -> str | None:
     return WORD_KERNELS[qtype]
 
 
-def configs(qtype: int, rows: int, cols: int = 4096) -> list[tuple[int, int, int]]:
+def configs(qtype: int, rows: int, cols: int) -> list[tuple[int, int, int]]:
     """The block shapes a product of `rows` rows over a `qtype` matrix is tried with (for sweeps)."""
     if _word_kernel(qtype, rows, cols):
         return WORD_GEMV_CONFIGS
