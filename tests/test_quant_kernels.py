@@ -51,23 +51,30 @@ def test_dequantize_is_bit_exact_and_products_match(qtype):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_word_gemvs_match_the_reference_dequantization(qtype):
-    """The 1-row GEMVs on 32-bit words: 2048 columns put Q6_K's superblocks at every offset from a
-    16-byte boundary (its last one reads a chunk past the matrix, which must stay masked), float32 x to
-    1e-6 and bfloat16 x as rounded; rows not a multiple of a program's, gate/up fused."""
+@pytest.mark.parametrize("rows", [1, 5])
+def test_word_kernels_match_the_reference_dequantization(qtype, rows):
+    """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every
+    offset from a 16-byte boundary (the GEMV's last one reads a chunk past the matrix, which must stay
+    masked; the GEMM assembles odd ones' words from two), float32 x to 1e-6 and half-precision x as
+    rounded; rows of W not a multiple of a program's, gate/up fused."""
     raw = blocks(qtype, 10, 2048, 40 + qtype.value)
     w = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)).double()
     data = torch.from_numpy(raw.copy())
-    assert qk._word_kernel(int(qtype), 1, 2048)
+    assert qk._word_kernel(int(qtype), rows, 2048)
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(1, 2048, generator=gen)
+    x = torch.randn(rows, 2048, generator=gen)
     want = x.double() @ w.T
-    for config in ((4, 8, 1),):  # two programs, the second part empty
-        assert rel(qk.matmul(x, data, int(qtype), 9, config=config).double(), want[:, :9]) <= 1e-6
-        got = qk.matmul(x, data, int(qtype), 5, glu=True, config=config).double()
-        assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
-    got = qk.matmul(x.bfloat16(), data, int(qtype), 10).double()
-    assert rel(got, x.bfloat16().double() @ w.T) <= 2 ** -7  # the output rounded to bfloat16
+    # two blocks of rows, the second part empty; the GEMM's K in 3 slices (Q6_K's last empty), then 2
+    configs = [(4, 8, 1)] * 2 if rows == 1 else [(8, 4, 1, 3), (8, 4, 1, 2)]
+    assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
+    got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
+    assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
+    assert not qk._counters(x.device).any()  # the split products left their counts at zero
+    # half-precision x, the output (and the GEMM's dequantized tiles) rounded to it; the interpreter's dot
+    # multiplies bfloat16 operands as their raw bits, so the GEMM takes float16 here
+    half = x.bfloat16() if rows == 1 else x.half()
+    got = qk.matmul(half, data, int(qtype), 10).double()
+    assert rel(got, half.double() @ w.T) <= 2 ** -7
 
 
 def test_quant_weight_segments_slices_and_bytes():

@@ -1,5 +1,5 @@
-"""Count the instructions the quantized 1-row GEMVs (layers/quant_kernels.py) issue per weight, with no
-GPU: each kernel compiled by Triton for sm_90, disassembled with the cuobjdump Triton ships, and its
+"""Count the instructions the quantized GEMVs and few-row GEMMs (layers/quant_kernels.py) issue per weight,
+with no GPU: each kernel compiled by Triton for sm_90, disassembled with the cuobjdump Triton ships, and its
 main loop (the longest backward branch) counted against the weights a thread takes per trip.
 
 usage: python tools/sass_count.py"""
@@ -17,14 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from strata.layers import quant_kernels as qk  # noqa: E402
 
 
-def compile_sass(fn, signature: dict, constexprs: dict, warps: int, aligned: tuple) -> str:
+def compile_sass(fn, signature: dict, constexprs: dict, warps: int, aligned: tuple, stages: int = 3) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -35,7 +35,7 @@ def compile_sass(fn, signature: dict, constexprs: dict, warps: int, aligned: tup
 def loop_ops(sass: str) -> collections.Counter:
     """Opcodes of the longest loop: from a backward branch's target to the branch."""
     code = [(int(m.group(1), 16), m.group(2)) for m in
-            re.finditer(r"^\s+/\*([0-9a-f]{4})\*/\s+(.*?);", sass, re.M)]
+            re.finditer(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);", sass, re.M)]
     best = (0, 0, -1)
     for end, (addr, text) in enumerate(code):
         b = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
@@ -61,14 +61,25 @@ def main() -> None:
                                                            "UNROLL": unroll}, warps, (0, 1, 6))
             runs.append((f"gemv_kernel {name} {block_n, warps, unroll}", loop_ops(sass),
                          block_n * 256 * unroll / (32 * warps)))
+    skinny_sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+                  "M": "i32", "N": "i32", "K": "i32", "row_words": "i32", "stride_x": "i32", "stride_y": "i32",
+                  "GLU": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "PRECISION": "constexpr",
+                  "SPLIT": "constexpr"}
     for name, qtype in (("Q4_K", qk.Q4_K), ("Q6_K", qk.Q6_K)):
-        kernel = qk.WORD_KERNELS[qtype]
+        gemv, skinny = qk.WORD_KERNELS[qtype]
         for block_n, slices, warps in qk.WORD_GEMV_CONFIGS[:2]:
-            sass = compile_sass(kernels[kernel], word_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices}, warps,
+            sass = compile_sass(kernels[gemv], word_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices}, warps,
                                 (0, 1, 5))
             # a trip: 2 rows of a superblock (Q4_K) or of half of one (Q6_K)
-            runs.append((f"{kernel}_kernel {name} {block_n, slices, warps}", loop_ops(sass),
+            runs.append((f"{gemv}_kernel {name} {block_n, slices, warps}", loop_ops(sass),
                          512 if qtype == qk.Q4_K else 256))
+        for block_n, warps, stages, split in qk.WORD_SKINNY_CONFIGS[:3:2]:
+            sass = compile_sass(kernels[skinny], skinny_sig, {"GLU": False, "BLOCK_M": 16, "BLOCK_N": block_n,
+                                                              "PRECISION": "tf32", "SPLIT": split}, warps,
+                                (0, 1, 8, 9, 10), stages)
+            # a trip: a superblock (Q4_K) or two (Q6_K) of BLOCK_N rows, each weight against 16 x rows
+            runs.append((f"{skinny}_kernel {name} {block_n, warps, stages, split}", loop_ops(sass),
+                         block_n * 256 * (1 if qtype == qk.Q4_K else 2) / (32 * warps)))
     for label, ops, weights in runs:
         total = sum(ops.values())
         top = ", ".join(f"{k} {v / weights:.2f}" for k, v in ops.most_common(6))

@@ -471,20 +471,202 @@ def _build():
                             acc1 += part
         _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
 
+    @triton.jit
+    def _nibble_tile(q, t, h: tl.constexpr, ds, dm):
+        """The 32 weights of a Q4_K sub-block from its 8 words q [R, 8] (t = q >> 12), nibbles h (0 low, 1
+        high), dequantized: [R, 32], byte b of word j being weight 4j + b. Each nibble is masked in place
+        where it fits the mantissa (q, or t) and made float through it; its power of two goes into the scale."""
+        if h == 0:
+            n0, n1, n2, n3 = q & 0xF, q & 0xF00, q & 0xF0000, t & 0xF000
+            e0, e1, e2, e3 = 1.0, 1.0 / 256, 1.0 / 65536, 1.0 / 4096
+        else:
+            n0, n1, n2, n3 = q & 0xF0, q & 0xF000, t & 0xF00, t & 0xF0000
+            e0, e1, e2, e3 = 1.0 / 16, 1.0 / 4096, 1.0 / 256, 1.0 / 65536
+        m = dm[:, None]
+        v0 = _f(n0) * (ds * e0)[:, None] - m
+        v1 = _f(n1) * (ds * e1)[:, None] - m
+        v2 = _f(n2) * (ds * e2)[:, None] - m
+        v3 = _f(n3) * (ds * e3)[:, None] - m
+        return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (q.shape[0], 32))
+
+    @triton.jit
+    def _k_range(blocks, SPLIT: tl.constexpr):
+        """This program's slice of a K loop of `blocks` steps: slice program_id(1) of SPLIT."""
+        per = tl.cdiv(blocks, SPLIT)
+        lo = tl.program_id(1) * per
+        return lo, tl.minimum(lo + per, blocks)
+
+    @triton.jit
+    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr):
+        """Store the few-row GEMMs' [BLOCK_M, BLOCK_N] results (acc: (gate or all, up)), with GLU silu(gate) * up.
+        With SPLIT > 1 each program holds a K slice's partial sums: it writes them to the workspace, and the
+        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores."""
+        BLOCK_M: tl.constexpr = acc[0].shape[0]
+        BLOCK_N: tl.constexpr = acc[0].shape[1]
+        m = tl.arange(0, BLOCK_M)
+        a0 = acc[0]
+        a1 = acc[1]
+        last = True
+        if SPLIT > 1:
+            width = tl.num_programs(0) * BLOCK_N
+            part = ws_ptr + m[:, None] * width + rows[None, :]
+            tl.store(part + tl.program_id(1) * (2 * BLOCK_M) * width, a0)
+            if GLU:
+                tl.store(part + (tl.program_id(1) * 2 + 1) * BLOCK_M * width, a1)
+            tl.debug_barrier()  # every thread's partials written before the count is released
+            last = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            if last:
+                a0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                a1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k in tl.static_range(SPLIT):
+                    a0 += tl.load(part + k * (2 * BLOCK_M) * width, cache_modifier=".cg")
+                    if GLU:
+                        a1 += tl.load(part + (k * 2 + 1) * BLOCK_M * width, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)  # ready for the next product
+        if last:
+            out_ty = y_ptr.dtype.element_ty
+            y = a0
+            if GLU:
+                gate = y.to(out_ty).to(tl.float32)
+                y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * a1.to(out_ty).to(tl.float32)
+            tl.store(y_ptr + m[:, None] * stride_y + rows[None, :], y.to(out_ty),
+                     mask=(m < M)[:, None] & (rows < N)[None, :])
+
+    @triton.jit
+    def skinny_q4k_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_x, stride_y,
+                          GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                          SPLIT: tl.constexpr):
+        """Q4_K, a few x rows: each sub-block of BLOCK_N rows dequantized from 32-bit words (_nibble_tile),
+        then on tensor cores against the x columns in its order."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rows < N
+        offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        m = tl.arange(0, BLOCK_M)
+        xrows = x_ptr + m[:, None] * stride_x + tl.arange(0, 32)[None, :]
+        xmask = (m < M)[:, None]
+        i4 = tl.arange(0, 4)[None, :]
+        i8 = tl.arange(0, 8)[None, :]
+        acc = (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+        lo, hi = _k_range(K // 256, SPLIT)
+        for sb in range(lo, hi):
+            nxt = ()
+            for s in tl.static_range(2 if GLU else 1):
+                a = acc[s]
+                base = tl.multiple_of(offs[s] + sb * 36, 4)[:, None]
+                w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
+                d, dmin = _half2(w0, True)
+                scs = (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030))
+                mns = (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))
+                for p in tl.static_range(4):
+                    q = tl.load(w32 + base + 4 + 8 * p + i8)
+                    t = q >> 12
+                    for h in tl.static_range(2):
+                        at = 16 * (p % 2) + 8 * h
+                        ds = d * _f((scs[p // 2] >> at) & 0xFF)
+                        dm = dmin * _f((mns[p // 2] >> at) & 0xFF)
+                        xt = tl.load(xrows + sb * 256 + 64 * p + 32 * h, mask=xmask, other=0.0)
+                        wt = _nibble_tile(q, t, h, ds, dm)
+                        a = tl.dot(xt, tl.trans(wt.to(xt.dtype)), a, input_precision=PRECISION)
+                nxt += (a,)
+            acc = nxt if GLU else (nxt[0], acc[1])
+        _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
+
+    @triton.jit
+    def _words_from(w32, base, k0: tl.constexpr, n: tl.constexpr, odd):
+        """[R, n] 32-bit words of bytes 4 k0 .. of superblocks that start at word base [R] (odd: 2 bytes later)."""
+        at = w32 + base[:, None] + k0 + tl.arange(0, n)[None, :]
+        a = tl.load(at)
+        if odd:
+            a = (a >> 16) | (tl.load(at + 1) << 16)
+        return a
+
+    @triton.jit
+    def _six_bit_tile(P, c, c32):
+        """[R, 16] float32 (v - 32) c of the 6-bit values in the bytes of P [R, 4], byte b of word j being
+        column 4j + b; c [R] the scale. Bytes masked in place (the last through P >> 8) and made float through
+        the mantissa; their power of two goes into the scale, and c32 = 32 c."""
+        t = P >> 8
+        m = c32[:, None]
+        v0 = _f(P & 0x3F) * c[:, None] - m
+        v1 = _f(P & 0x3F00) * (c * (1.0 / 256))[:, None] - m
+        v2 = _f(P & 0x3F0000) * (c * (1.0 / 65536))[:, None] - m
+        v3 = _f(t & 0x3F0000) * (c * (1.0 / 65536))[:, None] - m
+        return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (P.shape[0], 16))
+
+    @triton.jit
+    def skinny_q6k_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_x, stride_y,
+                          GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                          SPLIT: tl.constexpr):
+        """Q6_K, a few x rows: 16 weights of BLOCK_N rows (a scale's) dequantized from 32-bit words a step,
+        then on tensor cores. Rows start on 16-byte boundaries (2048 | K), so superblocks start on 4-byte
+        ones (even) or 2 bytes past them (odd): odd ones' words are assembled from two."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rows < N
+        offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        m = tl.arange(0, BLOCK_M)
+        xrows = x_ptr + m[:, None] * stride_x + tl.arange(0, 16)[None, :]
+        xmask = (m < M)[:, None]
+        acc = (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+        lo, hi = _k_range(K // 512, SPLIT)
+        for sb2 in range(lo, hi):
+            for odd in tl.static_range(2):
+                sb = 2 * sb2 + odd
+                nxt = ()
+                for s in tl.static_range(2 if GLU else 1):
+                    a = acc[s]
+                    base = offs[s] + sb2 * 105 + 52 * odd
+                    s0, s1, s2, s3 = _words(_words_from(w32, base, 48, 4, odd))  # the 16 int8 scales
+                    sw_h = ((s0, s1), (s2, s3))
+                    dword = tl.load(w32 + base + 52)  # d: bytes 208, 209 (of an odd one: the word's high half)
+                    d, _ = _half2(dword >> 16 if odd else dword, True)
+                    for h2 in tl.static_range(2):
+                        for g in tl.static_range(2):  # weights 128 h2 + 32 mq + 16 g + (0 .. 15), mq = 0 .. 3:
+                            # low 4 bits in ql bytes 64 h2 + 32 (mq % 2) + 16 g .., high 2 in qh bytes 32 h2 + 16 g ..
+                            qls = (_words_from(w32, base, 16 * h2 + 4 * g, 4, odd),
+                                   _words_from(w32, base, 16 * h2 + 8 + 4 * g, 4, odd))
+                            qh = _words_from(w32, base, 32 + 8 * h2 + 4 * g, 4, odd)
+                            for mq in tl.static_range(4):
+                                if mq == 0:
+                                    hs = qh << 4
+                                elif mq == 1:
+                                    hs = qh << 2
+                                elif mq == 2:
+                                    hs = qh
+                                else:
+                                    hs = qh >> 2
+                                P = ((qls[mq % 2] >> (4 * (mq // 2))) & 0x0F0F0F0F) | (hs & 0x30303030)
+                                sw = sw_h[h2][mq // 2]  # the scales of weights 16 (8 h2 + 2 mq + g) ..
+                                sc = _f(((sw >> (16 * (mq % 2) + 8 * g)) & 0xFF) ^ 0x80) - 128.0
+                                c = d * sc
+                                xt = tl.load(xrows + sb * 256 + 128 * h2 + 32 * mq + 16 * g, mask=xmask, other=0.0)
+                                wt = _six_bit_tile(P, c, 32.0 * c)
+                                a = tl.dot(xt, tl.trans(wt.to(xt.dtype)), a, input_precision=PRECISION)
+                    nxt += (a,)
+                acc = nxt if GLU else (nxt[0], acc[1])
+        _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
+
     for helper in (_pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _x16, _lo, _hi, _sel4, _pick, _q6_dot,
-                   _chunks):  # called by name, as _halves is
+                   _chunks, _nibble_tile, _words_from, _six_bit_tile,
+                   _k_range, _finish):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
-               "gemv_q4k": gemv_q4k_kernel, "gemv_q6k": gemv_q6k_kernel}
+               "gemv_q4k": gemv_q4k_kernel, "gemv_q6k": gemv_q6k_kernel,
+               "skinny_q4k": skinny_q4k_kernel, "skinny_q6k": skinny_q6k_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
             key=["N", "K", "QTYPE", "GLU"])(gemv_kernel)
-        for name in WORD_KERNELS.values():
-            kernels[f"{name}_tuned"] = triton.autotune(
+        for gemv, skinny in WORD_KERNELS.values():
+            kernels[f"{gemv}_tuned"] = triton.autotune(
                 [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
-                key=["N", "K", "GLU"])(kernels[name])
+                key=["N", "K", "GLU"])(kernels[gemv])
+            kernels[f"{skinny}_tuned"] = triton.autotune(
+                [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
+                 for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
+                prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
         kernels["skinny_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -548,22 +730,52 @@ SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (3
 WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4)]
 
 
-#: the types with a 1-row GEMV of their own on 32-bit words, and its name in _build()
-WORD_KERNELS = {Q4_K: "gemv_q4k", Q6_K: "gemv_q6k"}
+#: the word GEMMs' (skinny_q4k_kernel, skinny_q6k_kernel): (rows of W per program, warps, pipeline stages,
+#: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
+WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 4), (32, 4, 2, 8),
+                       (128, 4, 2, 1), (128, 4, 2, 4), (64, 4, 1, 4), (32, 4, 1, 16)]
+SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many (the workspace with them)
+
+
+def _split_fits(name: str, block_n: int, split: int, n: int, k: int) -> bool:
+    steps = k // (512 if name == "skinny_q6k" else 256)
+    return split == 1 or (cdiv(n, block_n) * split <= SPLIT_PROGRAMS and split <= steps)
+
+
+def _prune_split(name: str, configs, named_args, **kwargs):
+    return [c for c in configs if _split_fits(name, c.kwargs["BLOCK_N"], c.kwargs["SPLIT"], named_args["N"],
+                                              named_args["K"])]
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device) -> torch.Tensor:
+    """The split GEMMs' arrival counts, one per block of rows: zero between products (the last slice resets
+    its own), so one buffer serves every product on the device's stream."""
+    key = str(device)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+#: the types with a 1-row GEMV and a few-row GEMM of their own on 32-bit words, and their names in _build()
+WORD_KERNELS = {Q4_K: ("gemv_q4k", "skinny_q4k"), Q6_K: ("gemv_q6k", "skinny_q6k")}
 
 
 def _word_kernel(qtype: int, rows: int, cols: int) -> str | None:
-    """The word GEMV for this product, if any: Q6_K's reads 16-byte chunks from 16-byte boundaries of the
-    row, its 210-byte superblocks lying anywhere in them, so its rows must start on one (2048 | cols)."""
-    if rows != 1 or qtype not in WORD_KERNELS or (qtype == Q6_K and cols % 2048):
+    """The word kernel for this product, if any. Q6_K's 210-byte superblocks lie anywhere in 16-byte chunks:
+    its GEMV reads chunks from 16-byte boundaries of the row, so its rows must start on one (2048 | cols);
+    its GEMM takes superblocks in pairs from 4-byte boundaries (512 | cols)."""
+    if qtype not in WORD_KERNELS or (qtype == Q6_K and cols % (2048 if rows == 1 else 512)):
         return None
-    return WORD_KERNELS[qtype]
+    return WORD_KERNELS[qtype][rows > 1]
 
 
 def configs(qtype: int, rows: int, cols: int) -> list[tuple[int, int, int]]:
     """The block shapes a product of `rows` rows over a `qtype` matrix is tried with (for sweeps)."""
     if _word_kernel(qtype, rows, cols):
-        return WORD_GEMV_CONFIGS
+        return WORD_GEMV_CONFIGS if rows == 1 else WORD_SKINNY_CONFIGS
     return GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS
 
 
@@ -577,14 +789,30 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     kernels = _build()
     word = _word_kernel(qtype, rows, k)
-    if word:
+    tuned = config is None and f"{word}_tuned" in kernels
+    if word and rows == 1:
         per = 1 if glu else 2  # row blocks a program covers: gate and up rows, or two blocks of rows
         args = (x, data, y, n, k, data.stride(0) // 4)
-        if config is None and f"{word}_tuned" in kernels:
+        if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, per * meta["BLOCK_N"]),)](*args, GLU=glu)
         else:
             block_n, slices, warps = config or WORD_GEMV_CONFIGS[0]
             kernels[word][(cdiv(n, per * block_n),)](*args, GLU=glu, BLOCK_N=block_n, S=slices, num_warps=warps)
+        return y
+    if word:
+        shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
+        partials = max([2 * 16 * sp * cdiv(n, b) * b for b, _, _, sp in shapes
+                        if sp > 1 and _split_fits(word, b, sp, n, k)] or [1])  # the workspace the slices need
+        args = (x, data, y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n,
+                k, data.stride(0) // 4, x.stride(0), y.stride(0))
+        extra = {"GLU": glu, "BLOCK_M": 16, "PRECISION": precision(x)}
+        if tuned:
+            kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
+        else:
+            block_n, warps, stages, split = shapes[0]
+            assert _split_fits(word, block_n, split, n, k), (word, shapes[0], n, k)
+            kernels[word][(cdiv(n, block_n), split)](*args, BLOCK_N=block_n, SPLIT=split, num_warps=warps,
+                                                     num_stages=stages, **extra)
         return y
     tab = _table(x.device)
     name = "gemv" if rows == 1 else "skinny"
