@@ -58,7 +58,7 @@ def main() -> None:
                 want = x.float() @ dense.T
                 err = ((qk.matmul(x, data, qtype, n).float() - want).abs().max() / want.abs().max()).item()
                 results.setdefault("relative_error", {})[f"{name}-{mat}-{m}"] = err
-                configs = qk.configs(qtype, m, k)
+                configs = qk.configs(qtype, m, k, n)
                 best = None
                 for cfg in configs:
                     try:

@@ -732,8 +732,8 @@ WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2),
 
 #: the word GEMMs' (skinny_q4k_kernel, skinny_q6k_kernel): (rows of W per program, warps, pipeline stages,
 #: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
-WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 4), (32, 4, 2, 8),
-                       (128, 4, 2, 1), (128, 4, 2, 4), (64, 4, 1, 4), (32, 4, 1, 16)]
+WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 4), (128, 4, 2, 1),
+                       (128, 4, 2, 4), (64, 4, 1, 1), (64, 4, 1, 4), (64, 4, 1, 8)]
 SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many (the workspace with them)
 
 
@@ -772,17 +772,20 @@ def _word_kernel(qtype: int, rows: int, cols: int) -> str | None:
     return WORD_KERNELS[qtype][rows > 1]
 
 
-def configs(qtype: int, rows: int, cols: int) -> list[tuple[int, int, int]]:
-    """The block shapes a product of `rows` rows over a `qtype` matrix is tried with (for sweeps)."""
-    if _word_kernel(qtype, rows, cols):
-        return WORD_GEMV_CONFIGS if rows == 1 else WORD_SKINNY_CONFIGS
+def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
+    """The block shapes a product of `rows` rows over a `qtype` matrix of n rows is tried with (for sweeps)."""
+    word = _word_kernel(qtype, rows, cols)
+    if word:
+        if rows == 1:
+            return WORD_GEMV_CONFIGS
+        return [c for c in WORD_SKINNY_CONFIGS if _split_fits(word, c[0], c[3], n, cols)]
     return GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
-           config: tuple[int, int, int] | None = None) -> torch.Tensor:
+           config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
-    the result silu(gate) * up [M, n]). config: (rows of W per program, warps, tiles in flight), for sweeps."""
+    the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()
