@@ -134,8 +134,15 @@ def _build():
             hi = dl * tl.load(tab_ptr + (byte >> 4)).to(tl.float32)
         return tl.reshape(lo, (R, 128)), tl.reshape(hi, (R, 128))
 
+    @triton.jit
+    def _silu_mul(gate, up, out_ty: tl.constexpr):
+        """silu(gate) * up of float32 sums, each step rounded to out_ty as the unfused model rounds it."""
+        g = gate.to(out_ty).to(tl.float32)
+        return (g * tl.sigmoid(g)).to(out_ty).to(tl.float32) * up.to(out_ty).to(tl.float32)
+
     globals()["_half_cols"] = _half_cols  # the kernels call these by name: Triton resolves names in
     globals()["_halves"] = _halves  # module globals
+    globals()["_silu_mul"] = _silu_mul
 
     @triton.jit
     def dequant_kernel(w_ptr, tab_ptr, out_ptr, N, K, row_bytes, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -185,8 +192,7 @@ def _build():
         out_ty = y_ptr.dtype.element_ty
         y = tl.sum(acc, axis=1)
         if GLU:
-            gate = y.to(out_ty).to(tl.float32)
-            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * tl.sum(acc_up, axis=1).to(out_ty).to(tl.float32)
+            y = _silu_mul(y, tl.sum(acc_up, axis=1), out_ty)
         tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
 
     @triton.jit
@@ -220,8 +226,7 @@ def _build():
         out_ty = y_ptr.dtype.element_ty
         y = acc
         if GLU:
-            gate = y.to(out_ty).to(tl.float32)
-            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
+            y = _silu_mul(y, acc_up, out_ty)
         tl.store(y_ptr + m[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
@@ -301,9 +306,7 @@ def _build():
         rows = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + tl.arange(0, BLOCK_N)
         out_ty = y_ptr.dtype.element_ty
         if GLU:
-            gate = y0.to(out_ty).to(tl.float32)
-            y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * y1.to(out_ty).to(tl.float32)
-            tl.store(y_ptr + rows, y.to(out_ty), mask=rows < N)
+            tl.store(y_ptr + rows, _silu_mul(y0, y1, out_ty).to(out_ty), mask=rows < N)
         else:
             tl.store(y_ptr + rows, y0.to(out_ty), mask=rows < N)
             tl.store(y_ptr + rows + BLOCK_N, y1.to(out_ty), mask=rows + BLOCK_N < N)
@@ -385,6 +388,20 @@ def _build():
         return tl.where(odd, (v0 >> 16) | (v1 << 16), v0)
 
     @triton.jit
+    def _q6_bits(ql, qh, m):
+        """The 6-bit values of quarter m of a Q6_K half-superblock, a byte each: low 4 bits from ql (the low
+        nibbles for m < 2, else the high), high 2 from bits 2m of qh."""
+        if m == 0:
+            hs = qh << 4
+        elif m == 1:
+            hs = qh << 2
+        elif m == 2:
+            hs = qh
+        else:
+            hs = qh >> 2
+        return ((ql >> (4 * (m // 2))) & 0x0F0F0F0F) | (hs & 0x30303030)
+
+    @triton.jit
     def _q6_dot(P, x0, x1, x2, x3, a):
         """Bytes of P (6-bit values) times x0..x3, into accumulators of values scaled 2**0, 2**8, 2**16."""
         a0, a8, a16 = a
@@ -447,16 +464,7 @@ def _build():
                         for s in tl.static_range(2):
                             q = _pick(Wq[s], 8 * (m % 2) + 4 * jj + j4, dw, odd)  # ql bytes l or l + 32
                             hb = _pick(Wh[s], 4 * jj + j4, dw, odd)
-                            if m == 0:
-                                hs = hb << 4
-                            elif m == 1:
-                                hs = hb << 2
-                            elif m == 2:
-                                hs = hb
-                            else:
-                                hs = hb >> 2
-                            P = ((q >> (4 * (m // 2))) & 0x0F0F0F0F) | (hs & 0x30303030)
-                            nxt += (_q6_dot(P, x0, x1, x2, x3, a[s]),)
+                            nxt += (_q6_dot(_q6_bits(q, hb, m), x0, x1, x2, x3, a[s]),)
                         a = nxt
                     for s in tl.static_range(2):
                         d, sw = head[s]
@@ -527,8 +535,7 @@ def _build():
             out_ty = y_ptr.dtype.element_ty
             y = a0
             if GLU:
-                gate = y.to(out_ty).to(tl.float32)
-                y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * a1.to(out_ty).to(tl.float32)
+                y = _silu_mul(y, a1, out_ty)
             tl.store(y_ptr + m[:, None] * stride_y + rows[None, :], y.to(out_ty),
                      mask=(m < M)[:, None] & (rows < N)[None, :])
 
@@ -628,15 +635,7 @@ def _build():
                                    _words_from(w32, base, 16 * h2 + 8 + 4 * g, 4, odd))
                             qh = _words_from(w32, base, 32 + 8 * h2 + 4 * g, 4, odd)
                             for mq in tl.static_range(4):
-                                if mq == 0:
-                                    hs = qh << 4
-                                elif mq == 1:
-                                    hs = qh << 2
-                                elif mq == 2:
-                                    hs = qh
-                                else:
-                                    hs = qh >> 2
-                                P = ((qls[mq % 2] >> (4 * (mq // 2))) & 0x0F0F0F0F) | (hs & 0x30303030)
+                                P = _q6_bits(qls[mq % 2], qh, mq)
                                 sw = sw_h[h2][mq // 2]  # the scales of weights 16 (8 h2 + 2 mq + g) ..
                                 sc = _f(((sw >> (16 * (mq % 2) + 8 * g)) & 0xFF) ^ 0x80) - 128.0
                                 c = d * sc
@@ -647,9 +646,9 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _x16, _lo, _hi, _sel4, _pick, _q6_dot,
-                   _chunks, _nibble_tile, _words_from, _six_bit_tile,
-                   _k_range, _finish):  # called by name, as _halves is
+    for helper in (_pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _x16, _lo, _hi, _sel4, _pick, _q6_bits,
+                   _q6_dot, _chunks, _nibble_tile, _words_from, _six_bit_tile, _k_range,
+                   _finish):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
