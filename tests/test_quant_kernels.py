@@ -33,6 +33,34 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-9)).item()
 
 
+def int8_twin(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_x in torch: per 32 values q = x * 127 / max |x| rounded to nearest even, d = max |x| / 127."""
+    b = x.float().reshape(-1, 32)
+    amax = b.abs().amax(1, keepdim=True)
+    return torch.round(b * torch.where(amax > 0, 127.0 / amax, 0.0)), amax / 127.0
+
+
+def as_computed(x: torch.Tensor, qtype, cols: int) -> torch.Tensor:
+    """x as the product computes with it: d * q (float64) where it takes int8 x, else x."""
+    if not qk.int8_x(int(qtype), x.shape[0], cols):
+        return x.double()
+    q, d = int8_twin(x)
+    return (q.double() * d.double()).reshape(x.shape)
+
+
+def test_quantize_x_blocks_of_32():
+    """int8 x for the 1-row GEMVs: the values, scales and 16-value sums of the torch twin, bit for bit, a
+    block of zeros and one of large values among them."""
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(3))
+    x[0, 32:64] = 0
+    x[0, 64:96] *= 1e4
+    q, d, s = qk.quantize_x(x)
+    tq, td = int8_twin(x)
+    assert q.dtype == torch.int8 and torch.equal(q.float(), tq.flatten()) and torch.equal(d, td.flatten())
+    assert torch.equal(s, tq.reshape(-1, 16).sum(1) * td.repeat_interleave(2, 0).flatten())
+    assert q.abs().max() == 127 and not q[32:64].any()
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantize_is_bit_exact_and_products_match(qtype):
     raw = blocks(qtype, 6, 512, qtype.value)
@@ -44,8 +72,9 @@ def test_dequantize_is_bit_exact_and_products_match(qtype):
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 3, 16):
         x = torch.randn(rows, 512, generator=gen)
-        assert rel(qk.matmul(x, data, int(qtype), 6), x @ w.T) <= 1e-5
-        assert rel(qk.matmul(x, data, int(qtype), 3, glu=True), silu_mul(x @ w.T)) <= 1e-5
+        want = as_computed(x, qtype, 512) @ w.double().T
+        assert rel(qk.matmul(x, data, int(qtype), 6).double(), want) <= 1e-5
+        assert rel(qk.matmul(x, data, int(qtype), 3, glu=True).double(), silu_mul(want)) <= 1e-5
     tokens = torch.tensor([[5, 0], [2, 2]])
     assert torch.equal(qk.gather(data, int(qtype), 512, tokens, torch.float32), w[tokens])
 
@@ -63,7 +92,10 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     assert qk._word_kernel(int(qtype), rows, 2048)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(rows, 2048, generator=gen)
-    want = x.double() @ w.T
+    want = as_computed(x, qtype, 2048) @ w.T
+    if rows == 1:  # int8 x: exact on d * q, and within its rounding of x
+        assert qk.int8_x(int(qtype), rows, 2048)
+        assert 1e-4 < rel(qk.matmul(x, data, int(qtype), 9).double(), x.double() @ w[:9].T) <= 2e-2
     # two blocks of rows, the second part empty; the GEMM's K in 3 slices (Q6_K's last empty), then 2
     configs = [(4, 8, 1)] * 2 if rows == 1 else [(8, 4, 1, 3), (8, 4, 1, 2)]
     assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
@@ -74,7 +106,7 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     # multiplies bfloat16 operands as their raw bits, so the GEMM takes float16 here
     half = x.bfloat16() if rows == 1 else x.half()
     got = qk.matmul(half, data, int(qtype), 10).double()
-    assert rel(got, half.double() @ w.T) <= 2 ** -7
+    assert rel(got, as_computed(half, qtype, 2048) @ w.T) <= 2 ** -7
 
 
 def test_quant_weight_segments_slices_and_bytes():

@@ -22,16 +22,24 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 NAMES = {"Q8_0": qk.Q8_0, "Q4_0": qk.Q4_0, "Q4_K": qk.Q4_K, "Q5_K": qk.Q5_K, "Q6_K": qk.Q6_K, "IQ4_XS": qk.IQ4_XS}
 
 
-def timed(fn, reps: int = 20) -> float:
+def timed(fn, reps: int = 20, calls: int = 10) -> float:
+    """Median seconds per call of fn, replayed `calls` at a time from a CUDA graph, as the decode step's
+    graph runs them: launch costs out, back-to-back kernels in."""
     fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
         start.record()
-        fn()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return sorted(times)[len(times) // 2]
 
 
@@ -40,12 +48,15 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
     ap.add_argument("--matrices", nargs="+", default=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--float-x", action="store_true", help="1-row GEMVs on float x, not int8 blocks")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.float_x:
+        qk.INT8_X.clear()
     gen = torch.Generator(device="cuda").manual_seed(0)
     src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     copy = 2 * src.numel() / timed(lambda: src.clone())
-    results = {"copy_GBps": copy / 1e9, "runs": []}
+    results = {"copy_GBps": copy / 1e9, "int8_x": sorted(qk.INT8_X), "runs": []}
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s")
     for name in args.types:
         qtype = NAMES[name]

@@ -80,6 +80,16 @@ def main() -> None:
             # a trip: a superblock (Q4_K) or two (Q6_K) of BLOCK_N rows, each weight against 16 x rows
             runs.append((f"{skinny}_kernel {name} {block_n, warps, stages, split}", loop_ops(sass),
                          block_n * 256 * (1 if qtype == qk.Q4_K else 2) / (32 * warps)))
+    int8_sig = {"q_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "N": "i32",
+                "K": "i32", "row_words": "i32", "GLU": "constexpr", "BLOCK_N": "constexpr", "S": "constexpr",
+                "ASM": "constexpr"}
+    for name, qtype in (("Q4_K", qk.Q4_K), ("Q6_K", qk.Q6_K)):
+        gemv = qk.WORD_KERNELS[qtype][0] + "8"
+        for block_n, slices, warps in qk.WORD_GEMV_CONFIGS[:2]:
+            sass = compile_sass(kernels[gemv], int8_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices,
+                                                           "ASM": True}, warps, (0, 1, 2, 3, 4, 7))
+            runs.append((f"{gemv}_kernel {name} {block_n, slices, warps}", loop_ops(sass),
+                         512 if qtype == qk.Q4_K else 256))
     for label, ops, weights in runs:
         total = sum(ops.values())
         top = ", ".join(f"{k} {v / weights:.2f}" for k, v in ops.most_common(6))

@@ -72,7 +72,10 @@ class QuantWeight:
         if flat.shape[0] > KERNEL_MAX_ROWS:
             y = torch.nn.functional.linear(flat, self.dequantize())
         else:
-            parts = [qk.matmul(flat, s.data, s.qtype, s.rows) for s in self.segments]
+            x8 = None  # one quantized x for every segment that takes it (a fused q/k/v)
+            if len(self.segments) > 1 and any(qk.int8_x(s.qtype, flat.shape[0], self.cols) for s in self.segments):
+                x8 = qk.quantize_x(flat)
+            parts = [qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8) for s in self.segments]
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if bias is not None:
             y = y + bias

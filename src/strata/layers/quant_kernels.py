@@ -7,10 +7,12 @@ float32 operations, in the same order, as gguf's reference
 (`gguf.quants.dequantize`), so the dequantization kernel matches it bit for bit (the tests run it in
 Triton's interpreter). Over it: a 1-row GEMV and a few-row GEMM (a verify window, a drafter block) on
 tensor cores, both with the gate/up silu*up variant, an embedding gather, and a whole-matrix
-dequantization. The exceptions are the 1-row GEMVs of Q4_K and Q6_K (gemv_q4k_kernel, gemv_q6k_kernel),
-the products a Q4_K_M decode step spends its time in: they read blocks and x as 32-bit words and never
-form the dequantized tile (applying scales to sums), which cuts their instructions per weight three- to
-six-fold. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit at even
+dequantization. The exceptions are the products of Q4_K and Q6_K, which a Q4_K_M target spends its time
+in: they read blocks as 32-bit words. The 1-row GEMVs (gemv_q4k8_kernel, gemv_q6k8_kernel) take x
+quantized to int8 per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times
+bytes with dp4a before applying the scales: about 1 and 3 instructions a weight (tools/sass_count.py),
+against 5.7 and 8.1 for their float twins (gemv_q4k_kernel, gemv_q6k_kernel). The few-row GEMMs build
+float tiles from the words for tensor cores. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit at even
 offsets, so they are read through a float16 view of the same bytes."""
 
 from __future__ import annotations
@@ -374,6 +376,100 @@ def _build():
         _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
 
     @triton.jit
+    def _dp4a(a, b, c, ASM: tl.constexpr):
+        """c + the dot product of a's four unsigned bytes with b's four signed ones: one instruction on the
+        device (dp4a), its integer arithmetic spelled out for the interpreter."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        a = a.to(tl.int32, bitcast=True)
+        s = c
+        for k in tl.static_range(4):
+            s += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+        return s
+
+    @triton.jit
+    def quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, NB, BLOCK: tl.constexpr):
+        """x [NB * 32] -> int8 q with x ~ d * q per 32 values (d = max |x| / 127, q rounded to nearest
+        even), and the sum s of each 16 values of d * q: the 1-row integer GEMVs' x, which compute the
+        product with d * q in place of x exactly but for float32 rounding."""
+        b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = b < NB
+        j = tl.arange(0, 32)[None, :]
+        x = tl.load(x_ptr + b[:, None] * 32 + j, mask=ok[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        q = (x * inv[:, None] + 12582912.0) - 12582912.0
+        d = amax / 127.0
+        tl.store(q_ptr + b[:, None] * 32 + j, q.to(tl.int8), mask=ok[:, None])
+        tl.store(d_ptr + b, d, mask=ok)
+        halves = tl.sum(tl.reshape(q, (BLOCK, 2, 16)), axis=2) * d[:, None]
+        tl.store(s_ptr + b[:, None] * 2 + tl.arange(0, 2)[None, :], halves, mask=ok[:, None])
+
+    @triton.jit
+    def gemv_q4k8_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
+                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
+        """Q4_K times an int8 x (quantize_x_kernel): per sub-block of 32 an integer dot product of nibbles
+        and x bytes (8 dp4a), then d * sc * xd * dot - dmin * m * (sum of x) in float32. High nibbles are
+        taken in place (16 times their value), their x scale divided by 16."""
+        NT: tl.constexpr = BLOCK_N * S
+        off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        q32 = q_ptr.to(tl.pointer_type(tl.int32))
+        i = tl.arange(0, 4)[None, :]
+        blocks = K // 256
+        acc0 = tl.zeros([NT], dtype=tl.float32)
+        acc1 = tl.zeros([NT], dtype=tl.float32)
+        for sb0 in range(0, blocks, S):
+            sb = sb0 + ks
+            live = sb < blocks
+            sbc = tl.where(live, sb, 0)
+            bases = (tl.multiple_of(off0 + sbc * 36, 4)[:, None], tl.multiple_of(off1 + sbc * 36, 4)[:, None])
+            xw = tl.multiple_of(sbc * 64, 64)[:, None]
+            xb = tl.multiple_of(sbc * 8, 8)[:, None]
+            xq = ()
+            for c in tl.static_range(16):
+                xq += _words(tl.load(q32 + xw + 4 * c + i))
+            xd = _words(tl.load(xd_ptr + xb + i)) + _words(tl.load(xd_ptr + xb + 4 + i))
+            h = ()
+            for c in tl.static_range(4):
+                h += _words(tl.load(xs_ptr + 2 * xb + 4 * c + i))
+            xs = ()
+            for j in tl.static_range(8):
+                xs += (h[2 * j] + h[2 * j + 1],)
+            for s in tl.static_range(2):
+                w0, w1, w2, w3 = _words(tl.load(w32 + bases[s] + i))
+                d, dmin = _half2(w0, True)
+                d = tl.where(live, d, 0.0)
+                dmin = tl.where(live, dmin, 0.0)
+                scl = w1 & 0x3F3F3F3F
+                mnl = w2 & 0x3F3F3F3F
+                sch = (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)
+                mnh = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
+                sdot = tl.zeros([NT], dtype=tl.float32)
+                smin = tl.zeros([NT], dtype=tl.float32)
+                for p in tl.static_range(4):
+                    ilo = tl.zeros([NT], dtype=tl.int32)
+                    ihi = tl.zeros([NT], dtype=tl.int32)
+                    for c2 in tl.static_range(2):
+                        q = _words(tl.load(w32 + bases[s] + 4 + 8 * p + 4 * c2 + i))
+                        for wi in tl.static_range(4):
+                            ilo = _dp4a(q[wi] & 0x0F0F0F0F, xq[16 * p + 4 * c2 + wi], ilo, ASM)
+                            ihi = _dp4a(q[wi] & 0xF0F0F0F0, xq[16 * p + 8 + 4 * c2 + wi], ihi, ASM)
+                    scw = scl if p < 2 else sch
+                    mnw = mnl if p < 2 else mnh
+                    at = 16 * (p % 2)
+                    sdot += _f((scw >> at) & 0xFF) * (xd[2 * p] * ilo.to(tl.float32)) \
+                        + _f((scw >> (at + 8)) & 0xFF) * (xd[2 * p + 1] * (ihi.to(tl.float32) * 0.0625))
+                    smin += _f((mnw >> at) & 0xFF) * xs[2 * p] + _f((mnw >> (at + 8)) & 0xFF) * xs[2 * p + 1]
+                part = d * sdot - dmin * smin
+                if s == 0:
+                    acc0 += part
+                else:
+                    acc1 += part
+        _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
+
+    @triton.jit
     def _sel4(W, k: tl.constexpr, dw):
         a = tl.where((dw & 1) != 0, W[k + 1], W[k])
         b = tl.where((dw & 1) != 0, W[k + 3], W[k + 2])
@@ -473,6 +569,68 @@ def _build():
                         sc = _f(((scw >> (8 * ((2 * m + jj) % 4))) & 0xFF) ^ 0x80) - 128.0
                         a0, a8, a16 = a[s]
                         part = d * sc * (a0 + a8 * (1.0 / 256) + a16 * (1.0 / 65536) - 32.0 * xsum)
+                        if s == 0:
+                            acc0 += part
+                        else:
+                            acc1 += part
+        _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
+
+    @triton.jit
+    def gemv_q6k8_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
+                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
+        """Q6_K times an int8 x (quantize_x_kernel): words picked as gemv_q6k_kernel does, an integer dot
+        product of 6-bit values and x bytes per 16 (4 dp4a), then d * sc * (xd * dot - 32 * sum of x)."""
+        NT: tl.constexpr = BLOCK_N * S
+        off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        q32 = q_ptr.to(tl.pointer_type(tl.int32))
+        total = (2 * N if GLU else N) * row_words
+        i = tl.arange(0, 4)[None, :]
+        blocks = K // 256
+        acc0 = tl.zeros([NT], dtype=tl.float32)
+        acc1 = tl.zeros([NT], dtype=tl.float32)
+        for it in range(0, 2 * tl.cdiv(blocks, S)):
+            sb0 = (it // 2) * S
+            h2 = it % 2
+            sb = sb0 + ks
+            live = sb < blocks
+            sbc = tl.where(live, sb, 0)
+            at = sbc * 210
+            dw = (at & 15) >> 2
+            odd = (at & 2) != 0
+            bases = (tl.multiple_of(off0 + (at >> 4) * 4, 4), tl.multiple_of(off1 + (at >> 4) * 4, 4))
+            xw = tl.multiple_of(sbc * 64 + 32 * h2, 32)[:, None]  # this half's 128 x bytes, 32 words
+            xb = tl.multiple_of(sbc * 8 + 4 * h2, 4)[:, None]
+            xq = ()
+            for c in tl.static_range(8):
+                xq += _words(tl.load(q32 + xw + 4 * c + i))
+            xd = _words(tl.load(xd_ptr + xb + i))
+            xs = _words(tl.load(xs_ptr + 2 * xb + i)) + _words(tl.load(xs_ptr + 2 * xb + 4 + i))
+            head = ()
+            for s in tl.static_range(2):
+                W = _chunks(w32, bases[s], 12, 2, total, i)
+                sw = (_pick(W, 0, dw, odd), _pick(W, 1, dw, odd), _pick(W, 2, dw, odd), _pick(W, 3, dw, odd))
+                d, _ = _half2(_pick(W, 4, dw, odd), True)
+                d = tl.where(live, d, 0.0)
+                head += ((d, sw),)
+            Wq = (_chunks(w32, bases[0] + 16 * h2, 0, 5, total, i), _chunks(w32, bases[1] + 16 * h2, 0, 5, total, i))
+            Wh = (_chunks(w32, bases[0] + 8 * h2, 8, 3, total, i), _chunks(w32, bases[1] + 8 * h2, 8, 3, total, i))
+            for m in tl.static_range(4):
+                for jj in tl.static_range(2):
+                    z = tl.zeros([NT], dtype=tl.int32)
+                    isum = (z, z)
+                    for j4 in tl.static_range(4):
+                        nxt = ()
+                        for s in tl.static_range(2):
+                            q = _pick(Wq[s], 8 * (m % 2) + 4 * jj + j4, dw, odd)
+                            hb = _pick(Wh[s], 4 * jj + j4, dw, odd)
+                            nxt += (_dp4a(_q6_bits(q, hb, m), xq[8 * m + 4 * jj + j4], isum[s], ASM),)
+                        isum = nxt
+                    for s in tl.static_range(2):
+                        d, sw = head[s]
+                        scw = tl.where(h2 == 0, sw[(2 * m + jj) // 4], sw[2 + (2 * m + jj) // 4])
+                        sc = _f(((scw >> (8 * ((2 * m + jj) % 4))) & 0xFF) ^ 0x80) - 128.0
+                        part = d * sc * (xd[m] * isum[s].to(tl.float32) - 32.0 * xs[2 * m + jj])
                         if s == 0:
                             acc0 += part
                         else:
@@ -646,13 +804,14 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _x16, _lo, _hi, _sel4, _pick, _q6_bits,
+    for helper in (_dp4a, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _x16, _lo, _hi, _sel4, _pick, _q6_bits,
                    _q6_dot, _chunks, _nibble_tile, _words_from, _six_bit_tile, _k_range,
                    _finish):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "gemv_q4k": gemv_q4k_kernel, "gemv_q6k": gemv_q6k_kernel,
+               "quantize_x": quantize_x_kernel, "gemv_q4k8": gemv_q4k8_kernel, "gemv_q6k8": gemv_q6k8_kernel,
                "skinny_q4k": skinny_q4k_kernel, "skinny_q6k": skinny_q6k_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
@@ -666,6 +825,10 @@ def _build():
                 [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
                  for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
+        for name in ("gemv_q4k8", "gemv_q6k8"):
+            kernels[f"{name}_tuned"] = triton.autotune(
+                [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
+                key=["N", "K", "GLU"])(kernels[name])
         kernels["skinny_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -781,10 +944,33 @@ def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
     return GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS
 
 
+#: types whose 1-row GEMV takes x as int8 blocks of 32 (quantize_x), as llama.cpp's GPU products do: dp4a
+#: over bytes in place of float arithmetic per weight (bench/results/quant-sweep-int8-x-h200.json)
+INT8_X = {Q4_K, Q6_K}
+
+
+def int8_x(qtype: int, rows: int, cols: int) -> bool:
+    """Whether this product computes with x quantized by quantize_x in place of x."""
+    return qtype in INT8_X and _word_kernel(qtype, rows, cols) is not None and rows == 1
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [1, K] -> (int8 q [K], float32 d [K / 32], float32 s [K / 16]): per 32 values x ~ d * q, and s
+    the sums of d * q per 16, which the GEMVs' offsets (Q4_K's mins, Q6_K's -32) multiply."""
+    k = x.shape[-1]
+    q = torch.empty(k, dtype=torch.int8, device=x.device)
+    d = torch.empty(k // 32, dtype=torch.float32, device=x.device)
+    s = torch.empty(k // 16, dtype=torch.float32, device=x.device)
+    block = 32
+    _build()["quantize_x"][(cdiv(k // 32, block),)](x, q, d, s, k // 32, BLOCK=block)
+    return q, d, s
+
+
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
-           config: tuple[int, ...] | None = None) -> torch.Tensor:
+           config: tuple[int, ...] | None = None, x8: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
-    the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps."""
+    the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
+    quantize_x, where the caller shares it between products."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()
@@ -795,11 +981,18 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     if word and rows == 1:
         per = 1 if glu else 2  # row blocks a program covers: gate and up rows, or two blocks of rows
         args = (x, data, y, n, k, data.stride(0) // 4)
+        extra = {}
+        if int8_x(qtype, rows, k):
+            word += "8"
+            tuned = config is None and f"{word}_tuned" in kernels
+            args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
+            extra = {"ASM": not _interpreting()}
         if tuned:
-            kernels[f"{word}_tuned"][lambda meta: (cdiv(n, per * meta["BLOCK_N"]),)](*args, GLU=glu)
+            kernels[f"{word}_tuned"][lambda meta: (cdiv(n, per * meta["BLOCK_N"]),)](*args, GLU=glu, **extra)
         else:
             block_n, slices, warps = config or WORD_GEMV_CONFIGS[0]
-            kernels[word][(cdiv(n, per * block_n),)](*args, GLU=glu, BLOCK_N=block_n, S=slices, num_warps=warps)
+            kernels[word][(cdiv(n, per * block_n),)](*args, GLU=glu, BLOCK_N=block_n, S=slices, num_warps=warps,
+                                                     **extra)
         return y
     if word:
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
