@@ -889,7 +889,8 @@ GEMV_CONFIGS = [(2, 4, 4), (1, 4, 4), (2, 4, 8), (4, 4, 4), (4, 4, 8), (8, 4, 4)
 SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (32, 8, 4), (64, 4, 1), (32, 4, 1)]
 #: the word GEMVs' (gemv_q4k_kernel, gemv_q6k_kernel): (rows a thread's lane covers, K slices, warps), lanes
 #: times slices being the program's threads
-WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4)]
+WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4),
+                     (2, 16, 1), (2, 32, 2), (1, 32, 1), (4, 8, 1)]
 
 
 #: the word GEMMs' (skinny_q4k_kernel, skinny_q6k_kernel): (rows of W per program, warps, pipeline stages,
