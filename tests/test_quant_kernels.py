@@ -79,13 +79,14 @@ def test_dequantize_is_bit_exact_and_products_match(qtype):
     assert torch.equal(qk.gather(data, int(qtype), 512, tokens, torch.float32), w[tokens])
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("qtype,rows", [(T.Q4_K, 1), (T.Q4_K, 5), (T.Q6_K, 1), (T.Q6_K, 5), (T.Q8_0, 1)],
+                         ids=lambda v: getattr(v, "name", f"rows {v}"))
 def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every
     offset from a 16-byte boundary (the GEMV's last one reads a chunk past the matrix, which must stay
-    masked; the GEMM assembles odd ones' words from two), float32 x to 1e-6 and half-precision x as
-    rounded; rows of W not a multiple of a program's, gate/up fused."""
+    masked; the GEMM assembles odd ones' words from two) and Q8_0's blocks at each of their 4 offsets from
+    an 8-byte one, float32 x to 1e-6 and half-precision x as rounded; rows of W not a multiple of a
+    program's, gate/up fused, K slices past the last (Q8_0's gate/up)."""
     raw = blocks(qtype, 10, 2048, 40 + qtype.value)
     w = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)).double()
     data = torch.from_numpy(raw.copy())
@@ -97,7 +98,8 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
         assert qk.int8_x(int(qtype), rows, 2048)
         assert 1e-4 < rel(qk.matmul(x, data, int(qtype), 9).double(), x.double() @ w[:9].T) <= 2e-2
     # two blocks of rows, the second part empty; the GEMM's K in 3 slices (Q6_K's last empty), then 2
-    configs = [(4, 8, 1)] * 2 if rows == 1 else [(8, 4, 1, 3), (8, 4, 1, 2)]
+    configs = [(4, 8, 1), (2, 32, 2) if qtype == T.Q8_0 else (4, 8, 1)] if rows == 1 else \
+        [(8, 4, 1, 3), (8, 4, 1, 2)]
     assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6

@@ -8,10 +8,11 @@ float32 operations, in the same order, as gguf's reference
 Triton's interpreter). Over it: a 1-row GEMV and a few-row GEMM (a verify window, a drafter block) on
 tensor cores, both with the gate/up silu*up variant, an embedding gather, and a whole-matrix
 dequantization. The exceptions are the products of Q4_K and Q6_K, which a Q4_K_M target spends its time
-in: they read blocks as 32-bit words. The 1-row GEMVs (gemv_q4k8_kernel, gemv_q6k8_kernel) take x
-quantized to int8 per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times
-bytes with dp4a before applying the scales: about 1 and 3 instructions a weight (tools/sass_count.py),
-against 5.7 and 8.1 for their float twins (gemv_q4k_kernel, gemv_q6k_kernel). The few-row GEMMs build
+in: they read blocks as 32-bit words. The 1-row GEMVs of these and of Q8_0 (gemv_q4k8_kernel,
+gemv_q6k8_kernel, gemv_q8_0_kernel) take x quantized to int8 per 32 values (quantize_x_kernel), as
+llama.cpp's GPU products do, and sum bytes times bytes with dp4a before applying the scales: about 1 and
+3 instructions a weight for Q4_K and Q6_K (tools/sass_count.py), against 5.7 and 8.1 for their float
+twins (gemv_q4k_kernel, gemv_q6k_kernel, kept for sweeps). The few-row GEMMs of Q4_K and Q6_K build
 float tiles from the words for tensor cores. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit at even
 offsets, so they are read through a float16 view of the same bytes."""
 
@@ -376,17 +377,19 @@ def _build():
         _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
 
     @triton.jit
-    def _dp4a(a, b, c, ASM: tl.constexpr):
-        """c + the dot product of a's four unsigned bytes with b's four signed ones: one instruction on the
-        device (dp4a), its integer arithmetic spelled out for the interpreter."""
+    def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
+        """c + the dot product of a's four unsigned (SIGNED: signed) bytes with b's four signed ones: one
+        instruction on the device (dp4a), its integer arithmetic spelled out for the interpreter."""
         if ASM:
+            if SIGNED:
+                return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
             return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
                                              dtype=tl.int32, is_pure=True, pack=1)
-        a = a.to(tl.int32, bitcast=True)
-        s = c
-        for k in tl.static_range(4):
-            s += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
-        return s
+        up = 24 - 8 * tl.arange(0, 4)  # the bytes as a last axis: few interpreted ops
+        a4 = tl.expand_dims(a.to(tl.int32, bitcast=True), -1) << up
+        a4 = (a4 >> 24) if SIGNED else ((a4 >> 24) & 0xFF)
+        return c + tl.sum(a4 * ((tl.expand_dims(b, -1) << up) >> 24), axis=-1)
 
     @triton.jit
     def quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, NB, BLOCK: tl.constexpr):
@@ -463,6 +466,55 @@ def _build():
                         + _f((scw >> (at + 8)) & 0xFF) * (xd[2 * p + 1] * (ihi.to(tl.float32) * 0.0625))
                     smin += _f((mnw >> at) & 0xFF) * xs[2 * p] + _f((mnw >> (at + 8)) & 0xFF) * xs[2 * p + 1]
                 part = d * sdot - dmin * smin
+                if s == 0:
+                    acc0 += part
+                else:
+                    acc1 += part
+        _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
+
+    @triton.jit
+    def gemv_q8_0_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
+                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
+        """Q8_0 times an int8 x (quantize_x_kernel; xs unused): per block of 32 a signed dp4a sum of bytes
+        times bytes, then d * xd * sum. A trip takes 4 blocks (136 bytes, 8-byte aligned as rows are 16-byte
+        aligned) of two rows; blocks 0 and 2 start 2 bytes into a word, their bytes joined from two."""
+        NT: tl.constexpr = BLOCK_N * S
+        off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        q32 = q_ptr.to(tl.pointer_type(tl.int32))
+        i = tl.arange(0, 4)[None, :]
+        i2 = tl.arange(0, 2)[None, :]
+        groups = K // 128
+        acc0 = tl.zeros([NT], dtype=tl.float32)
+        acc1 = tl.zeros([NT], dtype=tl.float32)
+        for g0 in range(0, groups, S):
+            g = g0 + ks
+            live = g < groups
+            gc = tl.where(live, g, 0)
+            xw = tl.multiple_of(gc * 32, 32)[:, None]
+            xq = ()
+            for c in tl.static_range(8):
+                xq += _words(tl.load(q32 + xw + 4 * c + i))
+            xd = _words(tl.load(xd_ptr + tl.multiple_of(gc * 4, 4)[:, None] + i))
+            for s in tl.static_range(2):
+                base = tl.multiple_of((off0 if s == 0 else off1) + gc * 34, 2)[:, None]
+                W = ()
+                for c in tl.static_range(17):
+                    a, b = tl.split(tl.load(w32 + base + 2 * c + i2))
+                    W += (a, b)
+                part = tl.zeros([NT], dtype=tl.float32)
+                for blk in tl.static_range(4):  # d in word 17 (blk // 2) + 8 (blk % 2): its low half if blk is even
+                    dot = tl.zeros([NT], dtype=tl.int32)
+                    for c in tl.static_range(8):
+                        if blk % 2 == 0:
+                            qw = (W[17 * (blk // 2) + c] >> 16) | (W[17 * (blk // 2) + c + 1] << 16)
+                        else:
+                            qw = W[17 * (blk // 2) + 9 + c]
+                        dot = _dp4a(qw, xq[8 * blk + c], dot, ASM, True)
+                    d_lo, d_hi = _half2(W[17 * (blk // 2) + 8 * (blk % 2)], True)
+                    d = d_lo if blk % 2 == 0 else d_hi
+                    part += d * (xd[blk] * dot.to(tl.float32))
+                part = tl.where(live, part, 0.0)
                 if s == 0:
                     acc0 += part
                 else:
@@ -812,6 +864,7 @@ def _build():
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "gemv_q4k": gemv_q4k_kernel, "gemv_q6k": gemv_q6k_kernel,
                "quantize_x": quantize_x_kernel, "gemv_q4k8": gemv_q4k8_kernel, "gemv_q6k8": gemv_q6k8_kernel,
+               "gemv_q8_0": gemv_q8_0_kernel,
                "skinny_q4k": skinny_q4k_kernel, "skinny_q6k": skinny_q6k_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
@@ -825,7 +878,7 @@ def _build():
                 [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
                  for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
-        for name in ("gemv_q4k8", "gemv_q6k8"):
+        for name in INT8_GEMVS.values():
             kernels[f"{name}_tuned"] = triton.autotune(
                 [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
                 key=["N", "K", "GLU"])(kernels[name])
@@ -930,9 +983,11 @@ def _word_kernel(qtype: int, rows: int, cols: int) -> str | None:
     """The word kernel for this product, if any. Q6_K's 210-byte superblocks lie anywhere in 16-byte chunks:
     its GEMV reads chunks from 16-byte boundaries of the row, so its rows must start on one (2048 | cols);
     its GEMM takes superblocks in pairs from 4-byte boundaries (512 | cols)."""
-    if qtype not in WORD_KERNELS or (qtype == Q6_K and cols % (2048 if rows == 1 else 512)):
+    if qtype == Q6_K and cols % (2048 if rows == 1 else 512):
         return None
-    return WORD_KERNELS[qtype][rows > 1]
+    if rows == 1 and qtype in INT8_X:
+        return INT8_GEMVS[qtype]
+    return WORD_KERNELS[qtype][rows > 1] if qtype in WORD_KERNELS else None
 
 
 def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
@@ -947,12 +1002,14 @@ def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
 
 #: types whose 1-row GEMV takes x as int8 blocks of 32 (quantize_x), as llama.cpp's GPU products do: dp4a
 #: over bytes in place of float arithmetic per weight (bench/results/quant-sweep-int8-x-h200.json)
-INT8_X = {Q4_K, Q6_K}
+INT8_X = {Q4_K, Q6_K, Q8_0}
+#: their kernels (in _build())
+INT8_GEMVS = {Q4_K: "gemv_q4k8", Q6_K: "gemv_q6k8", Q8_0: "gemv_q8_0"}
 
 
 def int8_x(qtype: int, rows: int, cols: int) -> bool:
     """Whether this product computes with x quantized by quantize_x in place of x."""
-    return qtype in INT8_X and _word_kernel(qtype, rows, cols) is not None and rows == 1
+    return rows == 1 and qtype in INT8_X and _word_kernel(qtype, rows, cols) == INT8_GEMVS[qtype]
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -984,8 +1041,6 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         args = (x, data, y, n, k, data.stride(0) // 4)
         extra = {}
         if int8_x(qtype, rows, k):
-            word += "8"
-            tuned = config is None and f"{word}_tuned" in kernels
             args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
             extra = {"ASM": not _interpreting()}
         if tuned:
