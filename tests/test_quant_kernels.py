@@ -79,7 +79,7 @@ def test_dequantize_is_bit_exact_and_products_match(qtype):
     assert torch.equal(qk.gather(data, int(qtype), 512, tokens, torch.float32), w[tokens])
 
 
-@pytest.mark.parametrize("qtype,rows", [(T.Q4_K, 1), (T.Q4_K, 5), (T.Q6_K, 1), (T.Q6_K, 5), (T.Q8_0, 1)],
+@pytest.mark.parametrize("qtype,rows", [(T.Q4_K, 1), (T.Q4_K, 5), (T.Q5_K, 1), (T.Q6_K, 1), (T.Q6_K, 5), (T.Q8_0, 1)],
                          ids=lambda v: getattr(v, "name", f"rows {v}"))
 def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every

@@ -7,14 +7,14 @@ float32 operations, in the same order, as gguf's reference
 (`gguf.quants.dequantize`), so the dequantization kernel matches it bit for bit (the tests run it in
 Triton's interpreter). Over it: a 1-row GEMV and a few-row GEMM (a verify window, a drafter block) on
 tensor cores, both with the gate/up silu*up variant, an embedding gather, and a whole-matrix
-dequantization. The exceptions are the products of Q4_K and Q6_K, which a Q4_K_M target spends its time
-in: they read blocks as 32-bit words. The 1-row GEMVs of these and of Q8_0 (gemv_q4k8_kernel,
-gemv_q6k8_kernel, gemv_q8_0_kernel) take x quantized to int8 per 32 values (quantize_x_kernel), as
-llama.cpp's GPU products do, and sum bytes times bytes with dp4a before applying the scales: about 1 and
-3 instructions a weight for Q4_K and Q6_K (tools/sass_count.py), against 5.7 and 8.1 for their float
-twins (gemv_q4k_kernel, gemv_q6k_kernel, kept for sweeps). The few-row GEMMs of Q4_K and Q6_K build
-float tiles from the words for tensor cores. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit at even
-offsets, so they are read through a float16 view of the same bytes."""
+dequantization. The exceptions read blocks as 32-bit words. The 1-row GEMVs of Q4_K, Q5_K, Q6_K and
+Q8_0 (gemv_q4k8_kernel for the first two, gemv_q6k8_kernel, gemv_q8_0_kernel) take x quantized to int8
+per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times bytes with dp4a
+before applying the scales: 1.1, 1.7, 3.1 and 0.8 instructions a weight (tools/sass_count.py), against
+5.7 and 8.1 for the float twins of Q4_K and Q6_K (gemv_q4k_kernel, gemv_q6k_kernel, kept for sweeps).
+The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) build float
+tiles from the words for tensor cores. Block layouts are the GGML formats' (ggml-common.h); d and
+other float16 fields sit at even offsets, so they are read through a float16 view of the same bytes."""
 
 from __future__ import annotations
 
@@ -410,11 +410,26 @@ def _build():
         tl.store(s_ptr + b[:, None] * 2 + tl.arange(0, 2)[None, :], halves, mask=ok[:, None])
 
     @triton.jit
+    def _shl(v, k):
+        """v shifted left by k bits, right by -k for negative k."""
+        if k >= 0:
+            r = v << k
+        else:
+            r = v >> -k
+        return r
+
+    @triton.jit
     def gemv_q4k8_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
-                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
-        """Q4_K times an int8 x (quantize_x_kernel): per sub-block of 32 an integer dot product of nibbles
-        and x bytes (8 dp4a), then d * sc * xd * dot - dmin * m * (sum of x) in float32. High nibbles are
-        taken in place (16 times their value), their x scale divided by 16."""
+                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr, QTYPE: tl.constexpr):
+        """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel): per sub-block of 32 an integer
+        dot product of 4- or 5-bit values and x bytes (8 dp4a), then d * sc * xd * dot - dmin * m * (sum of
+        x) in float32. Q4_K's high nibbles are taken in place (16 times their value), their x scale divided
+        by 16; Q5_K's fifth bits (bit 2p or 2p + 1 of its qh bytes, for sub-block 2p or 2p + 1) join each
+        nibble at bit 4."""
+        FIVE: tl.constexpr = QTYPE == 13
+        HI: tl.constexpr = 1.0 if FIVE else 0.0625  # the high sub-blocks' values: in place, or at bit 4
+        SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
+        QS: tl.constexpr = 12 if FIVE else 4
         NT: tl.constexpr = BLOCK_N * S
         off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
@@ -427,7 +442,7 @@ def _build():
             sb = sb0 + ks
             live = sb < blocks
             sbc = tl.where(live, sb, 0)
-            bases = (tl.multiple_of(off0 + sbc * 36, 4)[:, None], tl.multiple_of(off1 + sbc * 36, 4)[:, None])
+            bases = (tl.multiple_of(off0 + sbc * SB, 4)[:, None], tl.multiple_of(off1 + sbc * SB, 4)[:, None])
             xw = tl.multiple_of(sbc * 64, 64)[:, None]
             xb = tl.multiple_of(sbc * 8, 8)[:, None]
             xq = ()
@@ -451,19 +466,28 @@ def _build():
                 mnh = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
                 sdot = tl.zeros([NT], dtype=tl.float32)
                 smin = tl.zeros([NT], dtype=tl.float32)
+                hw = ()
+                if FIVE:
+                    hw = _words(tl.load(w32 + bases[s] + 4 + i)) + _words(tl.load(w32 + bases[s] + 8 + i))
                 for p in tl.static_range(4):
                     ilo = tl.zeros([NT], dtype=tl.int32)
                     ihi = tl.zeros([NT], dtype=tl.int32)
                     for c2 in tl.static_range(2):
-                        q = _words(tl.load(w32 + bases[s] + 4 + 8 * p + 4 * c2 + i))
+                        q = _words(tl.load(w32 + bases[s] + QS + 8 * p + 4 * c2 + i))
                         for wi in tl.static_range(4):
-                            ilo = _dp4a(q[wi] & 0x0F0F0F0F, xq[16 * p + 4 * c2 + wi], ilo, ASM)
-                            ihi = _dp4a(q[wi] & 0xF0F0F0F0, xq[16 * p + 8 + 4 * c2 + wi], ihi, ASM)
+                            lo = q[wi] & 0x0F0F0F0F
+                            if FIVE:
+                                hi = ((q[wi] >> 4) & 0x0F0F0F0F) | (_shl(hw[4 * c2 + wi], 3 - 2 * p) & 0x10101010)
+                                lo = lo | (_shl(hw[4 * c2 + wi], 4 - 2 * p) & 0x10101010)
+                            else:
+                                hi = q[wi] & 0xF0F0F0F0
+                            ilo = _dp4a(lo, xq[16 * p + 4 * c2 + wi], ilo, ASM)
+                            ihi = _dp4a(hi, xq[16 * p + 8 + 4 * c2 + wi], ihi, ASM)
                     scw = scl if p < 2 else sch
                     mnw = mnl if p < 2 else mnh
                     at = 16 * (p % 2)
                     sdot += _f((scw >> at) & 0xFF) * (xd[2 * p] * ilo.to(tl.float32)) \
-                        + _f((scw >> (at + 8)) & 0xFF) * (xd[2 * p + 1] * (ihi.to(tl.float32) * 0.0625))
+                        + _f((scw >> (at + 8)) & 0xFF) * (xd[2 * p + 1] * (ihi.to(tl.float32) * HI))
                     smin += _f((mnw >> at) & 0xFF) * xs[2 * p] + _f((mnw >> (at + 8)) & 0xFF) * xs[2 * p + 1]
                 part = d * sdot - dmin * smin
                 if s == 0:
@@ -474,7 +498,8 @@ def _build():
 
     @triton.jit
     def gemv_q8_0_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
-                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
+                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
+                         QTYPE: tl.constexpr):
         """Q8_0 times an int8 x (quantize_x_kernel; xs unused): per block of 32 a signed dp4a sum of bytes
         times bytes, then d * xd * sum. A trip takes 4 blocks (136 bytes, 8-byte aligned as rows are 16-byte
         aligned) of two rows; blocks 0 and 2 start 2 bytes into a word, their bytes joined from two."""
@@ -629,7 +654,8 @@ def _build():
 
     @triton.jit
     def gemv_q6k8_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
-                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr):
+                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
+                         QTYPE: tl.constexpr):
         """Q6_K times an int8 x (quantize_x_kernel): words picked as gemv_q6k_kernel does, an integer dot
         product of 6-bit values and x bytes per 16 (4 dp4a), then d * sc * (xd * dot - 32 * sum of x)."""
         NT: tl.constexpr = BLOCK_N * S
@@ -856,8 +882,8 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _x16, _lo, _hi, _sel4, _pick, _q6_bits,
-                   _q6_dot, _chunks, _nibble_tile, _words_from, _six_bit_tile, _k_range,
+    for helper in (_dp4a, _shl, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _x16, _lo, _hi, _sel4, _pick,
+                   _q6_bits, _q6_dot, _chunks, _nibble_tile, _words_from, _six_bit_tile, _k_range,
                    _finish):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
@@ -878,10 +904,10 @@ def _build():
                 [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
                  for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
-        for name in INT8_GEMVS.values():
+        for name in set(INT8_GEMVS.values()):
             kernels[f"{name}_tuned"] = triton.autotune(
                 [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
-                key=["N", "K", "GLU"])(kernels[name])
+                key=["N", "K", "GLU", "QTYPE"])(kernels[name])
         kernels["skinny_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -1002,9 +1028,9 @@ def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
 
 #: types whose 1-row GEMV takes x as int8 blocks of 32 (quantize_x), as llama.cpp's GPU products do: dp4a
 #: over bytes in place of float arithmetic per weight (bench/results/quant-sweep-int8-x-h200.json)
-INT8_X = {Q4_K, Q6_K, Q8_0}
+INT8_X = {Q4_K, Q5_K, Q6_K, Q8_0}
 #: their kernels (in _build())
-INT8_GEMVS = {Q4_K: "gemv_q4k8", Q6_K: "gemv_q6k8", Q8_0: "gemv_q8_0"}
+INT8_GEMVS = {Q4_K: "gemv_q4k8", Q5_K: "gemv_q4k8", Q6_K: "gemv_q6k8", Q8_0: "gemv_q8_0"}
 
 
 def int8_x(qtype: int, rows: int, cols: int) -> bool:
@@ -1042,7 +1068,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         extra = {}
         if int8_x(qtype, rows, k):
             args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
-            extra = {"ASM": not _interpreting()}
+            extra = {"ASM": not _interpreting(), "QTYPE": qtype}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, per * meta["BLOCK_N"]),)](*args, GLU=glu, **extra)
         else:
