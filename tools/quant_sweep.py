@@ -2,7 +2,7 @@
 matrices of random valid GGUF blocks, on a CUDA device: achieved GB/s (bytes of blocks read per call
 over its time) for each type and configuration, against the device's copy bandwidth.
 
-usage: python tools/quant_sweep.py [--types Q4_K Q6_K Q8_0] [--out FILE.json]"""
+usage: python tools/quant_sweep.py [--types Q4_K Q6_K Q8_0] [--rows 1 16] [--float-x] [--out FILE.json]"""
 
 from __future__ import annotations
 
