@@ -2,7 +2,7 @@
 matrices of random valid GGUF blocks, on a CUDA device: achieved GB/s (bytes of blocks read per call
 over its time) for each type and configuration, against the device's copy bandwidth.
 
-usage: python tools/quant_sweep.py [--types Q4_K Q6_K Q8_0] [--rows 1 16] [--float-x] [--out FILE.json]"""
+usage: python tools/quant_sweep.py [--types Q4_K Q6_K Q8_0] [--rows 1 16] [--out FILE.json]"""
 
 from __future__ import annotations
 
@@ -48,15 +48,12 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
     ap.add_argument("--matrices", nargs="+", default=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--float-x", action="store_true", help="1-row GEMVs on float x, not int8 blocks")
     ap.add_argument("--out")
     args = ap.parse_args()
-    if args.float_x:
-        qk.INT8_X.clear()
     gen = torch.Generator(device="cuda").manual_seed(0)
     src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     copy = 2 * src.numel() / timed(lambda: src.clone())
-    results = {"copy_GBps": copy / 1e9, "int8_x": sorted(qk.INT8_X), "runs": []}
+    results = {"copy_GBps": copy / 1e9, "runs": []}
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s")
     for name in args.types:
         qtype = NAMES[name]

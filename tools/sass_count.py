@@ -52,8 +52,6 @@ def main() -> None:
     byte_sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "tab_ptr": "*i8", "y_ptr": "*bf16", "N": "i32", "K": "i32",
                 "row_bytes": "i32", "QTYPE": "constexpr", "GLU": "constexpr", "BLOCK_N": "constexpr",
                 "UNROLL": "constexpr"}
-    word_sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "N": "i32", "K": "i32", "row_words": "i32",
-                "GLU": "constexpr", "BLOCK_N": "constexpr", "S": "constexpr"}
     runs = []
     for name, qtype in (("Q4_K", qk.Q4_K), ("Q6_K", qk.Q6_K), ("Q8_0", qk.Q8_0)):
         for block_n, warps, unroll in ((16, 8, 1), (8, 4, 4)):
@@ -66,13 +64,7 @@ def main() -> None:
                   "GLU": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "PRECISION": "constexpr",
                   "SPLIT": "constexpr"}
     for name, qtype in (("Q4_K", qk.Q4_K), ("Q6_K", qk.Q6_K)):
-        gemv, skinny = qk.WORD_KERNELS[qtype]
-        for block_n, slices, warps in qk.WORD_GEMV_CONFIGS[:2]:
-            sass = compile_sass(kernels[gemv], word_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices}, warps,
-                                (0, 1, 5))
-            # a trip: 2 rows of a superblock (Q4_K) or of half of one (Q6_K)
-            runs.append((f"{gemv}_kernel {name} {block_n, slices, warps}", loop_ops(sass),
-                         512 if qtype == qk.Q4_K else 256))
+        skinny = qk.WORD_KERNELS[qtype]
         for block_n, warps, stages, split in qk.WORD_SKINNY_CONFIGS[:3:2]:
             sass = compile_sass(kernels[skinny], skinny_sig, {"GLU": False, "BLOCK_M": 16, "BLOCK_N": block_n,
                                                               "PRECISION": "tf32", "SPLIT": split}, warps,

@@ -11,7 +11,7 @@ dequantization. The exceptions read blocks as 32-bit words. The 1-row GEMVs of Q
 Q8_0 (gemv_q4k8_kernel for the first two, gemv_q6k8_kernel, gemv_q8_0_kernel) take x quantized to int8
 per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times bytes with dp4a
 before applying the scales: 1.1, 1.7, 3.1 and 0.8 instructions a weight (tools/sass_count.py), against
-5.7 and 8.1 for the float twins of Q4_K and Q6_K (gemv_q4k_kernel, gemv_q6k_kernel, kept for sweeps).
+5.7 and 8.1 for float x (the kernels they replaced).
 The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) build float
 tiles from the words for tensor cores. Block layouts are the GGML formats' (ggml-common.h); d and
 other float16 fields sit at even offsets, so they are read through a float16 view of the same bytes."""
@@ -259,38 +259,6 @@ def _build():
         return _bf16x2(u)
 
     @triton.jit
-    def _x16(x_ptr, off, i):
-        """float32 x[off .. off + 15] for each thread's element offset off [NT, 1], as a 16-tuple of [NT]
-        (16-byte loads: one per 8 half-precision values, per 4 float32 ones)."""
-        if x_ptr.dtype.element_ty == tl.float32:
-            return _words(tl.load(x_ptr + off + i)) + _words(tl.load(x_ptr + off + 4 + i)) + \
-                _words(tl.load(x_ptr + off + 8 + i)) + _words(tl.load(x_ptr + off + 12 + i))
-        F16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-        x32 = x_ptr.to(tl.pointer_type(tl.uint32))
-        w = _words(tl.load(x32 + off // 2 + i)) + _words(tl.load(x32 + off // 2 + 4 + i))
-        out = ()
-        for k in tl.static_range(8):
-            out += _half2(w[k], F16)
-        return out
-
-    @triton.jit
-    def _lo(qq, x0, x1, x2, x3, a):
-        """Low nibbles of word qq (weights 4i..4i+3 of a sub-block) times x0..x3, into 4 accumulators that
-        hold them scaled by 2**0, 2**8, 2**16, 2**12: each nibble masked in place (one op, no shift)."""
-        t = qq >> 12
-        a0, a8, a16, a12 = a
-        return (a0 + _f(qq & 0xF) * x0, a8 + _f(qq & 0xF00) * x1, a16 + _f(qq & 0xF0000) * x2,
-                a12 + _f(t & 0xF000) * x3)
-
-    @triton.jit
-    def _hi(qq, x0, x1, x2, x3, b):
-        """The high nibbles, scaled by 2**4, 2**12, 2**8, 2**16."""
-        t = qq >> 12
-        b4, b12, b8, b16 = b
-        return (b4 + _f(qq & 0xF0) * x0, b12 + _f(qq & 0xF000) * x1, b8 + _f(t & 0xF00) * x2,
-                b16 + _f(t & 0xF0000) * x3)
-
-    @triton.jit
     def _pair_rows(N, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr):
         """The word GEMVs' threads: each takes rows r and r + BLOCK_N (with GLU: gate row r, up row r + N) and
         the K slice k: superblocks k, k + S, .... Lanes run along rows, so a warp's x is one superblock's.
@@ -313,68 +281,6 @@ def _build():
         else:
             tl.store(y_ptr + rows, y0.to(out_ty), mask=rows < N)
             tl.store(y_ptr + rows + BLOCK_N, y1.to(out_ty), mask=rows + BLOCK_N < N)
-
-    @triton.jit
-    def gemv_q4k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-                        S: tl.constexpr):
-        """Q4_K, one x row: a superblock of two rows (_pair_rows) a trip, 16-byte loads of words."""
-        NT: tl.constexpr = BLOCK_N * S
-        off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
-        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
-        i = tl.arange(0, 4)[None, :]
-        blocks = K // 256
-        acc0 = tl.zeros([NT], dtype=tl.float32)
-        acc1 = tl.zeros([NT], dtype=tl.float32)
-        for sb0 in range(0, blocks, S):
-            sb = sb0 + ks
-            live = sb < blocks
-            sbc = tl.where(live, sb, 0)
-            bases = (tl.multiple_of(off0 + sbc * 36, 4)[:, None], tl.multiple_of(off1 + sbc * 36, 4)[:, None])
-            xoff = tl.multiple_of(sbc * 256, 256)[:, None]
-            scales = ()
-            for s in tl.static_range(2):
-                w0, w1, w2, w3 = _words(tl.load(w32 + bases[s] + i))
-                d, dmin = _half2(w0, True)
-                d = tl.where(live, d, 0.0)
-                dmin = tl.where(live, dmin, 0.0)
-                # the 6-bit scales and mins of sub-blocks 0..3, then 4..7, a byte each
-                scales += ((d, dmin, w1 & 0x3F3F3F3F, w2 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030),
-                            ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)),)
-            for p in tl.static_range(4):  # sub-blocks 2p (low nibbles of 32 bytes) and 2p + 1 (high)
-                z = tl.zeros([NT], dtype=tl.float32)
-                lo = ((z, z, z, z), (z, z, z, z))
-                hi = ((z, z, z, z), (z, z, z, z))
-                x_lo = z
-                x_hi = z
-                for c in tl.static_range(2):
-                    q = (_words(tl.load(w32 + bases[0] + 4 + 8 * p + 4 * c + i)),
-                         _words(tl.load(w32 + bases[1] + 4 + 8 * p + 4 * c + i)))
-                    for h in tl.static_range(2):
-                        xs = _x16(x_ptr, xoff + 64 * p + 32 * h + 16 * c, i)
-                        for wi in tl.static_range(4):
-                            x0, x1, x2, x3 = xs[4 * wi], xs[4 * wi + 1], xs[4 * wi + 2], xs[4 * wi + 3]
-                            if h == 0:
-                                lo = (_lo(q[0][wi], x0, x1, x2, x3, lo[0]), _lo(q[1][wi], x0, x1, x2, x3, lo[1]))
-                                x_lo += (x0 + x1) + (x2 + x3)
-                            else:
-                                hi = (_hi(q[0][wi], x0, x1, x2, x3, hi[0]), _hi(q[1][wi], x0, x1, x2, x3, hi[1]))
-                                x_hi += (x0 + x1) + (x2 + x3)
-                for s in tl.static_range(2):
-                    d, dmin, scl, mnl, sch, mnh = scales[s]
-                    scw = scl if p < 2 else sch
-                    mnw = mnl if p < 2 else mnh
-                    a0, a8, a16, a12 = lo[s]
-                    b4, b12, b8, b16 = hi[s]
-                    s_lo = a0 + a8 * (1.0 / 256) + a12 * (1.0 / 4096) + a16 * (1.0 / 65536)
-                    s_hi = b4 * (1.0 / 16) + b8 * (1.0 / 256) + b12 * (1.0 / 4096) + b16 * (1.0 / 65536)
-                    at = 16 * (p % 2)  # sub-blocks 2p and 2p + 1: bytes p % 2 * 2 and the next
-                    part = d * (_f((scw >> at) & 0xFF) * s_lo + _f((scw >> (at + 8)) & 0xFF) * s_hi) \
-                        - dmin * (_f((mnw >> at) & 0xFF) * x_lo + _f((mnw >> (at + 8)) & 0xFF) * x_hi)
-                    if s == 0:
-                        acc0 += part
-                    else:
-                        acc1 += part
-        _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
 
     @triton.jit
     def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
@@ -575,13 +481,6 @@ def _build():
         return ((ql >> (4 * (m // 2))) & 0x0F0F0F0F) | (hs & 0x30303030)
 
     @triton.jit
-    def _q6_dot(P, x0, x1, x2, x3, a):
-        """Bytes of P (6-bit values) times x0..x3, into accumulators of values scaled 2**0, 2**8, 2**16."""
-        a0, a8, a16 = a
-        return (a0 + _f(P & 0x3F) * x0, a8 + _f(P & 0x3F00) * x1,
-                a16 + _f(P & 0x3F0000) * x2 + _f((P >> 8) & 0x3F0000) * x3)
-
-    @triton.jit
     def _chunks(w32, base, c0: tl.constexpr, n: tl.constexpr, total, i):
         """Words of the 16-byte chunks c0 .. c0 + n - 1 from word base [NT] (none past word total), and a zero."""
         W = ()
@@ -591,72 +490,11 @@ def _build():
         return W + (tl.zeros(base.shape, dtype=tl.uint32),)
 
     @triton.jit
-    def gemv_q6k_kernel(x_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-                        S: tl.constexpr):
-        """Q6_K, one x row: half a superblock of two rows (_pair_rows) a trip. Its 210-byte superblocks lie
-        0-14 bytes past a 16-byte boundary: 16-byte chunks are read from the boundary and the words picked."""
-        NT: tl.constexpr = BLOCK_N * S
-        off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
-        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
-        total = (2 * N if GLU else N) * row_words  # words: no chunk is read past them
-        i = tl.arange(0, 4)[None, :]
-        blocks = K // 256
-        acc0 = tl.zeros([NT], dtype=tl.float32)
-        acc1 = tl.zeros([NT], dtype=tl.float32)
-        for it in range(0, 2 * tl.cdiv(blocks, S)):  # a half superblock a trip: fewer words live at once
-            sb0 = (it // 2) * S
-            h2 = it % 2
-            sb = sb0 + ks
-            live = sb < blocks
-            sbc = tl.where(live, sb, 0)
-            at = sbc * 210
-            dw = (at & 15) >> 2
-            odd = (at & 2) != 0
-            xoff = tl.multiple_of(sbc * 256, 256)[:, None]
-            bases = (tl.multiple_of(off0 + (at >> 4) * 4, 4), tl.multiple_of(off1 + (at >> 4) * 4, 4))
-            head = ()
-            for s in tl.static_range(2):
-                W = _chunks(w32, bases[s], 12, 2, total, i)  # words 48..52: the 16 scales, then d
-                sw = (_pick(W, 0, dw, odd), _pick(W, 1, dw, odd), _pick(W, 2, dw, odd), _pick(W, 3, dw, odd))
-                d, _ = _half2(_pick(W, 4, dw, odd), True)
-                d = tl.where(live, d, 0.0)
-                head += ((d, sw),)
-            # weights 128 h2 ..: low 4 bits in the 64 bytes from byte 64 h2, high 2 in the 32 from 128 + 32 h2
-            Wq = (_chunks(w32, bases[0] + 16 * h2, 0, 5, total, i), _chunks(w32, bases[1] + 16 * h2, 0, 5, total, i))
-            Wh = (_chunks(w32, bases[0] + 8 * h2, 8, 3, total, i), _chunks(w32, bases[1] + 8 * h2, 8, 3, total, i))
-            for jj in tl.static_range(2):
-                for m in tl.static_range(4):
-                    xs = _x16(x_ptr, xoff + 128 * h2 + 32 * m + 16 * jj, i)
-                    z = tl.zeros([NT], dtype=tl.float32)
-                    a = ((z, z, z), (z, z, z))
-                    xsum = z
-                    for j4 in tl.static_range(4):
-                        x0, x1, x2, x3 = xs[4 * j4], xs[4 * j4 + 1], xs[4 * j4 + 2], xs[4 * j4 + 3]
-                        xsum += (x0 + x1) + (x2 + x3)
-                        nxt = ()
-                        for s in tl.static_range(2):
-                            q = _pick(Wq[s], 8 * (m % 2) + 4 * jj + j4, dw, odd)  # ql bytes l or l + 32
-                            hb = _pick(Wh[s], 4 * jj + j4, dw, odd)
-                            nxt += (_q6_dot(_q6_bits(q, hb, m), x0, x1, x2, x3, a[s]),)
-                        a = nxt
-                    for s in tl.static_range(2):
-                        d, sw = head[s]
-                        # the int8 scale of weights 16 (8 h2 + 2m + jj) ..
-                        scw = tl.where(h2 == 0, sw[(2 * m + jj) // 4], sw[2 + (2 * m + jj) // 4])
-                        sc = _f(((scw >> (8 * ((2 * m + jj) % 4))) & 0xFF) ^ 0x80) - 128.0
-                        a0, a8, a16 = a[s]
-                        part = d * sc * (a0 + a8 * (1.0 / 256) + a16 * (1.0 / 65536) - 32.0 * xsum)
-                        if s == 0:
-                            acc0 += part
-                        else:
-                            acc1 += part
-        _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
-
-    @triton.jit
     def gemv_q6k8_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                          BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
                          QTYPE: tl.constexpr):
-        """Q6_K times an int8 x (quantize_x_kernel): words picked as gemv_q6k_kernel does, an integer dot
+        """Q6_K times an int8 x (quantize_x_kernel): 16-byte chunks read from the row's 16-byte boundaries
+        and the superblock's words picked from them (_pick), an integer dot
         product of 6-bit values and x bytes per 16 (4 dp4a), then d * sc * (xd * dot - 32 * sum of x)."""
         NT: tl.constexpr = BLOCK_N * S
         off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
@@ -882,13 +720,12 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _shl, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _x16, _lo, _hi, _sel4, _pick,
-                   _q6_bits, _q6_dot, _chunks, _nibble_tile, _words_from, _six_bit_tile, _k_range,
+    for helper in (_dp4a, _shl, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _sel4, _pick,
+                   _q6_bits, _chunks, _nibble_tile, _words_from, _six_bit_tile, _k_range,
                    _finish):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
-               "gemv_q4k": gemv_q4k_kernel, "gemv_q6k": gemv_q6k_kernel,
                "quantize_x": quantize_x_kernel, "gemv_q4k8": gemv_q4k8_kernel, "gemv_q6k8": gemv_q6k8_kernel,
                "gemv_q8_0": gemv_q8_0_kernel,
                "skinny_q4k": skinny_q4k_kernel, "skinny_q6k": skinny_q6k_kernel}
@@ -896,10 +733,7 @@ def _build():
         kernels["gemv_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
             key=["N", "K", "QTYPE", "GLU"])(gemv_kernel)
-        for gemv, skinny in WORD_KERNELS.values():
-            kernels[f"{gemv}_tuned"] = triton.autotune(
-                [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
-                key=["N", "K", "GLU"])(kernels[gemv])
+        for skinny in WORD_KERNELS.values():
             kernels[f"{skinny}_tuned"] = triton.autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
                  for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
@@ -966,8 +800,8 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
 #: error ~1, bench/results/quant-sweep-h200-unroll.json) while the interpreter and 4+ warps were exact
 GEMV_CONFIGS = [(2, 4, 4), (1, 4, 4), (2, 4, 8), (4, 4, 4), (4, 4, 8), (8, 4, 4), (8, 8, 4), (16, 8, 1)]
 SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (32, 8, 4), (64, 4, 1), (32, 4, 1)]
-#: the word GEMVs' (gemv_q4k_kernel, gemv_q6k_kernel): (rows a thread's lane covers, K slices, warps), lanes
-#: times slices being the program's threads
+#: the int8 GEMVs' (INT8_GEMVS): (rows a thread's lane covers, K slices, warps), lanes times slices being the
+#: program's threads
 WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4),
                      (2, 16, 1), (2, 32, 2), (1, 32, 1), (4, 8, 1)]
 
@@ -1001,8 +835,12 @@ def _counters(device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-#: the types with a 1-row GEMV and a few-row GEMM of their own on 32-bit words, and their names in _build()
-WORD_KERNELS = {Q4_K: ("gemv_q4k", "skinny_q4k"), Q6_K: ("gemv_q6k", "skinny_q6k")}
+#: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
+#: products do: dp4a over bytes in place of float arithmetic per weight (against float x:
+#: bench/results/quant-sweep-int8-x-h200.json); their names in _build()
+INT8_GEMVS = {Q4_K: "gemv_q4k8", Q5_K: "gemv_q4k8", Q6_K: "gemv_q6k8", Q8_0: "gemv_q8_0"}
+#: the types with a few-row GEMM of their own on 32-bit words
+WORD_KERNELS = {Q4_K: "skinny_q4k", Q6_K: "skinny_q6k"}
 
 
 def _word_kernel(qtype: int, rows: int, cols: int) -> str | None:
@@ -1011,9 +849,7 @@ def _word_kernel(qtype: int, rows: int, cols: int) -> str | None:
     its GEMM takes superblocks in pairs from 4-byte boundaries (512 | cols)."""
     if qtype == Q6_K and cols % (2048 if rows == 1 else 512):
         return None
-    if rows == 1 and qtype in INT8_X:
-        return INT8_GEMVS[qtype]
-    return WORD_KERNELS[qtype][rows > 1] if qtype in WORD_KERNELS else None
+    return (INT8_GEMVS if rows == 1 else WORD_KERNELS).get(qtype)
 
 
 def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
@@ -1026,16 +862,9 @@ def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
     return GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS
 
 
-#: types whose 1-row GEMV takes x as int8 blocks of 32 (quantize_x), as llama.cpp's GPU products do: dp4a
-#: over bytes in place of float arithmetic per weight (bench/results/quant-sweep-int8-x-h200.json)
-INT8_X = {Q4_K, Q5_K, Q6_K, Q8_0}
-#: their kernels (in _build())
-INT8_GEMVS = {Q4_K: "gemv_q4k8", Q5_K: "gemv_q4k8", Q6_K: "gemv_q6k8", Q8_0: "gemv_q8_0"}
-
-
 def int8_x(qtype: int, rows: int, cols: int) -> bool:
     """Whether this product computes with x quantized by quantize_x in place of x."""
-    return rows == 1 and qtype in INT8_X and _word_kernel(qtype, rows, cols) == INT8_GEMVS[qtype]
+    return rows == 1 and _word_kernel(qtype, rows, cols) is not None
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1064,11 +893,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     tuned = config is None and f"{word}_tuned" in kernels
     if word and rows == 1:
         per = 1 if glu else 2  # row blocks a program covers: gate and up rows, or two blocks of rows
-        args = (x, data, y, n, k, data.stride(0) // 4)
-        extra = {}
-        if int8_x(qtype, rows, k):
-            args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
-            extra = {"ASM": not _interpreting(), "QTYPE": qtype}
+        args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
+        extra = {"ASM": not _interpreting(), "QTYPE": qtype}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, per * meta["BLOCK_N"]),)](*args, GLU=glu, **extra)
         else:
