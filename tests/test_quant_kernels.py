@@ -128,7 +128,7 @@ def test_quant_weight_segments_slices_and_bytes():
 
 def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
     """Target-only and DFlash (static steps) over Q4_K blocks; the interpreter runs a program per block of
-    rows, so the GEMV takes wide blocks here (the result does not depend on them)."""
+    rows, so the GEMV and the GEMM take wide blocks here (the result does not depend on them)."""
     from strata.dflash.drafter import load_drafter
     from strata.engine.decode import Engine
     from strata.models.loader import load_target
@@ -139,6 +139,7 @@ def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
+    monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
     hf, _ = write_hf_model(tmp_path / "hf", "qwen3", seed=4, vocab=320, hidden_size=256, intermediate_size=256,
                            head_dim=64, layers=2)
     qwen2_tokenizer(hf, 320)
@@ -194,6 +195,7 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
+    monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
     target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
                                    head_dim=64, layers=2)
     qwen2_tokenizer(target_dir, 320)
