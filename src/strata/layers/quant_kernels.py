@@ -494,8 +494,8 @@ def _build():
                          BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
                          QTYPE: tl.constexpr):
         """Q6_K times an int8 x (quantize_x_kernel): 16-byte chunks read from the row's 16-byte boundaries
-        and the superblock's words picked from them (_pick), an integer dot
-        product of 6-bit values and x bytes per 16 (4 dp4a), then d * sc * (xd * dot - 32 * sum of x)."""
+        and the superblock's words picked from them (_pick), an integer dot product of 6-bit values and x
+        bytes per 16 (4 dp4a), then d * sc * (xd * dot - 32 * sum of x)."""
         NT: tl.constexpr = BLOCK_N * S
         off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
