@@ -100,6 +100,8 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     # two blocks of rows, the second part empty; the GEMM's K in 3 slices (Q6_K's last empty), then 2
     configs = [(4, 8, 1), (2, 32, 2) if qtype == T.Q8_0 else (4, 8, 1)] if rows == 1 else \
         [(8, 4, 1, 3), (8, 4, 1, 2)]
+    if qtype in (T.Q4_K, T.Q5_K) and rows == 1:  # lanes along K: 16 superblocks a step (the last 8 past K), then 4
+        configs = [(1, 2, 4), (2, 4, 1)]
     assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
@@ -139,6 +141,7 @@ def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
+    monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4)])
     monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
     hf, _ = write_hf_model(tmp_path / "hf", "qwen3", seed=4, vocab=320, hidden_size=256, intermediate_size=256,
                            head_dim=64, layers=2)
@@ -195,6 +198,7 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
+    monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4)])
     monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
     target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
                                    head_dim=64, layers=2)

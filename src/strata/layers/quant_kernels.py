@@ -8,10 +8,11 @@ float32 operations, in the same order, as gguf's reference
 Triton's interpreter). Over it: a 1-row GEMV and a few-row GEMM (a verify window, a drafter block) on
 tensor cores, both with the gate/up silu*up variant, an embedding gather, and a whole-matrix
 dequantization. The exceptions read blocks as 32-bit words. The 1-row GEMVs of Q4_K, Q5_K, Q6_K and
-Q8_0 (gemv_q4k8_kernel for the first two, gemv_q6k8_kernel, gemv_q8_0_kernel) take x quantized to int8
+Q8_0 (gemv_q4k8c_kernel for the first two, gemv_q6k8_kernel, gemv_q8_0_kernel) take x quantized to int8
 per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times bytes with dp4a
-before applying the scales: 1.1, 1.7, 3.1 and 0.8 instructions a weight (tools/sass_count.py), against
-5.7 and 8.1 for float x (the kernels they replaced).
+before applying the scales. Q4_K's and Q5_K's run their lanes along K, so that a warp's load is 512
+consecutive bytes of a row: with a thread per (row, superblock), as the others still are, each load
+touched 32 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
 The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) build float
 tiles from the words for tensor cores. Block layouts are the GGML formats' (ggml-common.h); d and
 other float16 fields sit at even offsets, so they are read through a float16 view of the same bytes."""
@@ -316,91 +317,92 @@ def _build():
         tl.store(s_ptr + b[:, None] * 2 + tl.arange(0, 2)[None, :], halves, mask=ok[:, None])
 
     @triton.jit
-    def _shl(v, k):
-        """v shifted left by k bits, right by -k for negative k."""
-        if k >= 0:
-            r = v << k
-        else:
-            r = v >> -k
-        return r
-
-    @triton.jit
-    def gemv_q4k8_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
-                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr, QTYPE: tl.constexpr):
-        """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel): per sub-block of 32 an integer
-        dot product of 4- or 5-bit values and x bytes (8 dp4a), then d * sc * xd * dot - dmin * m * (sum of
-        x) in float32. Q4_K's high nibbles are taken in place (16 times their value), their x scale divided
-        by 16; Q5_K's fifth bits (bit 2p or 2p + 1 of its qh bytes, for sub-block 2p or 2p + 1) join each
-        nibble at bit 4."""
+    def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
+                          RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
+                          QTYPE: tl.constexpr):
+        """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
+        4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
+        weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
+        the 7 other lanes of that superblock, its 16-byte header (Q5_K: and the half of qh with their fifth
+        bits). So each instruction reads 512 consecutive bytes of qs, where a thread per (row, superblock)
+        touched 32 lines (its L1 and L2 requests were the GEMV's bound); each warp's x serves RT rows, KU
+        steps of 4 superblocks are loaded before any is used, and the lanes' partial sums add up at the
+        end. A program takes RT * WARPS rows (with GLU: as many gate rows and their up rows)."""
         FIVE: tl.constexpr = QTYPE == 13
-        HI: tl.constexpr = 1.0 if FIVE else 0.0625  # the high sub-blocks' values: in place, or at bit 4
         SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
         QS: tl.constexpr = 12 if FIVE else 4
-        NT: tl.constexpr = BLOCK_N * S
-        off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
+        HI: tl.constexpr = 1.0 if FIVE else 0.0625  # the high sub-block's values: at bit 4, or in place
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
         q32 = q_ptr.to(tl.pointer_type(tl.int32))
-        i = tl.arange(0, 4)[None, :]
+        wi = tl.arange(0, WARPS)[:, None]
+        lane = tl.arange(0, 32)[None, :]
+        c = lane % 8
+        g = c // 2
+        h = c % 2
+        i = tl.arange(0, 4)[None, None, :]
+        at = 16 * (g % 2)
+        NR: tl.constexpr = 2 * RT if GLU else RT
+        first = tl.program_id(0) * (RT * WARPS)
         blocks = K // 256
-        acc0 = tl.zeros([NT], dtype=tl.float32)
-        acc1 = tl.zeros([NT], dtype=tl.float32)
-        for sb0 in range(0, blocks, S):
-            sb = sb0 + ks
-            live = sb < blocks
-            sbc = tl.where(live, sb, 0)
-            bases = (tl.multiple_of(off0 + sbc * SB, 4)[:, None], tl.multiple_of(off1 + sbc * SB, 4)[:, None])
-            xw = tl.multiple_of(sbc * 64, 64)[:, None]
-            xb = tl.multiple_of(sbc * 8, 8)[:, None]
-            xq = ()
-            for c in tl.static_range(16):
-                xq += _words(tl.load(q32 + xw + 4 * c + i))
-            xd = _words(tl.load(xd_ptr + xb + i)) + _words(tl.load(xd_ptr + xb + 4 + i))
-            h = ()
-            for c in tl.static_range(4):
-                h += _words(tl.load(xs_ptr + 2 * xb + 4 * c + i))
+        acc = ()
+        bases = ()
+        for r in tl.static_range(NR):
+            acc += (tl.zeros([WARPS, 32], dtype=tl.float32),)
+            row = first + (r % RT) * WARPS + wi
+            bases += (tl.where(row < N, (row + (N if r >= RT else 0)) * row_words, 0),)
+        for it in range(0, blocks, 4 * KU):
             xs = ()
-            for j in tl.static_range(8):
-                xs += (h[2 * j] + h[2 * j + 1],)
-            for s in tl.static_range(2):
-                w0, w1, w2, w3 = _words(tl.load(w32 + bases[s] + i))
-                d, dmin = _half2(w0, True)
-                d = tl.where(live, d, 0.0)
-                dmin = tl.where(live, dmin, 0.0)
-                scl = w1 & 0x3F3F3F3F
-                mnl = w2 & 0x3F3F3F3F
-                sch = (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)
-                mnh = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
-                sdot = tl.zeros([NT], dtype=tl.float32)
-                smin = tl.zeros([NT], dtype=tl.float32)
-                hw = ()
-                if FIVE:
-                    hw = _words(tl.load(w32 + bases[s] + 4 + i)) + _words(tl.load(w32 + bases[s] + 8 + i))
-                for p in tl.static_range(4):
-                    ilo = tl.zeros([NT], dtype=tl.int32)
-                    ihi = tl.zeros([NT], dtype=tl.int32)
-                    for c2 in tl.static_range(2):
-                        q = _words(tl.load(w32 + bases[s] + QS + 8 * p + 4 * c2 + i))
-                        for wi in tl.static_range(4):
-                            lo = q[wi] & 0x0F0F0F0F
-                            if FIVE:
-                                hi = ((q[wi] >> 4) & 0x0F0F0F0F) | (_shl(hw[4 * c2 + wi], 3 - 2 * p) & 0x10101010)
-                                lo = lo | (_shl(hw[4 * c2 + wi], 4 - 2 * p) & 0x10101010)
-                            else:
-                                hi = q[wi] & 0xF0F0F0F0
-                            ilo = _dp4a(lo, xq[16 * p + 4 * c2 + wi], ilo, ASM)
-                            ihi = _dp4a(hi, xq[16 * p + 8 + 4 * c2 + wi], ihi, ASM)
-                    scw = scl if p < 2 else sch
-                    mnw = mnl if p < 2 else mnh
-                    at = 16 * (p % 2)
-                    sdot += _f((scw >> at) & 0xFF) * (xd[2 * p] * ilo.to(tl.float32)) \
-                        + _f((scw >> (at + 8)) & 0xFF) * (xd[2 * p + 1] * (ihi.to(tl.float32) * HI))
-                    smin += _f((mnw >> at) & 0xFF) * xs[2 * p] + _f((mnw >> (at + 8)) & 0xFF) * xs[2 * p + 1]
-                part = d * sdot - dmin * smin
-                if s == 0:
-                    acc0 += part
-                else:
-                    acc1 += part
-        _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
+            for u in tl.static_range(KU):
+                sb = it + 4 * u + lane // 8
+                live = sb < blocks
+                sbc = tl.where(live, sb, 0) + 0 * wi  # [WARPS, 32]: each warp reads x for its own rows
+                xw = (sbc * 64 + 16 * g + 4 * h)[:, :, None]
+                xs += ((live, sbc * SB, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 8 + i)),
+                        tl.load(xd_ptr + sbc * 8 + 2 * g), tl.load(xd_ptr + sbc * 8 + 2 * g + 1),
+                        tl.load(xs_ptr + sbc * 16 + 4 * g + h), tl.load(xs_ptr + sbc * 16 + 4 * g + 2 + h)),)
+            nxt = ()
+            for r in tl.static_range(NR):
+                a = acc[r]
+                for u in tl.static_range(KU):
+                    live, off, xlo, xhi, xdl, xdh, xsl, xsh = xs[u]
+                    base = tl.multiple_of(bases[r] + off, (4, 4))[:, :, None]
+                    h0, h1, h2, h3 = _words(tl.load(w32 + base + i))
+                    qs = _words(tl.load(w32 + base + QS + 4 * c[:, :, None] + i))
+                    if FIVE:
+                        qh = _words(tl.load(w32 + base + 4 + 4 * h[:, :, None] + i))
+                    d, dmin = _half2(h0, True)
+                    d = tl.where(live, d, 0.0)
+                    dmin = tl.where(live, dmin, 0.0)
+                    scw = tl.where(g < 2, h1 & 0x3F3F3F3F, (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030)) >> at
+                    mnw = tl.where(g < 2, h2 & 0x3F3F3F3F,
+                                   ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030)) >> at
+                    ilo = tl.zeros([WARPS, 32], dtype=tl.int32)
+                    ihi = tl.zeros([WARPS, 32], dtype=tl.int32)
+                    for w in tl.static_range(4):
+                        if FIVE:
+                            lo = (qs[w] & 0x0F0F0F0F) | (((qh[w] >> (2 * g)) & 0x01010101) << 4)
+                            hi = ((qs[w] >> 4) & 0x0F0F0F0F) | (((qh[w] >> (2 * g + 1)) & 0x01010101) << 4)
+                        else:
+                            lo = qs[w] & 0x0F0F0F0F
+                            hi = qs[w] & 0xF0F0F0F0
+                        ilo = _dp4a(lo, xlo[w], ilo, ASM)
+                        ihi = _dp4a(hi, xhi[w], ihi, ASM)
+                    dot = _f(scw & 0xFF) * (xdl * ilo.to(tl.float32)) \
+                        + _f((scw >> 8) & 0xFF) * (xdh * (ihi.to(tl.float32) * HI))
+                    mins = _f(mnw & 0xFF) * xsl + _f((mnw >> 8) & 0xFF) * xsh
+                    a += d * dot - dmin * mins
+                nxt += (a,)
+            acc = nxt
+        rows = first + tl.arange(0, WARPS)
+        out_ty = y_ptr.dtype.element_ty
+        for r in tl.static_range(RT):
+            at_r = rows + r * WARPS
+            y0 = tl.sum(acc[r], axis=1)
+            if GLU:
+                tl.store(y_ptr + at_r, _silu_mul(y0, tl.sum(acc[RT + r], axis=1), out_ty).to(out_ty),
+                         mask=at_r < N)
+            else:
+                tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
 
     @triton.jit
     def gemv_q8_0_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
@@ -720,13 +722,13 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _shl, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _sel4, _pick,
+    for helper in (_dp4a, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _sel4, _pick,
                    _q6_bits, _chunks, _nibble_tile, _words_from, _six_bit_tile, _k_range,
                    _finish):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
-               "quantize_x": quantize_x_kernel, "gemv_q4k8": gemv_q4k8_kernel, "gemv_q6k8": gemv_q6k8_kernel,
+               "quantize_x": quantize_x_kernel, "gemv_q4k8c": gemv_q4k8c_kernel, "gemv_q6k8": gemv_q6k8_kernel,
                "gemv_q8_0": gemv_q8_0_kernel,
                "skinny_q4k": skinny_q4k_kernel, "skinny_q6k": skinny_q6k_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
@@ -738,10 +740,13 @@ def _build():
                 [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
                  for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
-        for name in set(INT8_GEMVS.values()):
+        for name in {"gemv_q6k8", "gemv_q8_0"}:
             kernels[f"{name}_tuned"] = triton.autotune(
                 [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
                 key=["N", "K", "GLU", "QTYPE"])(kernels[name])
+        kernels["gemv_q4k8c_tuned"] = triton.autotune(
+            [triton.Config({"RT": rt, "WARPS": w, "KU": ku}, num_warps=w) for rt, w, ku in LANE_K_CONFIGS],
+            key=["N", "K", "GLU", "QTYPE"])(gemv_q4k8c_kernel)
         kernels["skinny_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -804,7 +809,9 @@ SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (3
 #: program's threads
 WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4),
                      (2, 16, 1), (2, 32, 2), (1, 32, 1), (4, 8, 1)]
-
+#: gemv_q4k8c_kernel's: (rows a thread takes, warps, steps of 4 superblocks loaded at once)
+LANE_K_CONFIGS = [(4, 2, 1), (2, 4, 1), (1, 4, 1), (4, 4, 1), (2, 2, 1), (1, 4, 2), (2, 4, 2), (1, 2, 2), (2, 2, 2),
+                  (1, 4, 4), (1, 2, 4), (4, 2, 2), (8, 2, 1)]
 
 #: the word GEMMs' (skinny_q4k_kernel, skinny_q6k_kernel): (rows of W per program, warps, pipeline stages,
 #: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
@@ -838,7 +845,7 @@ def _counters(device) -> torch.Tensor:
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
 #: products do: dp4a over bytes in place of float arithmetic per weight (against float x:
 #: bench/results/quant-sweep-int8-x-h200.json); their names in _build()
-INT8_GEMVS = {Q4_K: "gemv_q4k8", Q5_K: "gemv_q4k8", Q6_K: "gemv_q6k8", Q8_0: "gemv_q8_0"}
+INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8", Q8_0: "gemv_q8_0"}
 #: the types with a few-row GEMM of their own on 32-bit words
 WORD_KERNELS = {Q4_K: "skinny_q4k", Q6_K: "skinny_q6k"}
 
@@ -857,7 +864,7 @@ def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
     word = _word_kernel(qtype, rows, cols)
     if word:
         if rows == 1:
-            return WORD_GEMV_CONFIGS
+            return LANE_K_CONFIGS if word == "gemv_q4k8c" else WORD_GEMV_CONFIGS
         return [c for c in WORD_SKINNY_CONFIGS if _split_fits(word, c[0], c[3], n, cols)]
     return GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS
 
@@ -891,6 +898,16 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     kernels = _build()
     word = _word_kernel(qtype, rows, k)
     tuned = config is None and f"{word}_tuned" in kernels
+    if word == "gemv_q4k8c":
+        args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
+        if tuned:
+            kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["RT"] * meta["WARPS"]),)](
+                *args, GLU=glu, ASM=not _interpreting(), QTYPE=qtype)
+        else:
+            rt, warps, ku = config or LANE_K_CONFIGS[0]
+            kernels[word][(cdiv(n, rt * warps),)](*args, GLU=glu, RT=rt, WARPS=warps, KU=ku, num_warps=warps,
+                                                  ASM=not _interpreting(), QTYPE=qtype)
+        return y
     if word and rows == 1:
         per = 1 if glu else 2  # row blocks a program covers: gate and up rows, or two blocks of rows
         args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
