@@ -805,8 +805,8 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
 #: error ~1, bench/results/quant-sweep-h200-unroll.json) while the interpreter and 4+ warps were exact
 GEMV_CONFIGS = [(2, 4, 4), (1, 4, 4), (2, 4, 8), (4, 4, 4), (4, 4, 8), (8, 4, 4), (8, 8, 4), (16, 8, 1)]
 SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (32, 8, 4), (64, 4, 1), (32, 4, 1)]
-#: the int8 GEMVs' (INT8_GEMVS): (rows a thread's lane covers, K slices, warps), lanes times slices being the
-#: program's threads
+#: gemv_q6k8_kernel's and gemv_q8_0_kernel's: (rows a thread's lane covers, K slices, warps), lanes times
+#: slices being the program's threads
 WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4),
                      (2, 16, 1), (2, 32, 2), (1, 32, 1), (4, 8, 1)]
 #: gemv_q4k8c_kernel's: (rows a thread takes, warps, steps of 4 superblocks loaded at once)
