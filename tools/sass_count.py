@@ -89,8 +89,7 @@ def main() -> None:
             sass = compile_sass(kernels[gemv], int8_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices,
                                                            "ASM": True, "QTYPE": qtype}, warps, (0, 1, 2, 3, 4, 7))
             # a trip: 2 rows of half a superblock (Q6_K), of 4 blocks (Q8_0)
-            runs.append((f"{gemv}_kernel {name} {block_n, slices, warps}", loop_ops(sass),
-                         {qk.Q6_K: 256, qk.Q8_0: 256}[qtype]))
+            runs.append((f"{gemv}_kernel {name} {block_n, slices, warps}", loop_ops(sass), 256))
     for label, ops, weights in runs:
         total = sum(ops.values())
         top = ", ".join(f"{k} {v / weights:.2f}" for k, v in ops.most_common(6))

@@ -740,7 +740,7 @@ def _build():
                 [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
                  for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
-        for name in {"gemv_q6k8", "gemv_q8_0"}:
+        for name in set(INT8_GEMVS.values()) - {"gemv_q4k8c"}:
             kernels[f"{name}_tuned"] = triton.autotune(
                 [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
                 key=["N", "K", "GLU", "QTYPE"])(kernels[name])
@@ -898,26 +898,24 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     kernels = _build()
     word = _word_kernel(qtype, rows, k)
     tuned = config is None and f"{word}_tuned" in kernels
-    if word == "gemv_q4k8c":
-        args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
-        if tuned:
-            kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["RT"] * meta["WARPS"]),)](
-                *args, GLU=glu, ASM=not _interpreting(), QTYPE=qtype)
-        else:
-            rt, warps, ku = config or LANE_K_CONFIGS[0]
-            kernels[word][(cdiv(n, rt * warps),)](*args, GLU=glu, RT=rt, WARPS=warps, KU=ku, num_warps=warps,
-                                                  ASM=not _interpreting(), QTYPE=qtype)
-        return y
     if word and rows == 1:
-        per = 1 if glu else 2  # row blocks a program covers: gate and up rows, or two blocks of rows
+        lanes = word == "gemv_q4k8c"
+
+        def covered(meta) -> int:  # rows of W a program takes (with GLU: gate rows, each with its up row)
+            return meta["RT"] * meta["WARPS"] if lanes else (1 if glu else 2) * meta["BLOCK_N"]
+
         args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
-        extra = {"ASM": not _interpreting(), "QTYPE": qtype}
+        extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype}
         if tuned:
-            kernels[f"{word}_tuned"][lambda meta: (cdiv(n, per * meta["BLOCK_N"]),)](*args, GLU=glu, **extra)
+            kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)),)](*args, **extra)
         else:
-            block_n, slices, warps = config or WORD_GEMV_CONFIGS[0]
-            kernels[word][(cdiv(n, per * block_n),)](*args, GLU=glu, BLOCK_N=block_n, S=slices, num_warps=warps,
-                                                     **extra)
+            if lanes:
+                rt, warps, ku = config or LANE_K_CONFIGS[0]
+                meta = {"RT": rt, "WARPS": warps, "KU": ku}
+            else:
+                block_n, slices, warps = config or WORD_GEMV_CONFIGS[0]
+                meta = {"BLOCK_N": block_n, "S": slices}
+            kernels[word][(cdiv(n, covered(meta)),)](*args, **meta, num_warps=warps, **extra)
         return y
     if word:
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
