@@ -63,12 +63,19 @@ def main() -> None:
                   "M": "i32", "N": "i32", "K": "i32", "row_words": "i32", "stride_x": "i32", "stride_y": "i32",
                   "GLU": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "PRECISION": "constexpr",
                   "SPLIT": "constexpr"}
+    skinny8_sig = {"q_ptr": "*i8", "ds_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+                   "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "row_words": "i32", "stride_y": "i32",
+                   "GLU": "constexpr", "BLOCK_N": "constexpr", "SPLIT": "constexpr", "ASM": "constexpr"}
     for name, qtype in (("Q4_K", qk.Q4_K), ("Q6_K", qk.Q6_K)):
         skinny = qk.WORD_KERNELS[qtype]
         for block_n, warps, stages, split in qk.WORD_SKINNY_CONFIGS[:3:2]:
-            sass = compile_sass(kernels[skinny], skinny_sig, {"GLU": False, "BLOCK_M": 16, "BLOCK_N": block_n,
-                                                              "PRECISION": "tf32", "SPLIT": split}, warps,
-                                (0, 1, 8, 9, 10), stages)
+            if skinny in qk.INT8_KERNELS:
+                sass = compile_sass(kernels[skinny], skinny8_sig, {"GLU": False, "BLOCK_N": block_n, "SPLIT": split,
+                                                                   "ASM": True}, warps, (0, 1, 2, 8, 9), stages)
+            else:
+                sass = compile_sass(kernels[skinny], skinny_sig, {"GLU": False, "BLOCK_M": 16, "BLOCK_N": block_n,
+                                                                  "PRECISION": "tf32", "SPLIT": split}, warps,
+                                    (0, 1, 8, 9, 10), stages)
             # a trip: a superblock (Q4_K) or two (Q6_K) of BLOCK_N rows, each weight against 16 x rows
             runs.append((f"{skinny}_kernel {name} {block_n, warps, stages, split}", loop_ops(sass),
                          block_n * 256 * (1 if qtype == qk.Q4_K else 2) / (32 * warps)))

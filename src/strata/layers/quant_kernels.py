@@ -13,8 +13,9 @@ per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes
 before applying the scales. Q4_K's and Q5_K's run their lanes along K, so that a warp's load is 512
 consecutive bytes of a row: with a thread per (row, superblock), as the others still are, each load
 touched 32 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
-The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) build float
-tiles from the words for tensor cores. Block layouts are the GGML formats' (ggml-common.h); d and
+The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) run on tensor
+cores: Q4_K's on int8 x and its nibbles as int8 (skinny_q4k8_kernel), its integer sums scaled as the
+GEMV scales its dp4a sums, Q6_K's on float tiles built from the words. Block layouts are the GGML formats' (ggml-common.h); d and
 other float16 fields sit at even offsets, so they are read through a float16 view of the same bytes."""
 
 from __future__ import annotations
@@ -299,22 +300,31 @@ def _build():
         return c + tl.sum(a4 * ((tl.expand_dims(b, -1) << up) >> 24), axis=-1)
 
     @triton.jit
-    def quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, NB, BLOCK: tl.constexpr):
-        """x [NB * 32] -> int8 q with x ~ d * q per 32 values (d = max |x| / 127, q rounded to nearest
-        even), and the sum s of each 16 values of d * q: the 1-row integer GEMVs' x, which compute the
-        product with d * q in place of x exactly but for float32 rounding."""
+    def quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, M, KB, MP, NB, BLOCK: tl.constexpr, SUMS: tl.constexpr):
+        """x [M, KB * 32] -> int8 q [MP, KB * 32] with x ~ d * q per 32 values (d = max |x| / 127, q rounded
+        to nearest even), d [KB, MP], and the sums of d * q per SUMS (16 or 32) values, [KB * 32 / SUMS, MP]:
+        the integer products' x, which compute with d * q in place of x exactly but for float32 rounding.
+        Rows M .. MP (the few-row GEMM's padding) are zeros; d and the sums are stored K-major, so that a
+        program reads its rows' scales at one K in one load."""
         b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = b < NB
+        row = b // KB
+        kb = b % KB
         j = tl.arange(0, 32)[None, :]
-        x = tl.load(x_ptr + b[:, None] * 32 + j, mask=ok[:, None], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + b[:, None] * 32 + j, mask=(ok & (row < M))[:, None], other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
         inv = tl.where(amax > 0, 127.0 / amax, 0.0)
         q = (x * inv[:, None] + 12582912.0) - 12582912.0
         d = amax / 127.0
         tl.store(q_ptr + b[:, None] * 32 + j, q.to(tl.int8), mask=ok[:, None])
-        tl.store(d_ptr + b, d, mask=ok)
-        halves = tl.sum(tl.reshape(q, (BLOCK, 2, 16)), axis=2) * d[:, None]
-        tl.store(s_ptr + b[:, None] * 2 + tl.arange(0, 2)[None, :], halves, mask=ok[:, None])
+        if SUMS == 32:  # the few-row GEMMs': d and the sum side by side, one 8-byte load
+            tl.store(d_ptr + 2 * (kb * MP + row), d, mask=ok)
+            tl.store(d_ptr + 2 * (kb * MP + row) + 1, tl.sum(q, axis=1) * d, mask=ok)
+        else:
+            tl.store(d_ptr + kb * MP + row, d, mask=ok)
+            sums = tl.sum(tl.reshape(q, (BLOCK, 2, 16)), axis=2) * d[:, None]
+            tl.store(s_ptr + (2 * kb[:, None] + tl.arange(0, 2)[None, :]) * MP + row[:, None], sums,
+                     mask=ok[:, None])
 
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
@@ -556,24 +566,6 @@ def _build():
         _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
 
     @triton.jit
-    def _nibble_tile(q, t, h: tl.constexpr, ds, dm):
-        """The 32 weights of a Q4_K sub-block from its 8 words q [R, 8] (t = q >> 12), nibbles h (0 low, 1
-        high), dequantized: [R, 32], byte b of word j being weight 4j + b. Each nibble is masked in place
-        where it fits the mantissa (q, or t) and made float through it; its power of two goes into the scale."""
-        if h == 0:
-            n0, n1, n2, n3 = q & 0xF, q & 0xF00, q & 0xF0000, t & 0xF000
-            e0, e1, e2, e3 = 1.0, 1.0 / 256, 1.0 / 65536, 1.0 / 4096
-        else:
-            n0, n1, n2, n3 = q & 0xF0, q & 0xF000, t & 0xF00, t & 0xF0000
-            e0, e1, e2, e3 = 1.0 / 16, 1.0 / 4096, 1.0 / 256, 1.0 / 65536
-        m = dm[:, None]
-        v0 = _f(n0) * (ds * e0)[:, None] - m
-        v1 = _f(n1) * (ds * e1)[:, None] - m
-        v2 = _f(n2) * (ds * e2)[:, None] - m
-        v3 = _f(n3) * (ds * e3)[:, None] - m
-        return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (q.shape[0], 32))
-
-    @triton.jit
     def _k_range(blocks, SPLIT: tl.constexpr):
         """This program's slice of a K loop of `blocks` steps: slice program_id(1) of SPLIT."""
         per = tl.cdiv(blocks, SPLIT)
@@ -616,44 +608,76 @@ def _build():
                      mask=(m < M)[:, None] & (rows < N)[None, :])
 
     @triton.jit
-    def skinny_q4k_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_x, stride_y,
-                          GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                          SPLIT: tl.constexpr):
-        """Q4_K, a few x rows: each sub-block of BLOCK_N rows dequantized from 32-bit words (_nibble_tile),
-        then on tensor cores against the x columns in its order."""
+    def _bytes(w, ASM: tl.constexpr):
+        """The bytes of 32-bit words w [R, C] as int8 [R, 4 C] (byte b of word c at 4 c + b): on the device each
+        word, repeated over its 4 bytes, is packed back into the one register it came from."""
+        R: tl.constexpr = w.shape[0]
+        C: tl.constexpr = w.shape[1]
+        w4 = tl.reshape(tl.broadcast_to(w[:, :, None], [R, C, 4]), [R, 4 * C])
+        if ASM:
+            return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [w4], dtype=tl.int8, is_pure=True,
+                                             pack=4)
+        return ((w4 << (24 - 8 * (tl.arange(0, 4 * C) % 4))[None, :]) >> 24).to(tl.int8)
+
+    @triton.jit
+    def _byte_times(w, k: tl.constexpr, d, d_off):
+        """Byte k of w times d (d_off = -2**23 d), rounded once as float32 d * byte is: the byte made the
+        mantissa of 2**23 + byte, and one fma subtracts 2**23 d (exact) from its exact product with d."""
+        if k == 3:
+            v = (w >> 24) | 0x4B000000
+        else:
+            v = ((w >> (8 * k)) & 0xFF) | 0x4B000000
+        return tl.fma(v.to(tl.float32, bitcast=True), d, d_off)
+
+    @triton.jit
+    def _x_block(q_ptr, ds_ptr, K, j):
+        """Block j (32 columns) of the few-row GEMMs' int8 x (quantize_x, X_ROWS rows), transposed: [32, X_ROWS],
+        its scales [X_ROWS] and its sums of d * q [X_ROWS], these two read as one 8-byte word a row."""
+        m = tl.arange(0, 16)
+        xt = tl.load(q_ptr + m[None, :] * K + 32 * j + tl.arange(0, 32)[:, None])
+        pair = tl.load(ds_ptr.to(tl.pointer_type(tl.int64)) + 16 * j + m)
+        return (xt, pair.to(tl.int32).to(tl.float32, bitcast=True),
+                (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
+        """Q4_K times a few rows of int8 x (quantize_x) on integer tensor cores: per sub-block, the int8 dot
+        of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's scales serve 4 x rows)
+        with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rows < N
         offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
-        m = tl.arange(0, BLOCK_M)
-        xrows = x_ptr + m[:, None] * stride_x + tl.arange(0, 32)[None, :]
-        xmask = (m < M)[:, None]
         i4 = tl.arange(0, 4)[None, :]
-        i8 = tl.arange(0, 8)[None, :]
-        acc = (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+        j8 = tl.arange(0, 8)[None, :]
+        acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 256, SPLIT)
         for sb in range(lo, hi):
-            nxt = ()
+            heads = ()
             for s in tl.static_range(2 if GLU else 1):
-                a = acc[s]
                 base = tl.multiple_of(offs[s] + sb * 36, 4)[:, None]
                 w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
                 d, dmin = _half2(w0, True)
-                scs = (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030))
-                mns = (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))
-                for p in tl.static_range(4):
-                    q = tl.load(w32 + base + 4 + 8 * p + i8)
-                    t = q >> 12
-                    for h in tl.static_range(2):
-                        at = 16 * (p % 2) + 8 * h
-                        ds = d * _f((scs[p // 2] >> at) & 0xFF)
-                        dm = dmin * _f((mns[p // 2] >> at) & 0xFF)
-                        xt = tl.load(xrows + sb * 256 + 64 * p + 32 * h, mask=xmask, other=0.0)
-                        wt = _nibble_tile(q, t, h, ds, dm)
-                        a = tl.dot(xt, tl.trans(wt.to(xt.dtype)), a, input_precision=PRECISION)
-                nxt += (a,)
-            acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
+                heads += ((base, d, dmin, d * -8388608.0, dmin * -8388608.0,
+                           (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)),
+                           (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
+            for p in tl.static_range(4):
+                qbs = ()
+                for s in tl.static_range(2 if GLU else 1):
+                    qbs += (tl.load(w32 + heads[s][0] + 4 + 8 * p + j8),)
+                for h in tl.static_range(2):
+                    xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h)
+                    nxt = ()
+                    for s in tl.static_range(2 if GLU else 1):
+                        _, d, dmin, d_off, dmin_off, scs, mns = heads[s]
+                        ds = _byte_times(scs[p // 2], 2 * (p % 2) + h, d, d_off)
+                        dm = _byte_times(mns[p // 2], 2 * (p % 2) + h, dmin, dmin_off)
+                        isum = tl.dot(_bytes((qbs[s] >> (4 * h)) & 0x0F0F0F0F, ASM), xt, out_dtype=tl.int32)
+                        a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
+                        nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
+                    acc = nxt if GLU else (nxt[0], acc[1])
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def _words_from(w32, base, k0: tl.constexpr, n: tl.constexpr, odd):
@@ -723,14 +747,14 @@ def _build():
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
     for helper in (_dp4a, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _sel4, _pick,
-                   _q6_bits, _chunks, _nibble_tile, _words_from, _six_bit_tile, _k_range,
+                   _q6_bits, _chunks, _bytes, _byte_times, _x_block, _words_from, _six_bit_tile, _k_range,
                    _finish):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "quantize_x": quantize_x_kernel, "gemv_q4k8c": gemv_q4k8c_kernel, "gemv_q6k8": gemv_q6k8_kernel,
                "gemv_q8_0": gemv_q8_0_kernel,
-               "skinny_q4k": skinny_q4k_kernel, "skinny_q6k": skinny_q6k_kernel}
+               "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
@@ -816,7 +840,8 @@ LANE_K_CONFIGS = [(4, 2, 1), (2, 4, 1), (1, 4, 1), (4, 4, 1), (2, 2, 1), (1, 4, 
 #: the word GEMMs' (skinny_q4k_kernel, skinny_q6k_kernel): (rows of W per program, warps, pipeline stages,
 #: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
 WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 4), (128, 4, 2, 1),
-                       (128, 4, 2, 4), (64, 4, 1, 1), (64, 4, 1, 4), (64, 4, 1, 8)]
+                       (128, 4, 2, 4), (64, 4, 1, 1), (64, 4, 1, 4), (64, 4, 1, 8), (64, 2, 2, 1), (64, 2, 2, 4),
+                       (32, 2, 2, 8), (128, 4, 1, 2)]
 SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many (the workspace with them)
 
 
@@ -846,8 +871,11 @@ def _counters(device) -> torch.Tensor:
 #: products do: dp4a over bytes in place of float arithmetic per weight (against float x:
 #: bench/results/quant-sweep-int8-x-h200.json); their names in _build()
 INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8", Q8_0: "gemv_q8_0"}
-#: the types with a few-row GEMM of their own on 32-bit words
-WORD_KERNELS = {Q4_K: "skinny_q4k", Q6_K: "skinny_q6k"}
+#: the types with a few-row GEMM of their own on 32-bit words (skinny_q4k8 on int8 x and integer tensor cores)
+WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k"}
+#: the kernels that take x as quantize_x makes it; the few-row ones take X_ROWS rows of it
+INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8"}
+X_ROWS = 16
 
 
 def _word_kernel(qtype: int, rows: int, cols: int) -> str | None:
@@ -871,19 +899,25 @@ def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
 
 def int8_x(qtype: int, rows: int, cols: int) -> bool:
     """Whether this product computes with x quantized by quantize_x in place of x."""
-    return rows == 1 and _word_kernel(qtype, rows, cols) is not None
+    return _word_kernel(qtype, rows, cols) in INT8_KERNELS
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [1, K] -> (int8 q [K], float32 d [K / 32], float32 s [K / 16]): per 32 values x ~ d * q, and s
-    the sums of d * q per 16, which the GEMVs' offsets (Q4_K's mins, Q6_K's -32) multiply."""
-    k = x.shape[-1]
-    q = torch.empty(k, dtype=torch.int8, device=x.device)
-    d = torch.empty(k // 32, dtype=torch.float32, device=x.device)
-    s = torch.empty(k // 16, dtype=torch.float32, device=x.device)
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x [M, K] -> int8 q [MP, K] with x ~ d * q per 32 values, and the scales d and the sums s of d * q,
+    which the products' offsets (Q4_K's mins, Q6_K's -32) multiply. One row (MP = 1), the GEMVs' x:
+    (q [K], d [K / 32], s [K / 16]); a few (MP = X_ROWS, zeros past M), the few-row GEMMs': (q, ds), ds
+    [K / 32, X_ROWS, 2] holding each block's d and s (per 32) side by side."""
+    rows, k = x.shape
+    mp, sums = (1, 16) if rows == 1 else (X_ROWS, 32)
+    assert rows <= mp, rows
+    q = torch.empty(mp, k, dtype=torch.int8, device=x.device)
+    d = torch.empty(k // 32, mp, 2 if rows > 1 else 1, dtype=torch.float32, device=x.device)
+    s = torch.empty(k // 16 if rows == 1 else 1, dtype=torch.float32, device=x.device)
     block = 32
-    _build()["quantize_x"][(cdiv(k // 32, block),)](x, q, d, s, k // 32, BLOCK=block)
-    return q, d, s
+    nb = mp * k // 32
+    _build()["quantize_x"][(cdiv(nb, block),)](x.contiguous(), q, d, s, rows, k // 32, mp, nb, BLOCK=block,
+                                                SUMS=sums)
+    return (q.flatten(), d.flatten(), s) if rows == 1 else (q, d)
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
@@ -921,9 +955,14 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
         partials = max([2 * 16 * sp * cdiv(n, b) * b for b, _, _, sp in shapes
                         if sp > 1 and _split_fits(word, b, sp, n, k)] or [1])  # the workspace the slices need
-        args = (x, data, y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n,
-                k, data.stride(0) // 4, x.stride(0), y.stride(0))
-        extra = {"GLU": glu, "BLOCK_M": 16, "PRECISION": precision(x)}
+        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
+                  data.stride(0) // 4)
+        if word in INT8_KERNELS:
+            args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
+            extra = {"GLU": glu, "ASM": not _interpreting()}
+        else:
+            args = (x, data, *common, x.stride(0), y.stride(0))
+            extra = {"GLU": glu, "BLOCK_M": 16, "PRECISION": precision(x)}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
