@@ -84,18 +84,17 @@ def main() -> None:
                 "ASM": "constexpr", "QTYPE": "constexpr"}
     lane_sig = {k: v for k, v in int8_sig.items() if k not in ("BLOCK_N", "S")} | \
         {"RT": "constexpr", "WARPS": "constexpr", "KU": "constexpr"}
-    for name, qtype in (("Q4_K", qk.Q4_K), ("Q5_K", qk.Q5_K)):
+    for name, qtype in (("Q4_K", qk.Q4_K), ("Q5_K", qk.Q5_K), ("Q6_K", qk.Q6_K)):
         for rt, warps, ku in qk.LANE_K_CONFIGS[:2]:
-            sass = compile_sass(kernels["gemv_q4k8c"], lane_sig, {"GLU": False, "RT": rt, "WARPS": warps, "KU": ku,
+            sass = compile_sass(kernels[qk.INT8_GEMVS[qtype]], lane_sig, {"GLU": False, "RT": rt, "WARPS": warps, "KU": ku,
                                                                  "ASM": True, "QTYPE": qtype}, warps, (0, 1, 2, 3, 4, 7))
             # a trip: each lane's 32 weights of KU superblocks in RT rows
-            runs.append((f"gemv_q4k8c_kernel {name} {rt, warps, ku}", loop_ops(sass), 32 * rt * ku))
-    for name, qtype in (("Q6_K", qk.Q6_K), ("Q8_0", qk.Q8_0)):
-        gemv = qk.INT8_GEMVS[qtype]
+            runs.append((f"{qk.INT8_GEMVS[qtype]}_kernel {name} {rt, warps, ku}", loop_ops(sass), 32 * rt * ku))
+    for name, qtype, gemv in (("Q8_0", qk.Q8_0, "gemv_q8_0"),):
         for block_n, slices, warps in qk.WORD_GEMV_CONFIGS[:2]:
             sass = compile_sass(kernels[gemv], int8_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices,
                                                            "ASM": True, "QTYPE": qtype}, warps, (0, 1, 2, 3, 4, 7))
-            # a trip: 2 rows of half a superblock (Q6_K), of 4 blocks (Q8_0)
+            # a trip: 2 rows of 4 blocks
             runs.append((f"{gemv}_kernel {name} {block_n, slices, warps}", loop_ops(sass), 256))
     for label, ops, weights in runs:
         total = sum(ops.values())

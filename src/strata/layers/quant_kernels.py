@@ -8,15 +8,16 @@ float32 operations, in the same order, as gguf's reference
 Triton's interpreter). Over it: a 1-row GEMV and a few-row GEMM (a verify window, a drafter block) on
 tensor cores, both with the gate/up silu*up variant, an embedding gather, and a whole-matrix
 dequantization. The exceptions read blocks as 32-bit words. The 1-row GEMVs of Q4_K, Q5_K, Q6_K and
-Q8_0 (gemv_q4k8c_kernel for the first two, gemv_q6k8_kernel, gemv_q8_0_kernel) take x quantized to int8
+Q8_0 (gemv_q4k8c_kernel for the first two, gemv_q6k8c_kernel, gemv_q8_0_kernel) take x quantized to int8
 per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times bytes with dp4a
-before applying the scales. Q4_K's and Q5_K's run their lanes along K, so that a warp's load is 512
-consecutive bytes of a row: with a thread per (row, superblock), as the others still are, each load
+before applying the scales. Q4_K's, Q5_K's and Q6_K's run their lanes along K, so that a warp's loads are
+runs of consecutive bytes of a row: with a thread per (row, superblock), as Q8_0's still is, each load
 touched 32 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
 The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) run on tensor
 cores: Q4_K's on int8 x and its nibbles as int8 (skinny_q4k8_kernel), its integer sums scaled as the
-GEMV scales its dp4a sums, Q6_K's on float tiles built from the words. Block layouts are the GGML formats' (ggml-common.h); d and
-other float16 fields sit at even offsets, so they are read through a float16 view of the same bytes."""
+GEMV scales its dp4a sums, Q6_K's on float tiles built from the words. Block layouts are the GGML
+formats' (ggml-common.h); d and other float16 fields sit at even offsets, so they are read through a
+float16 view of the same bytes."""
 
 from __future__ import annotations
 
@@ -415,6 +416,124 @@ def _build():
                 tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
 
     @triton.jit
+    def _q6_bits(ql, qh, m):
+        """The 6-bit values of quarter m of a Q6_K half-superblock, a byte each: low 4 bits from ql (the low
+        nibbles for m < 2, else the high), high 2 from bits 2m of qh."""
+        if m == 0:
+            hs = qh << 4
+        elif m == 1:
+            hs = qh << 2
+        elif m == 2:
+            hs = qh
+        else:
+            hs = qh >> 2
+        return ((ql >> (4 * (m // 2))) & 0x0F0F0F0F) | (hs & 0x30303030)
+
+    @triton.jit
+    def _funnel(lo, hi, shift, ASM: tl.constexpr):
+        """The 32 bits of hi:lo from bit `shift` (0 or 16) up: one instruction on the device."""
+        if ASM:
+            return tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, shift],
+                                             dtype=tl.uint32, is_pure=True, pack=1)
+        return tl.where(shift == 0, lo, (lo >> 16) | (hi << 16))
+
+    @triton.jit
+    def _window16(w32, at, total, i, ASM: tl.constexpr):
+        """The 4 words of the 16 bytes from byte `at` (even) of w32, for lanes whose `at` differ: the two
+        aligned 16-byte chunks around them loaded whole (none past byte total), their words rotated by at's
+        word within the first and shifted by its half word."""
+        chunk = tl.multiple_of((at >> 4) * 4, (4, 4))[:, :, None]
+        W = _words(tl.load(w32 + chunk + i)) + \
+            _words(tl.load(w32 + chunk + 4 + i, mask=(chunk + 8) * 4 <= total, other=0))  # rows end on 16 bytes
+        dw = (at >> 2) & 3
+        V = ()
+        for k in tl.static_range(7):
+            V += (tl.where((dw & 1) != 0, W[k + 1], W[k]),)
+        U = ()
+        for k in tl.static_range(5):
+            U += (tl.where((dw & 2) != 0, V[k + 2], V[k]),)
+        shift = (at & 2) * 8
+        return (_funnel(U[0], U[1], shift, ASM), _funnel(U[1], U[2], shift, ASM),
+                _funnel(U[2], U[3], shift, ASM), _funnel(U[3], U[4], shift, ASM))
+
+    @triton.jit
+    def gemv_q6k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
+                          RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
+                          QTYPE: tl.constexpr):
+        """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
+        superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
+        4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
+        the 16 qh bytes with their high 2 bits. Superblocks are 210 bytes, so those 16 bytes start at any
+        even byte: each lane loads the two aligned 16-byte chunks around them (the warp's loads are runs of
+        consecutive chunks) and picks its words (_window16). Then per 16 weights an integer dot product with
+        x (4 dp4a) and d * sc * (xd * dot - 32 * sum of x)."""
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        i8 = w_ptr.to(tl.pointer_type(tl.int8))
+        f16 = w_ptr.to(tl.pointer_type(tl.float16))
+        q32 = q_ptr.to(tl.pointer_type(tl.int32))
+        wi = tl.arange(0, WARPS)[:, None]
+        lane = tl.arange(0, 32)[None, :]
+        c = lane % 8
+        h2 = c // 4
+        part = (c // 2) % 2
+        lh = c % 2
+        i = tl.arange(0, 4)[None, None, :]
+        NR: tl.constexpr = 2 * RT if GLU else RT
+        first = tl.program_id(0) * (RT * WARPS)
+        blocks = K // 256
+        total = (2 * N if GLU else N) * row_words * 4
+        acc = ()
+        bases = ()
+        for r in tl.static_range(NR):
+            acc += (tl.zeros([WARPS, 32], dtype=tl.float32),)
+            row = first + (r % RT) * WARPS + wi
+            bases += (tl.where(row < N, (row + (N if r >= RT else 0)) * row_words * 4, 0),)
+        for it in range(0, blocks, 4 * KU):
+            xs = ()
+            for u in tl.static_range(KU):
+                sb = it + 4 * u + lane // 8
+                live = sb < blocks
+                sbc = tl.where(live, sb, 0) + 0 * wi  # [WARPS, 32]: each warp reads x for its own rows
+                xw = tl.multiple_of(sbc * 64 + 32 * h2 + 8 * part + 4 * lh, (4, 4))[:, :, None]
+                blk = sbc * 8 + 4 * h2 + part  # the x block of quarter part; part + 2's is blk + 2
+                xs += ((live, sbc * 210, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 16 + i)),
+                        tl.load(xd_ptr + blk), tl.load(xd_ptr + blk + 2),
+                        tl.load(xs_ptr + 2 * blk + lh), tl.load(xs_ptr + 2 * blk + 4 + lh)),)
+            nxt = ()
+            for r in tl.static_range(NR):
+                a = acc[r]
+                for u in tl.static_range(KU):
+                    live, off, xlo, xhi, xdl, xdh, xsl, xsh = xs[u]
+                    at = bases[r] + off
+                    ql = _window16(w32, at + 16 * c, total, i, ASM)
+                    qh = _window16(w32, at + 128 + 32 * h2 + 16 * lh, total, i, ASM)
+                    scl = tl.load(i8 + at + 192 + 8 * h2 + 2 * part + lh).to(tl.float32)
+                    sch = tl.load(i8 + at + 196 + 8 * h2 + 2 * part + lh).to(tl.float32)
+                    d = tl.where(live, tl.load(f16 + (at + 208) // 2).to(tl.float32), 0.0)
+                    ilo = tl.zeros([WARPS, 32], dtype=tl.int32)
+                    ihi = tl.zeros([WARPS, 32], dtype=tl.int32)
+                    for w in tl.static_range(4):
+                        t = qh[w] >> (2 * part)  # bits 4, 5 of quarter part's weights at 0, 1; of part + 2's at 4, 5
+                        lo = (ql[w] & 0x0F0F0F0F) | ((t << 4) & 0x30303030)
+                        hi = ((ql[w] >> 4) & 0x0F0F0F0F) | (t & 0x30303030)
+                        ilo = _dp4a(lo, xlo[w], ilo, ASM)
+                        ihi = _dp4a(hi, xhi[w], ihi, ASM)
+                    a += d * (scl * (xdl * ilo.to(tl.float32) - 32.0 * xsl)
+                              + sch * (xdh * ihi.to(tl.float32) - 32.0 * xsh))
+                nxt += (a,)
+            acc = nxt
+        rows = first + tl.arange(0, WARPS)
+        out_ty = y_ptr.dtype.element_ty
+        for r in tl.static_range(RT):
+            at_r = rows + r * WARPS
+            y0 = tl.sum(acc[r], axis=1)
+            if GLU:
+                tl.store(y_ptr + at_r, _silu_mul(y0, tl.sum(acc[RT + r], axis=1), out_ty).to(out_ty),
+                         mask=at_r < N)
+            else:
+                tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
+
+    @triton.jit
     def gemv_q8_0_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                          BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
                          QTYPE: tl.constexpr):
@@ -462,107 +581,6 @@ def _build():
                     acc0 += part
                 else:
                     acc1 += part
-        _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
-
-    @triton.jit
-    def _sel4(W, k: tl.constexpr, dw):
-        a = tl.where((dw & 1) != 0, W[k + 1], W[k])
-        b = tl.where((dw & 1) != 0, W[k + 3], W[k + 2])
-        return tl.where((dw & 2) != 0, b, a)
-
-    @triton.jit
-    def _pick(W, k: tl.constexpr, dw, odd):
-        """Word k of a Q6_K superblock, from the words W loaded from the 16-byte boundary at or before it:
-        the superblock starts dw words and (odd) 2 bytes in."""
-        v0 = _sel4(W, k, dw)
-        v1 = _sel4(W, k + 1, dw)
-        return tl.where(odd, (v0 >> 16) | (v1 << 16), v0)
-
-    @triton.jit
-    def _q6_bits(ql, qh, m):
-        """The 6-bit values of quarter m of a Q6_K half-superblock, a byte each: low 4 bits from ql (the low
-        nibbles for m < 2, else the high), high 2 from bits 2m of qh."""
-        if m == 0:
-            hs = qh << 4
-        elif m == 1:
-            hs = qh << 2
-        elif m == 2:
-            hs = qh
-        else:
-            hs = qh >> 2
-        return ((ql >> (4 * (m // 2))) & 0x0F0F0F0F) | (hs & 0x30303030)
-
-    @triton.jit
-    def _chunks(w32, base, c0: tl.constexpr, n: tl.constexpr, total, i):
-        """Words of the 16-byte chunks c0 .. c0 + n - 1 from word base [NT] (none past word total), and a zero."""
-        W = ()
-        for c in tl.static_range(n):
-            at = base + 4 * (c0 + c)
-            W += _words(tl.load(w32 + at[:, None] + i, mask=(at + 4 <= total)[:, None], other=0))
-        return W + (tl.zeros(base.shape, dtype=tl.uint32),)
-
-    @triton.jit
-    def gemv_q6k8_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
-                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
-                         QTYPE: tl.constexpr):
-        """Q6_K times an int8 x (quantize_x_kernel): 16-byte chunks read from the row's 16-byte boundaries
-        and the superblock's words picked from them (_pick), an integer dot product of 6-bit values and x
-        bytes per 16 (4 dp4a), then d * sc * (xd * dot - 32 * sum of x)."""
-        NT: tl.constexpr = BLOCK_N * S
-        off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
-        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
-        q32 = q_ptr.to(tl.pointer_type(tl.int32))
-        total = (2 * N if GLU else N) * row_words
-        i = tl.arange(0, 4)[None, :]
-        blocks = K // 256
-        acc0 = tl.zeros([NT], dtype=tl.float32)
-        acc1 = tl.zeros([NT], dtype=tl.float32)
-        for it in range(0, 2 * tl.cdiv(blocks, S)):
-            sb0 = (it // 2) * S
-            h2 = it % 2
-            sb = sb0 + ks
-            live = sb < blocks
-            sbc = tl.where(live, sb, 0)
-            at = sbc * 210
-            dw = (at & 15) >> 2
-            odd = (at & 2) != 0
-            bases = (tl.multiple_of(off0 + (at >> 4) * 4, 4), tl.multiple_of(off1 + (at >> 4) * 4, 4))
-            xw = tl.multiple_of(sbc * 64 + 32 * h2, 32)[:, None]  # this half's 128 x bytes, 32 words
-            xb = tl.multiple_of(sbc * 8 + 4 * h2, 4)[:, None]
-            xq = ()
-            for c in tl.static_range(8):
-                xq += _words(tl.load(q32 + xw + 4 * c + i))
-            xd = _words(tl.load(xd_ptr + xb + i))
-            xs = _words(tl.load(xs_ptr + 2 * xb + i)) + _words(tl.load(xs_ptr + 2 * xb + 4 + i))
-            head = ()
-            for s in tl.static_range(2):
-                W = _chunks(w32, bases[s], 12, 2, total, i)
-                sw = (_pick(W, 0, dw, odd), _pick(W, 1, dw, odd), _pick(W, 2, dw, odd), _pick(W, 3, dw, odd))
-                d, _ = _half2(_pick(W, 4, dw, odd), True)
-                d = tl.where(live, d, 0.0)
-                head += ((d, sw),)
-            Wq = (_chunks(w32, bases[0] + 16 * h2, 0, 5, total, i), _chunks(w32, bases[1] + 16 * h2, 0, 5, total, i))
-            Wh = (_chunks(w32, bases[0] + 8 * h2, 8, 3, total, i), _chunks(w32, bases[1] + 8 * h2, 8, 3, total, i))
-            for m in tl.static_range(4):
-                for jj in tl.static_range(2):
-                    z = tl.zeros([NT], dtype=tl.int32)
-                    isum = (z, z)
-                    for j4 in tl.static_range(4):
-                        nxt = ()
-                        for s in tl.static_range(2):
-                            q = _pick(Wq[s], 8 * (m % 2) + 4 * jj + j4, dw, odd)
-                            hb = _pick(Wh[s], 4 * jj + j4, dw, odd)
-                            nxt += (_dp4a(_q6_bits(q, hb, m), xq[8 * m + 4 * jj + j4], isum[s], ASM),)
-                        isum = nxt
-                    for s in tl.static_range(2):
-                        d, sw = head[s]
-                        scw = tl.where(h2 == 0, sw[(2 * m + jj) // 4], sw[2 + (2 * m + jj) // 4])
-                        sc = _f(((scw >> (8 * ((2 * m + jj) % 4))) & 0xFF) ^ 0x80) - 128.0
-                        part = d * sc * (xd[m] * isum[s].to(tl.float32) - 32.0 * xs[2 * m + jj])
-                        if s == 0:
-                            acc0 += part
-                        else:
-                            acc1 += part
         _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
 
     @triton.jit
@@ -746,13 +764,12 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _sel4, _pick,
-                   _q6_bits, _chunks, _bytes, _byte_times, _x_block, _words_from, _six_bit_tile, _k_range,
-                   _finish):  # called by name, as _halves is
+    for helper in (_dp4a, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16,
+                   _bytes, _byte_times, _x_block, _words_from, _six_bit_tile, _k_range, _finish):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
-               "quantize_x": quantize_x_kernel, "gemv_q4k8c": gemv_q4k8c_kernel, "gemv_q6k8": gemv_q6k8_kernel,
+               "quantize_x": quantize_x_kernel, "gemv_q4k8c": gemv_q4k8c_kernel, "gemv_q6k8c": gemv_q6k8c_kernel,
                "gemv_q8_0": gemv_q8_0_kernel,
                "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
@@ -764,13 +781,13 @@ def _build():
                 [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
                  for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
-        for name in set(INT8_GEMVS.values()) - {"gemv_q4k8c"}:
+        kernels["gemv_q8_0_tuned"] = triton.autotune(
+            [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
+            key=["N", "K", "GLU", "QTYPE"])(gemv_q8_0_kernel)
+        for name in LANE_K_GEMVS:
             kernels[f"{name}_tuned"] = triton.autotune(
-                [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
+                [triton.Config({"RT": rt, "WARPS": w, "KU": ku}, num_warps=w) for rt, w, ku in LANE_K_CONFIGS],
                 key=["N", "K", "GLU", "QTYPE"])(kernels[name])
-        kernels["gemv_q4k8c_tuned"] = triton.autotune(
-            [triton.Config({"RT": rt, "WARPS": w, "KU": ku}, num_warps=w) for rt, w, ku in LANE_K_CONFIGS],
-            key=["N", "K", "GLU", "QTYPE"])(gemv_q4k8c_kernel)
         kernels["skinny_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -829,7 +846,7 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
 #: error ~1, bench/results/quant-sweep-h200-unroll.json) while the interpreter and 4+ warps were exact
 GEMV_CONFIGS = [(2, 4, 4), (1, 4, 4), (2, 4, 8), (4, 4, 4), (4, 4, 8), (8, 4, 4), (8, 8, 4), (16, 8, 1)]
 SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (32, 8, 4), (64, 4, 1), (32, 4, 1)]
-#: gemv_q6k8_kernel's and gemv_q8_0_kernel's: (rows a thread's lane covers, K slices, warps), lanes times
+#: gemv_q8_0_kernel's: (rows a thread's lane covers, K slices, warps), lanes times
 #: slices being the program's threads
 WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4),
                      (2, 16, 1), (2, 32, 2), (1, 32, 1), (4, 8, 1)]
@@ -870,7 +887,9 @@ def _counters(device) -> torch.Tensor:
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
 #: products do: dp4a over bytes in place of float arithmetic per weight (against float x:
 #: bench/results/quant-sweep-int8-x-h200.json); their names in _build()
-INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8", Q8_0: "gemv_q8_0"}
+INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0"}
+#: the GEMVs with lanes along K (LANE_K_CONFIGS); the others take a thread per (row, block)
+LANE_K_GEMVS = ("gemv_q4k8c", "gemv_q6k8c")
 #: the types with a few-row GEMM of their own on 32-bit words (skinny_q4k8 on int8 x and integer tensor cores)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k"}
 #: the kernels that take x as quantize_x makes it; the few-row ones take X_ROWS rows of it
@@ -892,7 +911,7 @@ def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
     word = _word_kernel(qtype, rows, cols)
     if word:
         if rows == 1:
-            return LANE_K_CONFIGS if word == "gemv_q4k8c" else WORD_GEMV_CONFIGS
+            return LANE_K_CONFIGS if word in LANE_K_GEMVS else WORD_GEMV_CONFIGS
         return [c for c in WORD_SKINNY_CONFIGS if _split_fits(word, c[0], c[3], n, cols)]
     return GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS
 
@@ -933,7 +952,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     word = _word_kernel(qtype, rows, k)
     tuned = config is None and f"{word}_tuned" in kernels
     if word and rows == 1:
-        lanes = word == "gemv_q4k8c"
+        lanes = word in LANE_K_GEMVS
 
         def covered(meta) -> int:  # rows of W a program takes (with GLU: gate rows, each with its up row)
             return meta["RT"] * meta["WARPS"] if lanes else (1 if glu else 2) * meta["BLOCK_N"]
