@@ -108,7 +108,7 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     # two blocks of rows, the second part empty; the GEMM's K in 3 slices (Q6_K's last empty), then 2
     configs = [(4, 8, 1), (2, 32, 2) if qtype == T.Q8_0 else (4, 8, 1)] if rows == 1 else \
         [(8, 4, 1, 3), (8, 4, 1, 2)]
-    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) and rows == 1:  # lanes along K: 16 superblocks a step (the last 8 past K), then 4
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) and rows == 1:  # lanes along K: 16 superblocks a step (8 past K), then 4
         configs = [(1, 2, 4), (2, 4, 1)]
     assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()

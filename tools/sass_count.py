@@ -86,8 +86,9 @@ def main() -> None:
         {"RT": "constexpr", "WARPS": "constexpr", "KU": "constexpr"}
     for name, qtype in (("Q4_K", qk.Q4_K), ("Q5_K", qk.Q5_K), ("Q6_K", qk.Q6_K)):
         for rt, warps, ku in qk.LANE_K_CONFIGS[:2]:
-            sass = compile_sass(kernels[qk.INT8_GEMVS[qtype]], lane_sig, {"GLU": False, "RT": rt, "WARPS": warps, "KU": ku,
-                                                                 "ASM": True, "QTYPE": qtype}, warps, (0, 1, 2, 3, 4, 7))
+            sass = compile_sass(kernels[qk.INT8_GEMVS[qtype]], lane_sig,
+                                {"GLU": False, "RT": rt, "WARPS": warps, "KU": ku, "ASM": True, "QTYPE": qtype}, warps,
+                                (0, 1, 2, 3, 4, 7))
             # a trip: each lane's 32 weights of KU superblocks in RT rows
             runs.append((f"{qk.INT8_GEMVS[qtype]}_kernel {name} {rt, warps, ku}", loop_ops(sass), 32 * rt * ku))
     for name, qtype, gemv in (("Q8_0", qk.Q8_0, "gemv_q8_0"),):

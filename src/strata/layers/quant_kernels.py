@@ -765,7 +765,8 @@ def _build():
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
     for helper in (_dp4a, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16,
-                   _bytes, _byte_times, _x_block, _words_from, _six_bit_tile, _k_range, _finish):  # called by name, as _halves is
+                   _bytes, _byte_times, _x_block, _words_from, _six_bit_tile, _k_range,
+                   _finish):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
@@ -850,7 +851,8 @@ SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (3
 #: slices being the program's threads
 WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4),
                      (2, 16, 1), (2, 32, 2), (1, 32, 1), (4, 8, 1)]
-#: gemv_q4k8c_kernel's: (rows a thread takes, warps, steps of 4 superblocks loaded at once)
+#: the lanes-along-K GEMVs' (gemv_q4k8c_kernel, gemv_q6k8c_kernel): (rows a thread takes, warps, steps of 4
+#: superblocks loaded at once)
 LANE_K_CONFIGS = [(4, 2, 1), (2, 4, 1), (1, 4, 1), (4, 4, 1), (2, 2, 1), (1, 4, 2), (2, 4, 2), (1, 2, 2), (2, 2, 2),
                   (1, 4, 4), (1, 2, 4), (4, 2, 2), (8, 2, 1)]
 
@@ -950,6 +952,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     kernels = _build()
     word = _word_kernel(qtype, rows, k)
+    if word == "gemv_q6k8c" and data.numel() >= 2 ** 31:  # its offsets are int32 bytes
+        word = None
     tuned = config is None and f"{word}_tuned" in kernels
     if word and rows == 1:
         lanes = word in LANE_K_GEMVS
