@@ -328,6 +328,42 @@ def _build():
                      mask=ok[:, None])
 
     @triton.jit
+    def _lane_rows(N, row_stride, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr):
+        """The lanes-along-K GEMVs' rows: a program's first, and per warp its RT rows' zeroed partial sums
+        [WARPS, 32] and offsets (in row_stride units; 0 past N), with GLU the gate rows' then their up rows'."""
+        wi = tl.arange(0, WARPS)[:, None]
+        first = tl.program_id(0) * (RT * WARPS)
+        acc = ()
+        bases = ()
+        for r in tl.static_range(2 * RT if GLU else RT):
+            acc += (tl.zeros([WARPS, 32], dtype=tl.float32),)
+            row = first + (r % RT) * WARPS + wi
+            bases += (tl.where(row < N, (row + (N if r >= RT else 0)) * row_stride, 0),)
+        return first, acc, bases
+
+    @triton.jit
+    def _lane_superblocks(sb0, blocks, WARPS: tl.constexpr):
+        """Lane l's superblock sb0 + l // 8 of a row of `blocks` [1, 32], whether it is one, and its index
+        (0 past the row) [WARPS, 32]: each warp reads x for its own rows."""
+        sb = sb0 + tl.arange(0, 32)[None, :] // 8
+        live = sb < blocks
+        return live, tl.where(live, sb, 0) + 0 * tl.arange(0, WARPS)[:, None]
+
+    @triton.jit
+    def _store_lane_rows(y_ptr, acc, first, N, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr):
+        """Add up the lanes' partial sums of each row and store them (with GLU silu(gate) * up)."""
+        rows = first + tl.arange(0, WARPS)
+        out_ty = y_ptr.dtype.element_ty
+        for r in tl.static_range(RT):
+            at_r = rows + r * WARPS
+            y0 = tl.sum(acc[r], axis=1)
+            if GLU:
+                tl.store(y_ptr + at_r, _silu_mul(y0, tl.sum(acc[RT + r], axis=1), out_ty).to(out_ty),
+                         mask=at_r < N)
+            else:
+                tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
+
+    @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr):
@@ -345,28 +381,18 @@ def _build():
         HI: tl.constexpr = 1.0 if FIVE else 0.0625  # the high sub-block's values: at bit 4, or in place
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
         q32 = q_ptr.to(tl.pointer_type(tl.int32))
-        wi = tl.arange(0, WARPS)[:, None]
-        lane = tl.arange(0, 32)[None, :]
-        c = lane % 8
+        c = tl.arange(0, 32)[None, :] % 8  # which 16 bytes of its superblock a lane takes
         g = c // 2
         h = c % 2
         i = tl.arange(0, 4)[None, None, :]
         at = 16 * (g % 2)
         NR: tl.constexpr = 2 * RT if GLU else RT
-        first = tl.program_id(0) * (RT * WARPS)
         blocks = K // 256
-        acc = ()
-        bases = ()
-        for r in tl.static_range(NR):
-            acc += (tl.zeros([WARPS, 32], dtype=tl.float32),)
-            row = first + (r % RT) * WARPS + wi
-            bases += (tl.where(row < N, (row + (N if r >= RT else 0)) * row_words, 0),)
+        first, acc, bases = _lane_rows(N, row_words, GLU, RT, WARPS)
         for it in range(0, blocks, 4 * KU):
             xs = ()
             for u in tl.static_range(KU):
-                sb = it + 4 * u + lane // 8
-                live = sb < blocks
-                sbc = tl.where(live, sb, 0) + 0 * wi  # [WARPS, 32]: each warp reads x for its own rows
+                live, sbc = _lane_superblocks(it + 4 * u, blocks, WARPS)
                 xw = (sbc * 64 + 16 * g + 4 * h)[:, :, None]
                 xs += ((live, sbc * SB, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 8 + i)),
                         tl.load(xd_ptr + sbc * 8 + 2 * g), tl.load(xd_ptr + sbc * 8 + 2 * g + 1),
@@ -404,16 +430,7 @@ def _build():
                     a += d * dot - dmin * mins
                 nxt += (a,)
             acc = nxt
-        rows = first + tl.arange(0, WARPS)
-        out_ty = y_ptr.dtype.element_ty
-        for r in tl.static_range(RT):
-            at_r = rows + r * WARPS
-            y0 = tl.sum(acc[r], axis=1)
-            if GLU:
-                tl.store(y_ptr + at_r, _silu_mul(y0, tl.sum(acc[RT + r], axis=1), out_ty).to(out_ty),
-                         mask=at_r < N)
-            else:
-                tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS)
 
     @triton.jit
     def _q6_bits(ql, qh, m):
@@ -471,29 +488,19 @@ def _build():
         i8 = w_ptr.to(tl.pointer_type(tl.int8))
         f16 = w_ptr.to(tl.pointer_type(tl.float16))
         q32 = q_ptr.to(tl.pointer_type(tl.int32))
-        wi = tl.arange(0, WARPS)[:, None]
-        lane = tl.arange(0, 32)[None, :]
-        c = lane % 8
+        c = tl.arange(0, 32)[None, :] % 8  # which 16 bytes of its superblock a lane takes
         h2 = c // 4
         part = (c // 2) % 2
         lh = c % 2
         i = tl.arange(0, 4)[None, None, :]
         NR: tl.constexpr = 2 * RT if GLU else RT
-        first = tl.program_id(0) * (RT * WARPS)
         blocks = K // 256
         total = (2 * N if GLU else N) * row_words * 4
-        acc = ()
-        bases = ()
-        for r in tl.static_range(NR):
-            acc += (tl.zeros([WARPS, 32], dtype=tl.float32),)
-            row = first + (r % RT) * WARPS + wi
-            bases += (tl.where(row < N, (row + (N if r >= RT else 0)) * row_words * 4, 0),)
+        first, acc, bases = _lane_rows(N, row_words * 4, GLU, RT, WARPS)
         for it in range(0, blocks, 4 * KU):
             xs = ()
             for u in tl.static_range(KU):
-                sb = it + 4 * u + lane // 8
-                live = sb < blocks
-                sbc = tl.where(live, sb, 0) + 0 * wi  # [WARPS, 32]: each warp reads x for its own rows
+                live, sbc = _lane_superblocks(it + 4 * u, blocks, WARPS)
                 xw = tl.multiple_of(sbc * 64 + 32 * h2 + 8 * part + 4 * lh, (4, 4))[:, :, None]
                 blk = sbc * 8 + 4 * h2 + part  # the x block of quarter part; part + 2's is blk + 2
                 xs += ((live, sbc * 210, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 16 + i)),
@@ -522,16 +529,7 @@ def _build():
                               + sch * (xdh * ihi.to(tl.float32) - 32.0 * xsh))
                 nxt += (a,)
             acc = nxt
-        rows = first + tl.arange(0, WARPS)
-        out_ty = y_ptr.dtype.element_ty
-        for r in tl.static_range(RT):
-            at_r = rows + r * WARPS
-            y0 = tl.sum(acc[r], axis=1)
-            if GLU:
-                tl.store(y_ptr + at_r, _silu_mul(y0, tl.sum(acc[RT + r], axis=1), out_ty).to(out_ty),
-                         mask=at_r < N)
-            else:
-                tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS)
 
     @triton.jit
     def gemv_q8_0_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
@@ -764,9 +762,9 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _pair_rows, _store_pair, _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16,
-                   _bytes, _byte_times, _x_block, _words_from, _six_bit_tile, _k_range,
-                   _finish):  # called by name, as _halves is
+    for helper in (_dp4a, _pair_rows, _store_pair, _lane_rows, _lane_superblocks, _store_lane_rows, _f, _words,
+                   _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block, _words_from,
+                   _six_bit_tile, _k_range, _finish):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
