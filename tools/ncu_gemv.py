@@ -1,9 +1,10 @@
-"""The quantized 1-row GEMVs (layers/quant_kernels.py) on the Qwen3-8B shape's matrices, each launched once
-inside a CUDA profiler range after its autotuning, for Nsight Compute to read their memory counters:
+"""The quantized 1-row GEMVs (layers/quant_kernels.py) on the Qwen3-8B shape's matrices, or with --rows 16 the
+few-row GEMMs a verify window runs, each launched once inside a CUDA profiler range after its autotuning, for
+Nsight Compute to read their memory and issue counters:
 
-    ncu --clock-control none --profile-from-start off --kernel-name regex:gemv \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-        python tools/ncu_gemv.py [--types Q4_K Q6_K Q8_0] [--matrices gate_up lm_head o]
+    ncu --clock-control none --profile-from-start off --kernel-name regex:"gemv|skinny" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        python tools/ncu_gemv.py [--types Q4_K Q6_K Q8_0] [--matrices gate_up lm_head o] [--rows 1]
 
 gate_up runs fused (gate and up rows, silu(gate) * up), as the decoder calls it."""
 
@@ -26,6 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
     ap.add_argument("--matrices", nargs="+", default=["gate_up", "lm_head", "o"])
+    ap.add_argument("--rows", type=int, default=1, help="rows of x: 1 (the GEMVs) or up to 16 (the GEMMs)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     calls = []
@@ -35,7 +37,7 @@ def main() -> None:
             glu = mat == "gate_up"
             n = n // 2 if glu else n
             data = random_blocks(NAMES[name], 2 * n if glu else n, k, "cuda", gen)
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
             qk.matmul(x, data, NAMES[name], n, glu=glu)  # autotuned here, outside the profiled range
             calls.append((x, data, NAMES[name], n, glu))
     torch.cuda.synchronize()

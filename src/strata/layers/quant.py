@@ -75,8 +75,15 @@ class QuantWeight:
             x8 = None  # one quantized x for every segment that takes it (a fused q/k/v)
             if len(self.segments) > 1 and any(qk.int8_x(s.qtype, flat.shape[0], self.cols) for s in self.segments):
                 x8 = qk.quantize_x(flat)
-            parts = [qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8) for s in self.segments]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+            if len(self.segments) == 1:
+                s = self.segments[0]
+                y = qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8)
+            else:  # each segment writes its own columns: no concatenation after
+                y = torch.empty(flat.shape[0], self.shape[0], device=flat.device, dtype=flat.dtype)
+                at = 0
+                for s in self.segments:
+                    qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=y[:, at:at + s.rows])
+                    at += s.rows
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], y.shape[-1])

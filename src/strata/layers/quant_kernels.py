@@ -303,10 +303,11 @@ def _build():
     @triton.jit
     def quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, M, KB, MP, NB, BLOCK: tl.constexpr, SUMS: tl.constexpr):
         """x [M, KB * 32] -> int8 q [MP, KB * 32] with x ~ d * q per 32 values (d = max |x| / 127, q rounded
-        to nearest even), d [KB, MP], and the sums of d * q per SUMS (16 or 32) values, [KB * 32 / SUMS, MP]:
-        the integer products' x, which compute with d * q in place of x exactly but for float32 rounding.
-        Rows M .. MP (the few-row GEMM's padding) are zeros; d and the sums are stored K-major, so that a
-        program reads its rows' scales at one K in one load."""
+        to nearest even), and d with the sums of d * q: the integer products' x, which compute with d * q in
+        place of x exactly but for float32 rounding. SUMS 16 (the GEMVs'): d [KB, MP], the sums per 16 in s
+        [2 KB, MP]; SUMS 32 (the few-row GEMMs'): d and the sum per 32 side by side in d [KB, MP, 2], one
+        8-byte load (s unused). Rows M .. MP (the few-row GEMMs' padding) are zeros; the scales are stored
+        K-major, so that a program reads its rows' at one K together."""
         b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = b < NB
         row = b // KB
@@ -940,14 +941,17 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
-           config: tuple[int, ...] | None = None, x8: tuple | None = None) -> torch.Tensor:
+           config: tuple[int, ...] | None = None, x8: tuple | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
-    quantize_x, where the caller shares it between products."""
+    quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
+    column stride (a fused q/k/v's columns of one segment)."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()
-    y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    y = torch.empty(rows, n, device=x.device, dtype=x.dtype) if out is None else out
+    assert y.shape == (rows, n) and y.dtype == x.dtype and y.stride(1) == 1, (y.shape, y.dtype, y.stride())
     kernels = _build()
     word = _word_kernel(qtype, rows, k)
     if word == "gemv_q6k8c" and data.numel() >= 2 ** 31:  # its offsets are int32 bytes
