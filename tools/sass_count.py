@@ -91,12 +91,11 @@ def main() -> None:
                                 (0, 1, 2, 3, 4, 7))
             # a trip: each lane's 32 weights of KU superblocks in RT rows
             runs.append((f"{qk.INT8_GEMVS[qtype]}_kernel {name} {rt, warps, ku}", loop_ops(sass), 32 * rt * ku))
-    for name, qtype, gemv in (("Q8_0", qk.Q8_0, "gemv_q8_0"),):
-        for block_n, slices, warps in qk.WORD_GEMV_CONFIGS[:2]:
-            sass = compile_sass(kernels[gemv], int8_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices,
-                                                           "ASM": True, "QTYPE": qtype}, warps, (0, 1, 2, 3, 4, 7))
-            # a trip: 2 rows of 4 blocks
-            runs.append((f"{gemv}_kernel {name} {block_n, slices, warps}", loop_ops(sass), 256))
+    for block_n, slices, warps in qk.WORD_GEMV_CONFIGS[:2]:
+        sass = compile_sass(kernels["gemv_q8_0"], int8_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices,
+                                                             "ASM": True, "QTYPE": qk.Q8_0}, warps, (0, 1, 2, 3, 4, 7))
+        # a trip: 2 rows of 4 blocks
+        runs.append((f"gemv_q8_0_kernel Q8_0 {block_n, slices, warps}", loop_ops(sass), 256))
     for label, ops, weights in runs:
         total = sum(ops.values())
         top = ", ".join(f"{k} {v / weights:.2f}" for k, v in ops.most_common(6))

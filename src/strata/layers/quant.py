@@ -73,7 +73,8 @@ class QuantWeight:
             y = torch.nn.functional.linear(flat, self.dequantize())
         else:
             x8 = None  # one quantized x for every segment that takes it (a fused q/k/v)
-            if len(self.segments) > 1 and any(qk.int8_x(s.qtype, flat.shape[0], self.cols) for s in self.segments):
+            if len(self.segments) > 1 and any(qk.int8_x(s.qtype, flat.shape[0], self.cols, s.data.numel())
+                                              for s in self.segments):
                 x8 = qk.quantize_x(flat)
             if len(self.segments) == 1:
                 s = self.segments[0]

@@ -898,18 +898,19 @@ INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8"}
 X_ROWS = 16
 
 
-def _word_kernel(qtype: int, rows: int, cols: int) -> str | None:
-    """The word kernel for this product, if any. Q6_K's 210-byte superblocks lie anywhere in 16-byte chunks:
-    its GEMV reads chunks from 16-byte boundaries of the row, so its rows must start on one (2048 | cols);
-    its GEMM takes superblocks in pairs from 4-byte boundaries (512 | cols)."""
-    if qtype == Q6_K and cols % (2048 if rows == 1 else 512):
+def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0) -> str | None:
+    """The word kernel for this product over a matrix of nbytes, if any. Q6_K's 210-byte superblocks lie
+    anywhere in 16-byte chunks: its GEMV reads chunks from 16-byte boundaries of the row, so its rows must
+    start on one (2048 | cols), and its byte offsets are int32 (nbytes < 2 GiB); its GEMM takes superblocks
+    in pairs from 4-byte boundaries (512 | cols)."""
+    if qtype == Q6_K and (cols % (2048 if rows == 1 else 512) or (rows == 1 and nbytes >= 2 ** 31)):
         return None
     return (INT8_GEMVS if rows == 1 else WORD_KERNELS).get(qtype)
 
 
 def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
     """The block shapes a product of `rows` rows over a `qtype` matrix of n rows is tried with (for sweeps)."""
-    word = _word_kernel(qtype, rows, cols)
+    word = _word_kernel(qtype, rows, cols, n * cols // BLOCKS[qtype][0] * BLOCKS[qtype][1])
     if word:
         if rows == 1:
             return LANE_K_CONFIGS if word in LANE_K_GEMVS else WORD_GEMV_CONFIGS
@@ -917,9 +918,9 @@ def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
     return GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS
 
 
-def int8_x(qtype: int, rows: int, cols: int) -> bool:
-    """Whether this product computes with x quantized by quantize_x in place of x."""
-    return _word_kernel(qtype, rows, cols) in INT8_KERNELS
+def int8_x(qtype: int, rows: int, cols: int, nbytes: int = 0) -> bool:
+    """Whether this product (over a matrix of nbytes) computes with x quantized by quantize_x in place of x."""
+    return _word_kernel(qtype, rows, cols, nbytes) in INT8_KERNELS
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -953,9 +954,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype) if out is None else out
     assert y.shape == (rows, n) and y.dtype == x.dtype and y.stride(1) == 1, (y.shape, y.dtype, y.stride())
     kernels = _build()
-    word = _word_kernel(qtype, rows, k)
-    if word == "gemv_q6k8c" and data.numel() >= 2 ** 31:  # its offsets are int32 bytes
-        word = None
+    word = _word_kernel(qtype, rows, k, data.numel())
     tuned = config is None and f"{word}_tuned" in kernels
     if word and rows == 1:
         lanes = word in LANE_K_GEMVS
