@@ -203,6 +203,10 @@ def select_kernels(device, static: bool, graphs: bool, compile: bool, triton: bo
     use_triton = triton and available(device)
     key = (use_triton, attention)
     if key not in _SHARED:
+        if use_triton:
+            from .pdl import compiled
+
+            compiled(device)
         _SHARED[key] = TritonKernels(attention=attention) if use_triton else \
             Kernels(compiled=True, attention=attention, static=True)
     return _SHARED[key]

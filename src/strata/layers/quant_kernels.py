@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from . import pdl
 from .triton_kernels import cdiv, pow2, precision
 
 # GGML type ids and their (weights per block, bytes per block)
@@ -146,6 +147,9 @@ def _build():
         g = gate.to(out_ty).to(tl.float32)
         return (g * tl.sigmoid(g)).to(out_ty).to(tl.float32) * up.to(out_ty).to(tl.float32)
 
+    from .pdl import jit
+
+    globals()["settle"] = jit()
     globals()["_half_cols"] = _half_cols  # the kernels call these by name: Triton resolves names in
     globals()["_halves"] = _halves  # module globals
     globals()["_silu_mul"] = _silu_mul
@@ -174,9 +178,10 @@ def _build():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, tab_ptr, y_ptr, N, K, row_bytes, QTYPE: tl.constexpr, GLU: tl.constexpr,
-                    BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
         """UNROLL 256-column tiles per step, their loads independent of each other: a program keeps that
         many tiles of bytes in flight. A tile past K re-reads the last one (its x is 0) and adds nothing."""
+        settle(PDL)
         rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rmask = rows < N
         row_off = tl.where(rmask, rows * row_bytes, 0)[:, None]
@@ -204,8 +209,9 @@ def _build():
     @triton.jit
     def skinny_kernel(x_ptr, w_ptr, tab_ptr, y_ptr, M, N, K, row_bytes, stride_x, stride_y, QTYPE: tl.constexpr,
                       GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                      UNROLL: tl.constexpr):
+                      UNROLL: tl.constexpr, PDL: tl.constexpr = False):
         """y [M, N] = x [M, K] @ W^T for a few rows: each weight tile dequantized once, then on tensor cores."""
+        settle(PDL)
         cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         nmask = cols < N
         row_off = tl.where(nmask, cols * row_bytes, 0)[:, None]
@@ -301,13 +307,15 @@ def _build():
         return c + tl.sum(a4 * ((tl.expand_dims(b, -1) << up) >> 24), axis=-1)
 
     @triton.jit
-    def quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, M, KB, MP, NB, BLOCK: tl.constexpr, SUMS: tl.constexpr):
+    def quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, M, KB, MP, NB, BLOCK: tl.constexpr, SUMS: tl.constexpr,
+                          PDL: tl.constexpr = False):
         """x [M, KB * 32] -> int8 q [MP, KB * 32] with x ~ d * q per 32 values (d = max |x| / 127, q rounded
         to nearest even), and d with the sums of d * q: the integer products' x, which compute with d * q in
         place of x exactly but for float32 rounding. SUMS 16 (the GEMVs'): d [KB, MP], the sums per 16 in s
         [2 KB, MP]; SUMS 32 (the few-row GEMMs'): d and the sum per 32 side by side in d [KB, MP, 2], one
         8-byte load (s unused). Rows M .. MP (the few-row GEMMs' padding) are zeros; the scales are stored
         K-major, so that a program reads its rows' at one K together."""
+        settle(PDL)
         b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = b < NB
         row = b // KB
@@ -367,7 +375,7 @@ def _build():
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
-                          QTYPE: tl.constexpr):
+                          QTYPE: tl.constexpr, PDL: tl.constexpr = False):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -390,6 +398,7 @@ def _build():
         NR: tl.constexpr = 2 * RT if GLU else RT
         blocks = K // 256
         first, acc, bases = _lane_rows(N, row_words, GLU, RT, WARPS)
+        settle(PDL)
         for it in range(0, blocks, 4 * KU):
             xs = ()
             for u in tl.static_range(KU):
@@ -477,7 +486,7 @@ def _build():
     @triton.jit
     def gemv_q6k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
-                          QTYPE: tl.constexpr):
+                          QTYPE: tl.constexpr, PDL: tl.constexpr = False):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -498,6 +507,7 @@ def _build():
         blocks = K // 256
         total = (2 * N if GLU else N) * row_words * 4
         first, acc, bases = _lane_rows(N, row_words * 4, GLU, RT, WARPS)
+        settle(PDL)
         for it in range(0, blocks, 4 * KU):
             xs = ()
             for u in tl.static_range(KU):
@@ -535,11 +545,12 @@ def _build():
     @triton.jit
     def gemv_q8_0_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                          BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
-                         QTYPE: tl.constexpr):
+                         QTYPE: tl.constexpr, PDL: tl.constexpr = False):
         """Q8_0 times an int8 x (quantize_x_kernel; xs unused): per block of 32 a signed dp4a sum of bytes
         times bytes, then d * xd * sum. A trip takes 4 blocks (136 bytes, 8-byte aligned as rows are 16-byte
         aligned) of two rows; blocks 0 and 2 start 2 bytes into a word, their bytes joined from two."""
         NT: tl.constexpr = BLOCK_N * S
+        settle(PDL)
         off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
         q32 = q_ptr.to(tl.pointer_type(tl.int32))
@@ -658,7 +669,8 @@ def _build():
 
     @triton.jit
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                           PDL: tl.constexpr = False):
         """Q4_K times a few rows of int8 x (quantize_x) on integer tensor cores: per sub-block, the int8 dot
         of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's scales serve 4 x rows)
         with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs."""
@@ -670,6 +682,7 @@ def _build():
         j8 = tl.arange(0, 8)[None, :]
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 256, SPLIT)
+        settle(PDL)
         for sb in range(lo, hi):
             heads = ()
             for s in tl.static_range(2 if GLU else 1):
@@ -721,7 +734,7 @@ def _build():
     @triton.jit
     def skinny_q6k_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_x, stride_y,
                           GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                          SPLIT: tl.constexpr):
+                          SPLIT: tl.constexpr, PDL: tl.constexpr = False):
         """Q6_K, a few x rows: 16 weights of BLOCK_N rows (a scale's) dequantized from 32-bit words a step,
         then on tensor cores. Rows start on 16-byte boundaries (2048 | K), so superblocks start on 4-byte
         ones (even) or 2 bytes past them (odd): odd ones' words are assembled from two."""
@@ -734,6 +747,7 @@ def _build():
         xmask = (m < M)[:, None]
         acc = (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
         lo, hi = _k_range(K // 512, SPLIT)
+        settle(PDL)
         for sb2 in range(lo, hi):
             for odd in tl.static_range(2):
                 sb = 2 * sb2 + odd
@@ -937,7 +951,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     block = 32
     nb = mp * k // 32
     _build()["quantize_x"][(cdiv(nb, block),)](x.contiguous(), q, d, s, rows, k // 32, mp, nb, BLOCK=block,
-                                                SUMS=sums)
+                                                SUMS=sums, **pdl.options(x.device))
     return (q.flatten(), d.flatten(), s) if rows == 1 else (q, d)
 
 
@@ -963,7 +977,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
             return meta["RT"] * meta["WARPS"] if lanes else (1 if glu else 2) * meta["BLOCK_N"]
 
         args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
-        extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype}
+        extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **pdl.options(x.device)}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)),)](*args, **extra)
         else:
@@ -983,10 +997,10 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
                   data.stride(0) // 4)
         if word in INT8_KERNELS:
             args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
-            extra = {"GLU": glu, "ASM": not _interpreting()}
+            extra = {"GLU": glu, "ASM": not _interpreting(), **pdl.options(x.device)}
         else:
             args = (x, data, *common, x.stride(0), y.stride(0))
-            extra = {"GLU": glu, "BLOCK_M": 16, "PRECISION": precision(x)}
+            extra = {"GLU": glu, "BLOCK_M": 16, "PRECISION": precision(x), **pdl.options(x.device)}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
@@ -999,8 +1013,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     name = "gemv" if rows == 1 else "skinny"
     args = (x, data, tab, y, n, k, data.stride(0)) if rows == 1 else \
         (x, data, tab, y, rows, n, k, data.stride(0), x.stride(0), y.stride(0))
-    extra = {} if rows == 1 else {"BLOCK_M": max(16, pow2(rows)),
-                                  "PRECISION": precision(x)}
+    extra = {**pdl.options(x.device), **({} if rows == 1 else {"BLOCK_M": max(16, pow2(rows)),
+                                                                "PRECISION": precision(x)})}
     if config is None and f"{name}_tuned" in kernels:
         kernels[f"{name}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]),)](*args, QTYPE=qtype, GLU=glu, **extra)
     else:

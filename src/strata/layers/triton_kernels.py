@@ -17,9 +17,10 @@ write into three kernels. The kernels here do each of those in one launch:
 - `norm_rotate_store`: per-head q/k RMSNorm and NeoX RoPE, q written out, k and v stored at their
   positions in the cache.
 
-They follow the rounding of the reference ops (ops.py) (which stay the reference and the CPU
-path) up to accumulation order. Triton is imported when a kernel is first built, so with
-TRITON_INTERPRET=1 the tests run these very kernels on the CPU.
+On Hopper they launch with programmatic dependent launch (pdl.py): each is launched while the one before
+it drains, and waits for it before its first read. They follow the rounding of the reference ops (ops.py)
+(which stay the reference and the CPU path) up to accumulation order. Triton is imported when a kernel
+is first built, so with TRITON_INTERPRET=1 the tests run these very kernels on the CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import functools
 import os
 
 import torch
+
+from . import pdl
 
 
 def available(device: torch.device) -> bool:
@@ -46,20 +49,26 @@ def _build():
     import triton
     import triton.language as tl
 
+    from .pdl import jit
+
+    settle = jit()
+    globals()["settle"] = settle  # the kernels call it by name: Triton resolves names in module globals
+
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
                     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SHARE: tl.constexpr = 1):
+                    BLOCK_K: tl.constexpr, SHARE: tl.constexpr = 1, PDL: tl.constexpr = False):
         """y = W x for output row a = program_id(1) (one row unless EXPERTS), from input row a // SHARE; with
         EXPERTS row a has its own matrix, expert e[a]'s at w + e[a] * stride_e. GLU: the up rows sit up_offset
         after the gate rows."""
+        settle(PDL)
         a = tl.program_id(1).to(tl.int64)
+        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rmask = rows < N
         if EXPERTS:
             w_ptr += tl.load(e_ptr + a) * stride_e
         x_ptr += (a // SHARE) * stride_x
         y_ptr += a * stride_y
-        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        rmask = rows < N
         cols = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -88,7 +97,8 @@ def _build():
     @triton.jit
     def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, se_ptr, perm_ptr, M, N, K, stride_x, stride_w, stride_y, stride_e,
                       up_offset, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, EXPERTS: tl.constexpr, KROW: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                      PDL: tl.constexpr = False):
         """y [M, N] = x [M, K] @ W^T for a few rows: each weight tile is streamed once, on tensor cores. GLU:
         the up rows sit up_offset after the gate rows. EXPERTS: the M rows are a window's (row, expert)
         assignments sorted by expert (se, perm); program (n, i) works only when assignment i is its expert's
@@ -97,6 +107,7 @@ def _build():
         y row a."""
         cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         nmask = cols < N
+        settle(PDL)
         m = tl.arange(0, BLOCK_M)
         mmask = m < M
         rows = m.to(tl.int64)
@@ -137,9 +148,10 @@ def _build():
 
     @triton.jit
     def route_kernel(logits_ptr, w_ptr, e_ptr, E, stride_l, K: tl.constexpr, KP: tl.constexpr,
-                     BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+                     BLOCK_E: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
         """One row's routing: softmax over the experts in float32, the top K by repeated maximum (the lower
         expert id first among equals), renormalised when asked, written in ascending expert order."""
+        settle(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_E)
         valid = cols < E
@@ -166,8 +178,9 @@ def _build():
     def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
                                  stride_mask, chunk, scale, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
                                  D: tl.constexpr, R: tl.constexpr, RT: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 PRECISION: tl.constexpr):
+                                 PRECISION: tl.constexpr, PDL: tl.constexpr = False):
         """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells."""
+        settle(PDL)
         kvh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -205,8 +218,9 @@ def _build():
 
     @triton.jit
     def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, splits, G: tl.constexpr, HK: tl.constexpr,
-                                 D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr):
+                                 D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
         """One query row of one K/V head per program: all its partials loaded at once."""
+        settle(PDL)
         kvh = tl.program_id(0)
         r = tl.program_id(1)
         sp = tl.arange(0, SPLITS)
@@ -226,7 +240,8 @@ def _build():
     @triton.jit
     def norm_rotate_store_kernel(qk_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
                                  v_cache_ptr, eps, stride_qk, stride_v, stride_cell, H: tl.constexpr, HK: tl.constexpr,
-                                 HALF: tl.constexpr):
+                                 HALF: tl.constexpr, PDL: tl.constexpr = False):
+        settle(PDL)
         t = tl.program_id(0)
         head = tl.program_id(1)
         D: tl.constexpr = 2 * HALF
@@ -297,7 +312,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: b
     block_n, block_k, warps = config or (GEMV_GLU_CONFIG if glu else GEMV_CONFIG)
     _build()["gemv"][(cdiv(n, block_n), 1)](
         x, w, w, b if b is not None else w, y, n, k, 0, 0, w.stride(0), 0, n * w.stride(0), HAS_BIAS=b is not None,
-        GLU=glu, EXPERTS=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        GLU=glu, EXPERTS=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        **pdl.options(x.device))
     return y
 
 
@@ -331,12 +347,13 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     kernels["gemv"][(cdiv(inter, block_n), n * k)](
         h, gate_up, flat, gate_up, act, inter, hidden, h.stride(0), gate_up.stride(1), gate_up.stride(2),
         act.stride(0), gate_up.stride(0), HAS_BIAS=False, GLU=True, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k,
-        SHARE=k, num_warps=warps)
+        SHARE=k, num_warps=warps, **pdl.options(h.device))
     y = torch.empty(n * k, hidden, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = EXPERT_DOWN_CONFIG
     kernels["gemv"][(cdiv(hidden, block_n), n * k)](
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
-        HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        **pdl.options(h.device))
     return (reduce or sum_slots)(y.view(n, k, hidden), weights, h.dtype)
 
 
@@ -357,7 +374,7 @@ def _experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         kernels["skinny"][(cdiv(rows, block_n), n * k)](
             x, w, w, out, se, perm, n * k, rows, cols, x.stride(0), w.stride(-2), out.stride(0), w.stride(-3),
             w.stride(0) if glu else 0, HAS_BIAS=False, GLU=glu, EXPERTS=True, KROW=krow, BLOCK_M=dup,
-            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(h), num_warps=warps)
+            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(h), num_warps=warps, **pdl.options(h.device))
     return y.view(n, k, hidden)
 
 
@@ -376,7 +393,7 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool):
     experts = torch.empty(n, top_k, device=logits.device, dtype=torch.long)
     _build()["route"][(n,)](logits, weights, experts, e, logits.stride(0), K=top_k,
                             KP=max(2, pow2(top_k)), BLOCK_E=max(16, pow2(e)),
-                            RENORM=renormalize, num_warps=4)
+                            RENORM=renormalize, num_warps=1, **pdl.options(logits.device))
     return weights, experts
 
 
@@ -407,7 +424,7 @@ def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu:
         x, w, b if b is not None else w, y, w, w, rows, n, k, x.stride(0), w.stride(0), y.stride(0), 0,
         n * w.stride(0), HAS_BIAS=b is not None, GLU=glu, EXPERTS=False, KROW=1,
         BLOCK_M=max(16, pow2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(x),
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl.options(x.device))
     return y
 
 
@@ -468,10 +485,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q = q.contiguous()
     kernels["attention_partial"][(hk, splits, row_blocks)](
         q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
-        RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4)
+        RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4, **pdl.options(q.device))
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
     kernels["attention_combine"][(hk, t * g)](o, m, l, out, splits, G=g, HK=hk, D=d, RT=row_blocks * rows,
-                                              SPLITS=max(2, pow2(splits)), num_warps=2)
+                                              SPLITS=max(2, pow2(splits)), num_warps=2, **pdl.options(q.device))
     return out
 
 
@@ -494,5 +511,6 @@ def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
     _build()["norm_rotate_store"][(t, heads_total)](
         qk, v, q_weight.contiguous(), k_weight.contiguous(), cos.contiguous(), sin.contiguous(), cells, q, k_cache,
         v_cache, eps,
-        qk.stride(0), v.stride(0), k_cache.stride(0), H=heads, HK=heads_total - heads, HALF=d // 2, num_warps=1)
+        qk.stride(0), v.stride(0), k_cache.stride(0), H=heads, HK=heads_total - heads, HALF=d // 2, num_warps=1,
+        **pdl.options(qk.device))
     return q
