@@ -203,8 +203,7 @@ def test_expert_gemvs_match_the_routed_experts(dtype):
 
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_route_kernel_matches_the_routing(renormalize):
-    """The one-launch routing after the router, and a row's router and routing in one launch (the last of
-    its programs routing), against ops.route: the same experts in ascending order, weights to rounding;
+    """The one-launch routing against ops.route: the same experts in ascending order, weights to rounding;
     128 experts (a 30B-A3B layer's) and 6 (a tiny checkpoint's, the block padded)."""
     from strata.layers.ops import route
 
@@ -216,11 +215,6 @@ def test_route_kernel_matches_the_routing(renormalize):
         got_w, got_e = tk.route_topk(F.linear(h, router), k, renormalize)
         assert got_e.equal(want_e) and bool((got_e.diff(dim=-1) > 0).all())
         close(got_w, want_w, torch.float32)
-        for i in range(h.shape[0]):
-            got_w, got_e = tk.router(h[i:i + 1], router, k, renormalize)
-            assert got_e.equal(want_e[i:i + 1])
-            close(got_w, want_w[i:i + 1], torch.float32)
-        assert not tk.counters(h.device).any()  # the last program left the count at zero
 
 
 def test_a_moe_step_runs_the_expert_gemvs(monkeypatch):

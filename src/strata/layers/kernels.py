@@ -138,8 +138,6 @@ class TritonKernels(Kernels):
         slow = lambda: ops.route(h, router, top_k, renormalize)  # noqa: E731
         if isinstance(router, QuantWeight):
             return slow()
-        if self._tk.router_fits(h, router):  # a decode step's row: logits and routing in one launch
-            return self._either("router", lambda: self._tk.router(h, router, top_k, renormalize), slow)
         return self._either("route", lambda: self._tk.route_topk(self.linear(h, router), top_k, renormalize), slow)
 
     def delta_rule(self, q, k, v, g, beta, state, rows=None):

@@ -26,7 +26,7 @@ import functools
 import torch
 
 from . import pdl
-from .triton_kernels import COUNTERS, cdiv, counters, pow2, precision
+from .triton_kernels import cdiv, pow2, precision
 
 # GGML type ids and their (weights per block, bytes per block)
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
@@ -874,7 +874,7 @@ LANE_K_CONFIGS = [(4, 2, 1), (2, 4, 1), (1, 4, 1), (4, 4, 1), (2, 2, 1), (1, 4, 
 WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 4), (128, 4, 2, 1),
                        (128, 4, 2, 4), (64, 4, 1, 1), (64, 4, 1, 4), (64, 4, 1, 8), (64, 2, 2, 1), (64, 2, 2, 4),
                        (32, 2, 2, 8), (128, 4, 1, 2)]
-SPLIT_PROGRAMS = COUNTERS  # K slices only while the programs stay within this many (the workspace with them)
+SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many (the workspace with them)
 
 
 def _split_fits(name: str, block_n: int, split: int, n: int, k: int) -> bool:
@@ -885,6 +885,18 @@ def _split_fits(name: str, block_n: int, split: int, n: int, k: int) -> bool:
 def _prune_split(name: str, configs, named_args, **kwargs):
     return [c for c in configs if _split_fits(name, c.kwargs["BLOCK_N"], c.kwargs["SPLIT"], named_args["N"],
                                               named_args["K"])]
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device) -> torch.Tensor:
+    """The split GEMMs' arrival counts, one per block of rows: zero between products (the last slice resets
+    its own), so one buffer serves every product on the device's stream."""
+    key = str(device)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
@@ -981,7 +993,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
         partials = max([2 * 16 * sp * cdiv(n, b) * b for b, _, _, sp in shapes
                         if sp > 1 and _split_fits(word, b, sp, n, k)] or [1])  # the workspace the slices need
-        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), counters(x.device), rows, n, k,
+        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
                   data.stride(0) // 4)
         if word in INT8_KERNELS:
             args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))

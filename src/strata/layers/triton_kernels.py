@@ -52,7 +52,7 @@ def _build():
     from .pdl import jit
 
     settle = jit()
-    globals()["settle"] = settle  # the kernels call these by name: Triton resolves names in module globals
+    globals()["settle"] = settle  # the kernels call it by name: Triton resolves names in module globals
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
@@ -147,11 +147,15 @@ def _build():
         tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(out_ty), mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _route_store(x, cols, valid, w_ptr, e_ptr, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
-                     RENORM: tl.constexpr):
-        """One row's routing from its float32 logits x [BLOCK_E]: softmax over the experts, the top K by
-        repeated maximum (the lower expert id first among equals), renormalised when asked, written in
-        ascending expert order."""
+    def route_kernel(logits_ptr, w_ptr, e_ptr, E, stride_l, K: tl.constexpr, KP: tl.constexpr,
+                     BLOCK_E: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
+        """One row's routing: softmax over the experts in float32, the top K by repeated maximum (the lower
+        expert id first among equals), renormalised when asked, written in ascending expert order."""
+        settle(PDL)
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_E)
+        valid = cols < E
+        x = tl.load(logits_ptr + row * stride_l + cols, mask=valid, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
         p = tl.where(valid, p / tl.sum(p, axis=0), -1.0)
         slots = tl.arange(0, KP)
@@ -167,47 +171,8 @@ def _build():
             vals = vals / tl.sum(vals, axis=0)
         rank = tl.sum((idx[None, :] < idx[:, None]).to(tl.int32), axis=1)  # experts below each one
         live = slots < K
-        tl.store(w_ptr + rank, vals.to(w_ptr.dtype.element_ty), mask=live)
-        tl.store(e_ptr + rank, idx.to(tl.int64), mask=live)
-
-    globals()["_route_store"] = _route_store
-
-    @triton.jit
-    def route_kernel(logits_ptr, w_ptr, e_ptr, E, stride_l, K: tl.constexpr, KP: tl.constexpr,
-                     BLOCK_E: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
-        """The routing of row program_id(0) from its logits (_route_store)."""
-        settle(PDL)
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_E)
-        valid = cols < E
-        x = tl.load(logits_ptr + row * stride_l + cols, mask=valid, other=float("-inf")).to(tl.float32)
-        _route_store(x, cols, valid, w_ptr + row * K, e_ptr + row * K, K, KP, BLOCK_E, RENORM)
-
-    @triton.jit
-    def router_kernel(x_ptr, r_ptr, logits_ptr, cnt_ptr, w_ptr, e_ptr, E, H, K: tl.constexpr, KP: tl.constexpr,
-                      BLOCK_E: tl.constexpr, RENORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr = False):
-        """One row's router logits and routing in one launch: each program the logits of BLOCK_N experts
-        (as gemv_kernel, rounded to the logits' dtype), and the program that finishes last (counted by an
-        atomic) the routing from all of them (_route_store)."""
-        settle(PDL)
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < E
-        k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kmask = k0 + k < H
-            x = tl.load(x_ptr + k0 + k, mask=kmask, other=0.0).to(tl.float32)
-            r = tl.load(r_ptr + rows[:, None] * H + k0 + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            acc += r.to(tl.float32) * x[None, :]
-        tl.store(logits_ptr + rows, tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty), mask=rmask)
-        tl.debug_barrier()  # every thread's logits written before the count is released
-        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            cols = tl.arange(0, BLOCK_E)
-            valid = cols < E
-            logits = tl.load(logits_ptr + cols, mask=valid, other=float("-inf"), cache_modifier=".cg")
-            _route_store(logits.to(tl.float32), cols, valid, w_ptr, e_ptr, K, KP, BLOCK_E, RENORM)
-            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next layer's
+        tl.store(w_ptr + row * K + rank, vals.to(w_ptr.dtype.element_ty), mask=live)
+        tl.store(e_ptr + row * K + rank, idx.to(tl.int64), mask=live)
 
     @triton.jit
     def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
@@ -315,7 +280,7 @@ def _build():
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
     return {"gemv": gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
-            "attention_combine": attention_combine_kernel, "route": route_kernel, "router": router_kernel,
+            "attention_combine": attention_combine_kernel, "route": route_kernel,
             "norm_rotate_store": norm_rotate_store_kernel}
 
 
@@ -430,39 +395,6 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool):
                             KP=max(2, pow2(top_k)), BLOCK_E=max(16, pow2(e)),
                             RENORM=renormalize, num_warps=1, **pdl.options(logits.device))
     return weights, experts
-
-
-def router(h: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool):
-    """route_topk(h @ weight^T) for one row h [1, H] in one launch (router_kernel)."""
-    e, hidden = weight.shape
-    logits = torch.empty(e, device=h.device, dtype=h.dtype)
-    weights = torch.empty(1, top_k, device=h.device, dtype=h.dtype)
-    experts = torch.empty(1, top_k, device=h.device, dtype=torch.long)
-    block_n, block_k, warps = GEMV_CONFIG
-    _build()["router"][(cdiv(e, block_n),)](
-        h, weight, logits, counters(h.device), weights, experts, e, hidden, K=top_k, KP=max(2, pow2(top_k)),
-        BLOCK_E=max(16, pow2(e)), RENORM=renormalize, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        **pdl.options(h.device))
-    return weights, experts
-
-
-def router_fits(h: torch.Tensor, weight: torch.Tensor) -> bool:
-    """router's layout: one contiguous row, a contiguous router matrix."""
-    return h.shape[0] == 1 and h.is_contiguous() and weight.is_contiguous()
-
-
-#: arrival counts of the kernels that finish in the program that arrives last, one per block of rows
-COUNTERS = 1024
-_COUNTS: dict = {}
-
-
-def counters(device) -> torch.Tensor:
-    """The arrival counts: zero between launches (the last program resets its own), so one buffer serves
-    every such kernel on the device's stream."""
-    key = str(device)
-    if key not in _COUNTS:
-        _COUNTS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTS[key]
 
 
 def experts_fit(gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor) -> bool:
