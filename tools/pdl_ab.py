@@ -1,0 +1,50 @@
+"""Programmatic dependent launch on and off (STRATA_PDL, layers/pdl.py) in one process: ms per target-only
+step (padded to each window W: a verify's cost) of a random-weight shape, each setting's outputs compared
+with the first's. Inductor's flag is set once per process, at the first setting's compiled kernels.
+
+    PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --windows 1 16 --settings 1 0"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from strata.engine.config import EngineConfig  # noqa: E402
+from strata.engine.decode import Engine  # noqa: E402
+from strata.models.random_init import random_target  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--quant", default=None)
+    ap.add_argument("--windows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--settings", nargs="+", default=["1", "0"], help="STRATA_PDL values, in order")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    target = random_target(args.shape, device="cuda", dtype=torch.bfloat16, quant=args.quant)
+    prompt = torch.randint(0, target.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    opts = EngineConfig(static=True, max_len=512 + args.new_tokens + max(args.windows) + 1)
+    first: dict[int, list[int]] = {}
+    for setting in args.settings:
+        os.environ["STRATA_PDL"] = setting
+        for w in args.windows:
+            engine = Engine(target, config=replace(opts, pad_rows=w))
+            ids = engine.generate(prompt, args.new_tokens).output_ids
+            runs = [engine.generate(prompt, args.new_tokens) for _ in range(args.runs)]
+            ms = [1e3 * r.decode_s / max(len(r.accept_lengths), 1) for r in runs]
+            same = all(r.output_ids == ids for r in runs) and first.setdefault(w, ids) == ids
+            print(f"{args.shape} {args.quant or 'bf16'} W={w} STRATA_PDL={setting}: {statistics.median(ms):.3f} ms "
+                  f"a step (median of {args.runs}), outputs identical: {same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
