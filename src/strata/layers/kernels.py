@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import delta_kernels, fla_kernels, ops
+from . import delta_kernels, fla_kernels, ops, pdl
 from .quant import QuantWeight
 
 #: the elementwise groups a compiled set fuses, each one kernel
@@ -204,9 +204,7 @@ def select_kernels(device, static: bool, graphs: bool, compile: bool, triton: bo
     key = (use_triton, attention)
     if key not in _SHARED:
         if use_triton:
-            from .pdl import compiled
-
-            compiled(device)
+            pdl.compiled(device)
         _SHARED[key] = TritonKernels(attention=attention) if use_triton else \
             Kernels(compiled=True, attention=attention, static=True)
     return _SHARED[key]

@@ -147,9 +147,7 @@ def _build():
         g = gate.to(out_ty).to(tl.float32)
         return (g * tl.sigmoid(g)).to(out_ty).to(tl.float32) * up.to(out_ty).to(tl.float32)
 
-    from .pdl import jit
-
-    globals()["settle"] = jit()
+    globals()["settle"] = pdl.jit()
     globals()["_half_cols"] = _half_cols  # the kernels call these by name: Triton resolves names in
     globals()["_halves"] = _halves  # module globals
     globals()["_silu_mul"] = _silu_mul

@@ -49,10 +49,7 @@ def _build():
     import triton
     import triton.language as tl
 
-    from .pdl import jit
-
-    settle = jit()
-    globals()["settle"] = settle  # the kernels call it by name: Triton resolves names in module globals
+    globals()["settle"] = pdl.jit()  # the kernels call it by name: Triton resolves names in module globals
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
@@ -63,12 +60,12 @@ def _build():
         after the gate rows."""
         settle(PDL)
         a = tl.program_id(1).to(tl.int64)
-        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        rmask = rows < N
         if EXPERTS:
             w_ptr += tl.load(e_ptr + a) * stride_e
         x_ptr += (a // SHARE) * stride_x
         y_ptr += a * stride_y
+        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rmask = rows < N
         cols = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
