@@ -91,6 +91,24 @@ def test_attention_matches_grouped_matmuls(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norms_match_the_reference(dtype):
+    """The one-launch RMSNorm and residual add + RMSNorm against ops: a ragged row (200 columns in a block of
+    256), one row and a window of rows, a residual sum bit for bit, a float32 weight over float16 rows."""
+    from strata.layers.ops import add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(10)
+    for shape in ((1, 200), (2, 5, 200), (3, 1024)):
+        x = torch.randn(shape, generator=gen).to(dtype)
+        res = torch.randn(shape, generator=gen).to(dtype)
+        for w in (torch.rand(shape[-1], generator=gen).to(dtype) + 0.5, torch.rand(shape[-1], generator=gen) + 0.5):
+            close(tk.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), dtype)
+            total, h = tk.rms_norm(x, w, 1e-6, res)
+            want_total, want_h = add_rms_norm(x, res, w, 1e-6)
+            assert total.equal(want_total)
+            close(h, want_h, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_norm_rotate_store_writes_q_and_the_cache_cells(dtype):
     gen = torch.Generator().manual_seed(3)
     t, h, hk, d = 3, 4, 2, 16

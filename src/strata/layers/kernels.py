@@ -3,7 +3,7 @@
 `Kernels()` runs the reference ops (ops.py) as they are: the CPU path and prefill. With `compiled=True`
 each elementwise group becomes one fused kernel through torch.compile, for the CUDA-graph path (a
 batch-1 decode step is otherwise hundreds of tiny kernels). `TritonKernels` also replaces the
-projections of up to 16 rows, attention and the q/k group with Strata's Triton kernels
+projections of up to 16 rows, attention, the norms of a few rows and the q/k group with Strata's Triton kernels
 (triton_kernels.py), a gated DeltaNet layer between its projections with two or three launches of its
 own (delta_kernels.py), and the gated delta rule elsewhere with fla-core's (fla_kernels.py). Modules call these
 methods and never choose a kernel themselves."""
@@ -84,7 +84,7 @@ class Kernels:
 class TritonKernels(Kernels):
     """The compiled set, with Strata's Triton kernels where their shapes allow: projections of up to 16
     rows (the 1-token decode, a verify window, a drafter block), the experts of up to 256 (row, expert)
-    assignments, attention, the q/k norm + RoPE + cache write, and a gated DeltaNet layer between its
+    assignments, attention, the norms of up to 64 rows, the q/k norm + RoPE + cache write, and a gated DeltaNet layer between its
     projections (delta_kernels.py: three launches in place of ~40). Larger shapes keep cuBLAS (and the
     grouped GEMM for experts). A kernel that fails to build or launch (an older GPU, a
     Triton that rejects it) warns once and leaves its torch path. compiled=False leaves the other
@@ -158,6 +158,18 @@ class TritonKernels(Kernels):
         if self.attention == "grouped" and q.dim() == 3 and self._tk.attention_fits(q, k, v, mask):
             return self._either("attention", lambda: self._tk.attention(q, k, v, mask), slow)
         return slow()
+
+    def rms_norm(self, x, weight, eps):
+        slow = lambda: self.groups["rms_norm"](x, weight, eps)  # noqa: E731
+        if not self._tk.norm_fits(x, None, weight):
+            return slow()
+        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps), slow)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        slow = lambda: self.groups["add_rms_norm"](x, residual, weight, eps)  # noqa: E731
+        if not self._tk.norm_fits(x, residual, weight):
+            return slow()
+        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual), slow)
 
     def norm_rotate_store(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells):
         args = (qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)

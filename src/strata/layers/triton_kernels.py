@@ -14,6 +14,9 @@ write into three kernels. The kernels here do each of those in one launch:
 - `attention`: grouped-query attention of a few query rows over a cache in two launches (per K/V
   head and chunk of cells an online-softmax partial, then per query row their combination), any
   visibility mask.
+- `rms_norm`: RMSNorm (after a residual add) of a few rows, a row a program held in registers, where
+  inductor's group for the 8B and 30B rows is a looped reduction (`triton_red_*`, the row read twice);
+  on the H200 decode steps were 0.9-2.5% faster.
 - `norm_rotate_store`: per-head q/k RMSNorm and NeoX RoPE, q written out, k and v stored at their
   positions in the cache.
 
@@ -235,6 +238,25 @@ def _build():
         tl.store(out_ptr + (t * (HK * G) + head) * D + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
+    def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, h_ptr, H, eps, stride_x, stride_r, stride_s, stride_h,
+                        ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """One row's RMSNorm (ADD: of x + r, the sum written out too) in registers, one read of the row,
+        rounding as ops.rms_norm: normalised in float32, cast to x's type, then scaled by the weight."""
+        settle(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        m = c < H
+        x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
+        if ADD:
+            x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + row * stride_s + c, x, mask=m)
+        x32 = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / H + eps)
+        n = (x32 * inv).to(x.dtype).to(tl.float32)
+        h = n * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * stride_h + c, h.to(h_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
     def norm_rotate_store_kernel(qk_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
                                  v_cache_ptr, eps, stride_qk, stride_v, stride_cell, H: tl.constexpr, HK: tl.constexpr,
                                  HALF: tl.constexpr, PDL: tl.constexpr = False):
@@ -278,7 +300,7 @@ def _build():
 
     return {"gemv": gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
             "attention_combine": attention_combine_kernel, "route": route_kernel,
-            "norm_rotate_store": norm_rotate_store_kernel}
+            "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
 
 
 def projection_kernel(x: torch.Tensor, w: torch.Tensor) -> str | None:
@@ -487,6 +509,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     kernels["attention_combine"][(hk, t * g)](o, m, l, out, splits, G=g, HK=hk, D=d, RT=row_blocks * rows,
                                               SPLITS=max(2, pow2(splits)), num_warps=2, **pdl.options(q.device))
     return out
+
+
+#: rows up to which the norms run on rms_norm_kernel (a decode step, a verify window, a drafter block; 0:
+#: never); hidden sizes up to NORM_MAX_DIM, a row a program
+NORM_MAX_ROWS = 64
+NORM_MAX_DIM = 16384
+
+
+def norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """rms_norm's shapes: as many rows as NORM_MAX_ROWS of at most NORM_MAX_DIM, a residual of x's shape and type."""
+    h = x.shape[-1]
+    return (0 < x.numel() // max(h, 1) <= NORM_MAX_ROWS and h <= NORM_MAX_DIM and weight.shape == (h,)
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """ops.rms_norm (residual None) or ops.add_rms_norm (returning (x + residual, normed)) in one launch,
+    a row a program."""
+    h = x.shape[-1]
+    flat, r = (t.reshape(-1, h) if t.stride(-1) == 1 else t.reshape(-1, h).contiguous()
+               for t in (x, x if residual is None else residual))
+    rows = flat.shape[0]
+    out = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    total = torch.empty(x.shape, device=x.device, dtype=x.dtype) if residual is not None else out
+    block = pow2(h)
+    _build()["rms_norm"][(rows,)](
+        flat, r, weight, total.view(-1, h), out.view(-1, h), h, eps, flat.stride(0), r.stride(0), h, h,
+        ADD=residual is not None, BLOCK=block, num_warps=max(1, min(8, block // 512)), **pdl.options(x.device))
+    return out if residual is None else (total, out)
 
 
 def norm_rotate_store_fits(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
