@@ -1,12 +1,17 @@
 """Programmatic dependent launch on and off (STRATA_PDL, layers/pdl.py) in one process: ms per target-only
 step (padded to each window W: a verify's cost) of a random-weight shape, each setting's outputs compared
-with the first's. Inductor's flag is set once per process, at the first setting's compiled kernels.
+with the first's. Inductor's flag is set once per process, at the first setting's compiled kernels. With
+--knob the settings are values of a module constant instead (Python literals, set before each engine).
 
-    PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --windows 1 16 --settings 1 0"""
+    PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --windows 1 16 --settings 1 0
+    PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --quant Q4_K_M --windows 1 \
+        --knob strata.layers.triton_kernels.NORM_MAX_ROWS --settings 0 64 0 64"""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import os
 import statistics
 import sys
@@ -26,7 +31,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-30b-a3b")
     ap.add_argument("--quant", default=None)
     ap.add_argument("--windows", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--settings", nargs="+", default=["1", "0"], help="STRATA_PDL values, in order")
+    ap.add_argument("--settings", nargs="+", default=["1", "0"], help="STRATA_PDL (or --knob) values, in order")
+    ap.add_argument("--knob", default=None, help="a module constant to set instead, e.g. strata.layers.x.NAME")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
@@ -34,15 +40,19 @@ def main() -> None:
     prompt = torch.randint(0, target.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     opts = EngineConfig(static=True, max_len=512 + args.new_tokens + max(args.windows) + 1)
     first: dict[int, list[int]] = {}
+    module, name = args.knob.rsplit(".", 1) if args.knob else (None, "STRATA_PDL")
     for setting in args.settings:
-        os.environ["STRATA_PDL"] = setting
+        if module:
+            setattr(importlib.import_module(module), name, ast.literal_eval(setting))
+        else:
+            os.environ["STRATA_PDL"] = setting
         for w in args.windows:
             engine = Engine(target, config=replace(opts, pad_rows=w))
             ids = engine.generate(prompt, args.new_tokens).output_ids
             runs = [engine.generate(prompt, args.new_tokens) for _ in range(args.runs)]
             ms = [1e3 * r.decode_s / max(len(r.accept_lengths), 1) for r in runs]
             same = all(r.output_ids == ids for r in runs) and first.setdefault(w, ids) == ids
-            print(f"{args.shape} {args.quant or 'bf16'} W={w} STRATA_PDL={setting}: {statistics.median(ms):.3f} ms "
+            print(f"{args.shape} {args.quant or 'bf16'} W={w} {name}={setting}: {statistics.median(ms):.3f} ms "
                   f"a step (median of {args.runs}), outputs identical: {same}", flush=True)
 
 
