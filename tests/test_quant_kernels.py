@@ -231,3 +231,67 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
     assert got.tokens.tolist() == want.tokens.tolist()
     # its Q4_K products take x rounded to int8 per 32 values (quantize_x), as llama.cpp's do
     assert 1e-5 < rel(got.logits, want.logits) <= 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_norm_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype):
+    """rms_norm(quantize=True) leaves quantize_x's exact result for the next product (one row: the GEMVs'
+    layout; a few: the padded rows of the GEMMs'), taken once, and the same normed rows as without."""
+    from strata.layers import triton_kernels as tk
+
+    gen = torch.Generator().manual_seed(12)
+    for rows in (1, 5):
+        x = torch.randn(rows, 512, generator=gen).to(dtype)
+        res = torch.randn(rows, 512, generator=gen).to(dtype)
+        w = (torch.rand(512, generator=gen) + 0.5).to(dtype)
+        total, h = tk.rms_norm(x, w, 1e-6, res, quantize=True)
+        got = qk.recall_x8(h)
+        assert got is not None and qk.recall_x8(h) is None  # taken once
+        plain_total, plain_h = tk.rms_norm(x, w, 1e-6, res)
+        assert total.equal(plain_total) and h.equal(plain_h)
+        want = qk.quantize_x(h)
+        assert len(got) == len(want) == (3 if rows == 1 else 2)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
+        assert qk.recall_x8(torch.randn(rows, 512).to(dtype)) is None
+
+
+def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
+    """A Q4_K_M target's 1-row and 4-row static steps through the Triton set: with the norms quantizing the
+    rows that go into q/k/v and gate/up (Q4_K: int8 x), quantize_x's kernel runs that many times fewer,
+    and every logit is the same as with it run for every product."""
+    from strata.layers import triton_kernels as tk
+    from strata.layers.kernels import TritonKernels
+    from strata.models.random_init import random_target
+
+    from conftest import forward_at
+
+    monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4)])
+    monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
+    target = random_target("tiny", quant="Q4_K_M", hidden_size=256, intermediate_size=256, head_dim=64,
+                           vocab_size=512, num_hidden_layers=2)
+    launches, recalled = [], []
+
+    class Counted:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append(1) or self.kernel[grid](*a, **kw)
+
+    monkeypatch.setitem(qk._build(), "quantize_x", Counted(qk._build()["quantize_x"]))
+    recall = qk.recall_x8
+    monkeypatch.setattr(qk, "recall_x8", lambda x: (lambda got: recalled.append(got is not None) or got)(recall(x)))
+    prompt = torch.randint(0, 512, (7,), generator=torch.Generator().manual_seed(3))
+    for tokens in (torch.tensor([11]), torch.tensor([11, 400, 3, 97])):
+        outs, counts = [], []
+        for fused in (False, True):
+            monkeypatch.setattr(tk, "NORM_QUANTIZE", fused)
+            cache = target.make_cache(32)
+            forward_at(target, prompt, 0, cache)
+            launches.clear()
+            recalled.clear()
+            outs.append(forward_at(target, tokens, 7, cache, kv_len=32, kernels=TritonKernels(compiled=False)).logits)
+            counts.append((len(launches), sum(recalled)))
+        assert outs[1].equal(outs[0])
+        assert counts[0][1] == 0 and counts[1][1] == 2 * 2 and counts[1][0] == counts[0][0] - 2 * 2, counts

@@ -174,7 +174,7 @@ def test_compiled_triton_set_keeps_its_own_kernels():
     kernels = TritonKernels(compiled=True)
     for name in ("norm_rotate_store", "linear", "gate_up_silu", "attend"):
         assert getattr(kernels, name).__func__ is getattr(TritonKernels, name), name
-    assert kernels.add_rms_norm is not EAGER.add_rms_norm
+    assert kernels.groups["add_rms_norm"] is not EAGER.groups["add_rms_norm"]
 
 
 def test_a_failing_triton_kernel_leaves_the_torch_path_with_one_warning(monkeypatch):

@@ -37,6 +37,14 @@ class Kernels:
             if not hasattr(type(self), name):  # a subclass's own kernel stays; it falls back to self.groups
                 setattr(self, name, fn)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, into=None) -> torch.Tensor:
+        """ops.rms_norm; into: the matrix the normed rows go into next (a kernel set may prepare them for it)."""
+        return self.groups["rms_norm"](x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, into=None):
+        """ops.add_rms_norm; into as in rms_norm."""
+        return self.groups["add_rms_norm"](x, residual, weight, eps)
+
     def linear(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w^T (+ b); w a tensor, or a QuantWeight (GGUF blocks, dequantized in the kernels' registers)."""
         if isinstance(w, QuantWeight):
@@ -159,17 +167,24 @@ class TritonKernels(Kernels):
             return self._either("attention", lambda: self._tk.attention(q, k, v, mask), slow)
         return slow()
 
-    def rms_norm(self, x, weight, eps):
+    def rms_norm(self, x, weight, eps, into=None):
         slow = lambda: self.groups["rms_norm"](x, weight, eps)  # noqa: E731
         if not self._tk.norm_fits(x, None, weight):
             return slow()
-        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps), slow)
+        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps,
+                                                                  quantize=self._int8_into(into, x)), slow)
 
-    def add_rms_norm(self, x, residual, weight, eps):
+    def add_rms_norm(self, x, residual, weight, eps, into=None):
         slow = lambda: self.groups["add_rms_norm"](x, residual, weight, eps)  # noqa: E731
         if not self._tk.norm_fits(x, residual, weight):
             return slow()
-        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual), slow)
+        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual,
+                                                                  quantize=self._int8_into(into, x)), slow)
+
+    def _int8_into(self, into, x: torch.Tensor) -> bool:
+        """Whether the norm of x quantizes its rows for `into` (a quantized matrix taking int8 x at x's rows)."""
+        return (self._tk.NORM_QUANTIZE and isinstance(into, QuantWeight)
+                and into.takes_int8(x.numel() // x.shape[-1]))
 
     def norm_rotate_store(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells):
         args = (qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)

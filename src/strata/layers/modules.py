@@ -242,10 +242,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, step: Step, kv: LayerKV):
         kernels, i = step.kernels, self.index
         norm = self.input_layernorm
+        into = self.self_attn.qkv_proj.weight if step.probe is None and hasattr(self, "self_attn") else None
         if pending is None:
-            h = kernels.rms_norm(x, norm.weight, norm.eps)
+            h = kernels.rms_norm(x, norm.weight, norm.eps, into)
         else:
-            x, h = kernels.add_rms_norm(x, pending, norm.weight, norm.eps)
+            x, h = kernels.add_rms_norm(x, pending, norm.weight, norm.eps, into)
         h = step.probed(i, "attn_in", h)
         if hasattr(self, "linear_attn"):
             mixed = self.linear_attn(h, step, kv, kernels)
@@ -253,7 +254,8 @@ class DecoderLayer(nn.Module):
             a = step.probed(i, "attn", self.self_attn(h, step, kv, step.masks[self.window]))
             mixed = self.self_attn.o_proj(a, kernels)
         norm = self.post_attention_layernorm
-        x, h = kernels.add_rms_norm(x, mixed, norm.weight, norm.eps)
+        into = self.mlp.gate_up_proj.weight if step.probe is None and isinstance(self.mlp, MLP) else None
+        x, h = kernels.add_rms_norm(x, mixed, norm.weight, norm.eps, into)
         if step.probe is not None:
             x = step.probed(i, "o_residual", x)
             h = kernels.rms_norm(x, norm.weight, norm.eps)

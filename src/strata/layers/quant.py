@@ -66,6 +66,11 @@ class QuantWeight:
     def dequantize(self) -> torch.Tensor:
         return torch.cat([qk.dequantize(s.data, s.qtype, self.cols) for s in self.segments]).to(self.dtype)
 
+    def takes_int8(self, rows: int) -> bool:
+        """Whether a product of `rows` rows computes with x quantized by quant_kernels.quantize_x."""
+        return rows <= KERNEL_MAX_ROWS and any(qk.int8_x(s.qtype, rows, self.cols, s.data.numel())
+                                               for s in self.segments)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., cols] @ W^T (+ bias)."""
         flat = x.reshape(-1, self.cols)

@@ -22,6 +22,7 @@ float16 view of the same bytes."""
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -151,6 +152,7 @@ def _build():
     globals()["_half_cols"] = _half_cols  # the kernels call these by name: Triton resolves names in
     globals()["_halves"] = _halves  # module globals
     globals()["_silu_mul"] = _silu_mul
+    globals()["tl"] = tl  # the interpreter's check when another module's kernel calls one of these first
 
     @triton.jit
     def dequant_kernel(w_ptr, tab_ptr, out_ptr, N, K, row_bytes, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -316,20 +318,27 @@ def _build():
         b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = b < NB
         row = b // KB
-        kb = b % KB
+        x = tl.load(x_ptr + b[:, None] * 32 + tl.arange(0, 32)[None, :], mask=(ok & (row < M))[:, None],
+                    other=0.0).to(tl.float32)
+        quantize_blocks(x, row, b % KB, ok, KB, MP, q_ptr, d_ptr, s_ptr, SUMS)
+
+    @triton.jit
+    def quantize_blocks(x, row, kb, ok, KB, MP, q_ptr, d_ptr, s_ptr, SUMS: tl.constexpr):
+        """Blocks x [B, 32] (float32), block kb [B] of row `row` [B], quantized and stored (where ok [B]) in
+        quantize_x_kernel's layouts; also the tail of a norm whose rows go into an int8-x product."""
+        B: tl.constexpr = x.shape[0]
         j = tl.arange(0, 32)[None, :]
-        x = tl.load(x_ptr + b[:, None] * 32 + j, mask=(ok & (row < M))[:, None], other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
         inv = tl.where(amax > 0, 127.0 / amax, 0.0)
         q = (x * inv[:, None] + 12582912.0) - 12582912.0
         d = amax / 127.0
-        tl.store(q_ptr + b[:, None] * 32 + j, q.to(tl.int8), mask=ok[:, None])
+        tl.store(q_ptr + (row * KB + kb)[:, None] * 32 + j, q.to(tl.int8), mask=ok[:, None])
         if SUMS == 32:  # the few-row GEMMs': d and the sum side by side, one 8-byte load
             tl.store(d_ptr + 2 * (kb * MP + row), d, mask=ok)
             tl.store(d_ptr + 2 * (kb * MP + row) + 1, tl.sum(q, axis=1) * d, mask=ok)
         else:
             tl.store(d_ptr + kb * MP + row, d, mask=ok)
-            sums = tl.sum(tl.reshape(q, (BLOCK, 2, 16)), axis=2) * d[:, None]
+            sums = tl.sum(tl.reshape(q, (B, 2, 16)), axis=2) * d[:, None]
             tl.store(s_ptr + (2 * kb[:, None] + tl.arange(0, 2)[None, :]) * MP + row[:, None], sums,
                      mask=ok[:, None])
 
@@ -773,11 +782,11 @@ def _build():
 
     for helper in (_dp4a, _pair_rows, _store_pair, _lane_rows, _lane_superblocks, _store_lane_rows, _f, _words,
                    _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block, _words_from,
-                   _six_bit_tile, _k_range, _finish):  # called by name, as _halves is
+                   _six_bit_tile, _k_range, _finish, quantize_blocks):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
-               "quantize_x": quantize_x_kernel, "gemv_q4k8c": gemv_q4k8c_kernel, "gemv_q6k8c": gemv_q6k8c_kernel,
+               "quantize_x": quantize_x_kernel, "quantize_blocks": quantize_blocks, "gemv_q4k8c": gemv_q4k8c_kernel, "gemv_q6k8c": gemv_q6k8c_kernel,
                "gemv_q8_0": gemv_q8_0_kernel,
                "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
@@ -931,22 +940,60 @@ def int8_x(qtype: int, rows: int, cols: int, nbytes: int = 0) -> bool:
     return _word_kernel(qtype, rows, cols, nbytes) in INT8_KERNELS
 
 
+def x8_buffers(rows: int, k: int, device) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """Where quantize_x's result for [rows, k] goes: ((q, d, s), MP, SUMS)."""
+    mp, sums = (1, 16) if rows == 1 else (X_ROWS, 32)
+    assert rows <= mp, rows
+    return ((torch.empty(mp, k, dtype=torch.int8, device=device),
+             torch.empty(k // 32, mp, 2 if rows > 1 else 1, dtype=torch.float32, device=device),
+             torch.empty(k // 16 if rows == 1 else 1, dtype=torch.float32, device=device)), mp, sums)
+
+
+def x8_result(buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """x8_buffers' tensors as the products take them (quantize_x's return)."""
+    q, d, s = buffers
+    return (q.flatten(), d.flatten(), s) if q.shape[0] == 1 else (q, d)
+
+
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x [M, K] -> int8 q [MP, K] with x ~ d * q per 32 values, and the scales d and the sums s of d * q,
     which the products' offsets (Q4_K's mins, Q6_K's -32) multiply. One row (MP = 1), the GEMVs' x:
     (q [K], d [K / 32], s [K / 16]); a few (MP = X_ROWS, zeros past M), the few-row GEMMs': (q, ds), ds
-    [K / 32, X_ROWS, 2] holding each block's d and s (per 32) side by side."""
+    [K / 32, X_ROWS, 2] holding each block's d and s (per 32) side by side. An x that a norm kernel
+    already quantized (remember_x8) is not quantized again."""
     rows, k = x.shape
-    mp, sums = (1, 16) if rows == 1 else (X_ROWS, 32)
-    assert rows <= mp, rows
-    q = torch.empty(mp, k, dtype=torch.int8, device=x.device)
-    d = torch.empty(k // 32, mp, 2 if rows > 1 else 1, dtype=torch.float32, device=x.device)
-    s = torch.empty(k // 16 if rows == 1 else 1, dtype=torch.float32, device=x.device)
+    done = recall_x8(x)
+    if done is not None:
+        return done
+    buffers, mp, sums = x8_buffers(rows, k, x.device)
     block = 32
     nb = mp * k // 32
-    _build()["quantize_x"][(cdiv(nb, block),)](x.contiguous(), q, d, s, rows, k // 32, mp, nb, BLOCK=block,
+    _build()["quantize_x"][(cdiv(nb, block),)](x.contiguous(), *buffers, rows, k // 32, mp, nb, BLOCK=block,
                                                 SUMS=sums, **pdl.options(x.device))
-    return (q.flatten(), d.flatten(), s) if rows == 1 else (q, d)
+    return x8_result(buffers)
+
+
+_X8: list = []  # at most one (weak reference to a tensor, its quantize_x)
+
+
+def remember_x8(x: torch.Tensor, x8: tuple[torch.Tensor, ...]) -> None:
+    """x's quantize_x, made by the kernel that wrote x (a norm), for the one product that reads x next; x
+    is not written in between (inference tensors keep no version count to check it by)."""
+    _X8[:] = [(weakref.ref(x), x8)]
+
+
+def recall_x8(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The remembered quantize_x of x [M, K] (or of the tensor it views), taken once: while that tensor
+    lives no other can hold its memory."""
+    if not _X8:
+        return None
+    ref, x8 = _X8[0]
+    held = ref()
+    if (held is None or held.data_ptr() != x.data_ptr() or held.dtype != x.dtype or held.numel() != x.numel()
+            or not (held.is_contiguous() and x.is_contiguous())):
+        return None
+    _X8.clear()
+    return x8
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,

@@ -52,7 +52,10 @@ def _build():
     import triton
     import triton.language as tl
 
+    from . import quant_kernels
+
     globals()["settle"] = pdl.jit()  # the kernels call it by name: Triton resolves names in module globals
+    globals()["quantize_blocks"] = quant_kernels._build()["quantize_blocks"]
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
@@ -238,14 +241,17 @@ def _build():
         tl.store(out_ptr + (t * (HK * G) + head) * D + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, h_ptr, H, eps, stride_x, stride_r, stride_s, stride_h,
-                        ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, h_ptr, q_ptr, d_ptr, s_ptr, M, H, KB, MP, eps, stride_x,
+                        stride_r, stride_s, stride_h, ADD: tl.constexpr, QUANT: tl.constexpr, SUMS: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """One row's RMSNorm (ADD: of x + r, the sum written out too) in registers, one read of the row,
-        rounding as ops.rms_norm: normalised in float32, cast to x's type, then scaled by the weight."""
+        rounding as ops.rms_norm: normalised in float32, cast to x's type, then scaled by the weight. QUANT:
+        the normed row also quantized as quantize_x would (quant_kernels.quantize_blocks), the programs past
+        the M rows writing the zero rows of its padding (MP rows)."""
         settle(PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
-        m = c < H
+        m = (c < H) & (c * 0 + row < M)
         x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
         if ADD:
             x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
@@ -253,8 +259,12 @@ def _build():
         x32 = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / H + eps)
         n = (x32 * inv).to(x.dtype).to(tl.float32)
-        h = n * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-        tl.store(h_ptr + row * stride_h + c, h.to(h_ptr.dtype.element_ty), mask=m)
+        h = (n * tl.load(w_ptr + c, mask=c < H, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * stride_h + c, h, mask=m)
+        if QUANT:
+            kb = tl.arange(0, BLOCK // 32)
+            quantize_blocks(tl.reshape(h.to(tl.float32), (BLOCK // 32, 32)), kb * 0 + row, kb, kb < KB, KB, MP,
+                            q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
     def norm_rotate_store_kernel(qk_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
@@ -515,6 +525,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 #: never); hidden sizes up to NORM_MAX_DIM, a row a program
 NORM_MAX_ROWS = 64
 NORM_MAX_DIM = 16384
+#: whether a norm whose rows go into an int8-x product quantizes them itself (quant_kernels.quantize_x)
+NORM_QUANTIZE = True
 
 
 def norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
@@ -524,19 +536,27 @@ def norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quantize: bool = False):
     """ops.rms_norm (residual None) or ops.add_rms_norm (returning (x + residual, normed)) in one launch,
-    a row a program."""
+    a row a program. quantize: the normed rows also quantized for the int8-x product that reads them next
+    (quant_kernels.quantize_x's result, remembered for it: one launch fewer)."""
+    from . import quant_kernels as qk
+
     h = x.shape[-1]
     flat, r = (t.reshape(-1, h) if t.stride(-1) == 1 else t.reshape(-1, h).contiguous()
                for t in (x, x if residual is None else residual))
     rows = flat.shape[0]
     out = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
     total = torch.empty(x.shape, device=x.device, dtype=x.dtype) if residual is not None else out
+    buffers, programs, sums = qk.x8_buffers(rows, h, x.device) if quantize else ((out, out, out), rows, 16)
     block = pow2(h)
-    _build()["rms_norm"][(rows,)](
-        flat, r, weight, total.view(-1, h), out.view(-1, h), h, eps, flat.stride(0), r.stride(0), h, h,
-        ADD=residual is not None, BLOCK=block, num_warps=max(1, min(8, block // 512)), **pdl.options(x.device))
+    _build()["rms_norm"][(programs,)](
+        flat, r, weight, total.view(-1, h), out.view(-1, h), *buffers, rows, h, h // 32, programs, eps,
+        flat.stride(0), r.stride(0), h, h, ADD=residual is not None, QUANT=quantize, SUMS=sums, BLOCK=block,
+        num_warps=max(1, min(8, block // 512)), **pdl.options(x.device))
+    if quantize:
+        qk.remember_x8(out, qk.x8_result(buffers))
     return out if residual is None else (total, out)
 
 

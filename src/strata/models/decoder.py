@@ -93,8 +93,9 @@ class DecoderLM(nn.Module):
         out = None
         if logits != "none":
             norm = self.norm
-            h = step.kernels.rms_norm(x, norm.weight, norm.eps) if pending is None else \
-                step.kernels.add_rms_norm(x, pending, norm.weight, norm.eps)[1]
+            into = self.lm_head.weight if logits == "all" or x.shape[-2] == 1 else None  # the head reads them all
+            h = step.kernels.rms_norm(x, norm.weight, norm.eps, into) if pending is None else \
+                step.kernels.add_rms_norm(x, pending, norm.weight, norm.eps, into)[1]
             out = self.head(h[..., -1:, :] if logits == "last" else h, step.kernels)
         return ForwardOut(out, torch.cat(tapped, dim=-1) if tapped else None)
 
