@@ -258,7 +258,7 @@ def test_a_norm_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype):
 
 def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
     """A Q4_K_M target's 1-row and 4-row static steps through the Triton set: with the norms quantizing the
-    rows that go into q/k/v and gate/up (Q4_K: int8 x), quantize_x's kernel runs that many times fewer,
+    rows that go into q/k/v and gate/up (Q4_K: int8 x), quantize_x's kernel runs that many times less,
     and every logit is the same as with it run for every product."""
     from strata.layers import triton_kernels as tk
     from strata.layers.kernels import TritonKernels
@@ -286,7 +286,7 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
     for tokens in (torch.tensor([11]), torch.tensor([11, 400, 3, 97])):
         outs, counts = [], []
         for fused in (False, True):
-            monkeypatch.setattr(tk, "NORM_QUANTIZE", fused)
+            monkeypatch.setattr(tk, "NORM_QUANTIZE_ROWS", 16 if fused else 0)  # both layouts (the default: 1 row)
             cache = target.make_cache(32)
             forward_at(target, prompt, 0, cache)
             launches.clear()

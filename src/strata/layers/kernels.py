@@ -183,8 +183,8 @@ class TritonKernels(Kernels):
 
     def _int8_into(self, into, x: torch.Tensor) -> bool:
         """Whether the norm of x quantizes its rows for `into` (a quantized matrix taking int8 x at x's rows)."""
-        return (self._tk.NORM_QUANTIZE and isinstance(into, QuantWeight)
-                and into.takes_int8(x.numel() // x.shape[-1]))
+        rows = x.numel() // x.shape[-1]
+        return rows <= self._tk.NORM_QUANTIZE_ROWS and isinstance(into, QuantWeight) and into.takes_int8(rows)
 
     def norm_rotate_store(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells):
         args = (qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)

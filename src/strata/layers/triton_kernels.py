@@ -525,8 +525,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 #: never); hidden sizes up to NORM_MAX_DIM, a row a program
 NORM_MAX_ROWS = 64
 NORM_MAX_DIM = 16384
-#: whether a norm whose rows go into an int8-x product quantizes them itself (quant_kernels.quantize_x)
-NORM_QUANTIZE = True
+#: rows up to which a norm whose rows go into an int8-x product quantizes them itself (quant_kernels.quantize_x;
+#: 0: never). H200, Q4_K_M 8B shape, ms a step with and without: 1 row 2.419 against 2.458; 16 rows 5.192
+#: against 5.143 (16 programs each quantizing a whole row lose to quantize_x's 64)
+NORM_QUANTIZE_ROWS = 1
 
 
 def norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
