@@ -3,10 +3,11 @@
 `Kernels()` runs the reference ops (ops.py) as they are: the CPU path and prefill. With `compiled=True`
 each elementwise group becomes one fused kernel through torch.compile, for the CUDA-graph path (a
 batch-1 decode step is otherwise hundreds of tiny kernels). `TritonKernels` also replaces the
-projections of up to 16 rows, attention, the norms of a few rows and the q/k group with Strata's Triton kernels
-(triton_kernels.py), a gated DeltaNet layer between its projections with two or three launches of its
-own (delta_kernels.py), and the gated delta rule elsewhere with fla-core's (fla_kernels.py). Modules call these
-methods and never choose a kernel themselves."""
+projections of up to 16 rows, attention, the norms of a few rows and the q/k group with Strata's
+Triton kernels (triton_kernels.py), a gated DeltaNet layer between its projections with two or three
+launches of its own (delta_kernels.py), and the gated delta rule elsewhere with fla-core's
+(fla_kernels.py). Modules call these methods and never choose a kernel themselves: they may say which
+matrix a norm's rows go into next (`into`), and the kernel set decides what to make of it."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ class Kernels:
 class TritonKernels(Kernels):
     """The compiled set, with Strata's Triton kernels where their shapes allow: projections of up to 16
     rows (the 1-token decode, a verify window, a drafter block), the experts of up to 256 (row, expert)
-    assignments, attention, the norms of up to 64 rows, the q/k norm + RoPE + cache write, and a gated DeltaNet layer between its
+    assignments, attention, the norms of up to 64 rows (a 1-row norm into a quantized product quantizing
+    its row for it), the q/k norm + RoPE + cache write, and a gated DeltaNet layer between its
     projections (delta_kernels.py: three launches in place of ~40). Larger shapes keep cuBLAS (and the
     grouped GEMM for experts). A kernel that fails to build or launch (an older GPU, a
     Triton that rejects it) warns once and leaves its torch path. compiled=False leaves the other

@@ -786,8 +786,8 @@ def _build():
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
-               "quantize_x": quantize_x_kernel, "quantize_blocks": quantize_blocks, "gemv_q4k8c": gemv_q4k8c_kernel, "gemv_q6k8c": gemv_q6k8c_kernel,
-               "gemv_q8_0": gemv_q8_0_kernel,
+               "quantize_x": quantize_x_kernel, "quantize_blocks": quantize_blocks, "gemv_q4k8c": gemv_q4k8c_kernel,
+               "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0": gemv_q8_0_kernel,
                "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
