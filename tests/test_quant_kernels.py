@@ -256,10 +256,29 @@ def test_a_norm_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype):
         assert qk.recall_x8(torch.randn(rows, 512).to(dtype)) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_quantizes_its_one_row_for_the_product_after_it_bit_for_bit(dtype):
+    """attention(quantize=True) of one query row leaves quantize_x's exact result of its output (8 heads of
+    64 over 2 K/V heads: each program's head is two blocks of 32); a window of rows does not quantize."""
+    from strata.layers import triton_kernels as tk
+
+    gen = torch.Generator().manual_seed(13)
+    k, v = torch.randn(2, 90, 2, 64, generator=gen).to(dtype)
+    mask = torch.ones(1, 90, dtype=torch.bool)
+    q = torch.randn(1, 8, 64, generator=gen).to(dtype)
+    out = tk.attention(q, k, v, mask, quantize=True)
+    got = qk.recall_x8(out)
+    assert got is not None and out.equal(tk.attention(q, k, v, mask))
+    for a, b in zip(got, qk.quantize_x(out), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
+    two = tk.attention(q.repeat(2, 1, 1), k, v, mask.repeat(2, 1), quantize=True)
+    assert qk.recall_x8(two) is None
+
+
 def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
     """A Q4_K_M layer's 1-row and 4-row static steps through the Triton set: with the norms quantizing the
-    rows that go into q/k/v and gate/up (Q4_K: int8 x), quantize_x's kernel runs that many times less,
-    and every logit is the same as with it run for every product."""
+    rows that go into q/k/v and gate/up (Q4_K: int8 x), and attention its one row for o, quantize_x's
+    kernel runs that many times less, and every logit is the same as with it run for every product."""
     from strata.layers import triton_kernels as tk
     from strata.layers.kernels import TritonKernels
     from strata.models.random_init import random_target
@@ -286,11 +305,12 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
     for tokens in (torch.tensor([11]), torch.tensor([11, 200, 3, 97])):
         outs, counts = [], []
         for fused in (False, True):
-            monkeypatch.setattr(tk, "NORM_QUANTIZE_ROWS", 16 if fused else 0)  # both layouts (the default: 1 row)
+            monkeypatch.setattr(tk, "QUANTIZE_ROWS", 16 if fused else 0)  # both layouts (the default: 1 row)
             launches.clear()
             recalled.clear()
             outs.append(forward_at(target, tokens, 0, target.make_cache(16), kv_len=16,
                                    kernels=TritonKernels(compiled=False)).logits)
             counts.append((len(launches), sum(recalled)))
         assert outs[1].equal(outs[0])
-        assert counts[0][1] == 0 and counts[1][1] == 2 and counts[1][0] == counts[0][0] - 2, counts
+        fewer = 3 if len(tokens) == 1 else 2  # attention quantizes only one row
+        assert counts[0][1] == 0 and counts[1][1] == fewer and counts[1][0] == counts[0][0] - fewer, counts

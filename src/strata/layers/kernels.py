@@ -7,7 +7,7 @@ projections of up to 16 rows, attention, the norms of a few rows and the q/k gro
 Triton kernels (triton_kernels.py), a gated DeltaNet layer between its projections with two or three
 launches of its own (delta_kernels.py), and the gated delta rule elsewhere with fla-core's
 (fla_kernels.py). Modules call these methods and never choose a kernel themselves: they may say which
-matrix a norm's rows go into next (`into`), and the kernel set decides what to make of it."""
+matrix a norm's or attention's rows go into next (`into`), and the kernel set decides what to make of it."""
 
 from __future__ import annotations
 
@@ -84,7 +84,9 @@ class Kernels:
             return fused if fused is not None else self.silu_mul(gate_up.matmul(x))
         return self.silu_mul(self.linear(x, gate_up))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               into=None) -> torch.Tensor:
+        """q's rows over k/v under mask; into as in rms_norm."""
         if self.attention == "grouped" and q.dim() == 3:
             return ops.attend_grouped(q, k, v, mask, self.masked_softmax)
         return ops.attend_sdpa(q, k, v, mask)
@@ -93,8 +95,8 @@ class Kernels:
 class TritonKernels(Kernels):
     """The compiled set, with Strata's Triton kernels where their shapes allow: projections of up to 16
     rows (the 1-token decode, a verify window, a drafter block), the experts of up to 256 (row, expert)
-    assignments, attention, the norms of up to 64 rows (a 1-row norm into a quantized product quantizing
-    its row for it), the q/k norm + RoPE + cache write, and a gated DeltaNet layer between its
+    assignments, attention, the norms of up to 64 rows (a 1-row norm or attention into a quantized product
+    quantizing its row for it), the q/k norm + RoPE + cache write, and a gated DeltaNet layer between its
     projections (delta_kernels.py: three launches in place of ~40). Larger shapes keep cuBLAS (and the
     grouped GEMM for experts). A kernel that fails to build or launch (an older GPU, a
     Triton that rejects it) warns once and leaves its torch path. compiled=False leaves the other
@@ -163,30 +165,30 @@ class TritonKernels(Kernels):
         return self._either("gated_delta_net",
                             lambda: delta_kernels.gated_delta_net(layer, proj, first, state, self.gated_rms_norm), slow)
 
-    def attend(self, q, k, v, mask):
+    def attend(self, q, k, v, mask, into=None):
         slow = lambda: super(TritonKernels, self).attend(q, k, v, mask)  # noqa: E731
         if self.attention == "grouped" and q.dim() == 3 and self._tk.attention_fits(q, k, v, mask):
-            return self._either("attention", lambda: self._tk.attention(q, k, v, mask), slow)
+            quantize = self._int8_into(into, q.shape[0])
+            return self._either("attention", lambda: self._tk.attention(q, k, v, mask, quantize), slow)
         return slow()
 
     def rms_norm(self, x, weight, eps, into=None):
         slow = lambda: self.groups["rms_norm"](x, weight, eps)  # noqa: E731
         if not self._tk.norm_fits(x, None, weight):
             return slow()
-        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps,
-                                                                  quantize=self._int8_into(into, x)), slow)
+        quantize = self._int8_into(into, x.numel() // x.shape[-1])
+        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, quantize=quantize), slow)
 
     def add_rms_norm(self, x, residual, weight, eps, into=None):
         slow = lambda: self.groups["add_rms_norm"](x, residual, weight, eps)  # noqa: E731
         if not self._tk.norm_fits(x, residual, weight):
             return slow()
-        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual,
-                                                                  quantize=self._int8_into(into, x)), slow)
+        quantize = self._int8_into(into, x.numel() // x.shape[-1])
+        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual, quantize), slow)
 
-    def _int8_into(self, into, x: torch.Tensor) -> bool:
-        """Whether the norm of x quantizes its rows for `into` (a quantized matrix taking int8 x at x's rows)."""
-        rows = x.numel() // x.shape[-1]
-        return rows <= self._tk.NORM_QUANTIZE_ROWS and isinstance(into, QuantWeight) and into.takes_int8(rows)
+    def _int8_into(self, into, rows: int) -> bool:
+        """Whether a kernel quantizes its `rows` rows of output for `into` (a quantized matrix taking int8 x)."""
+        return rows <= self._tk.QUANTIZE_ROWS and isinstance(into, QuantWeight) and into.takes_int8(rows)
 
     def norm_rotate_store(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells):
         args = (qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)

@@ -124,7 +124,8 @@ class Attention(nn.Module):
             q = step.probed(self.index, "q_roped", q)
             step.probe_cells(self.index, "k", kv.k)
             step.probe_cells(self.index, "v", kv.v)
-        a = kernels.attend(q, kv.k.narrow(-3, 0, step.kv_len), kv.v.narrow(-3, 0, step.kv_len), mask)
+        into = self.o_proj.weight if gate is None and step.probe is None else None
+        a = kernels.attend(q, kv.k.narrow(-3, 0, step.kv_len), kv.v.narrow(-3, 0, step.kv_len), mask, into)
         return a if gate is None else a * torch.sigmoid(gate)
 
     def store_context(self, c: torch.Tensor, step: Step, kv: LayerKV) -> None:

@@ -220,9 +220,11 @@ def _build():
         tl.store(o_ptr + part[:, None] * D + d[None, :], acc)
 
     @triton.jit
-    def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, splits, G: tl.constexpr, HK: tl.constexpr,
-                                 D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
-        """One query row of one K/V head per program: all its partials loaded at once."""
+    def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, splits, G: tl.constexpr,
+                                 HK: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr,
+                                 QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+        """One query row of one K/V head per program: all its partials loaded at once. QUANT (one query row):
+        its head's D values also quantized as quantize_x would for one row (quant_kernels.quantize_blocks)."""
         settle(PDL)
         kvh = tl.program_id(0)
         r = tl.program_id(1)
@@ -238,7 +240,12 @@ def _build():
         out = tl.sum(o * scale[:, None], axis=0) / l_sum
         t = r // G
         head = kvh * G + r % G
-        tl.store(out_ptr + (t * (HK * G) + head) * D + d, out.to(out_ptr.dtype.element_ty))
+        out = out.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (t * (HK * G) + head) * D + d, out)
+        if QUANT:
+            kb = head * (D // 32) + tl.arange(0, D // 32)
+            quantize_blocks(tl.reshape(out.to(tl.float32), (D // 32, 32)), kb * 0, kb, kb >= 0, HK * G * D // 32,
+                            1, q_ptr, d_ptr, s_ptr, 16)
 
     @triton.jit
     def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, h_ptr, q_ptr, d_ptr, s_ptr, M, H, KB, MP, eps, stride_x,
@@ -493,10 +500,14 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
             and h // k.shape[-2] <= attention_tiles(d)[0] and mask.stride(-1) == 1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              quantize: bool = False) -> torch.Tensor:
     """ops.attend_grouped's contract: q [T, H, D]; k, v [S, Hkv, D] (rows of a cache layer); mask [T, S]
     bool (True = visible). Returns [T, H*D]. Every query must see at least one cell. More query rows than
-    a program holds (a tree's verify) are split over programs too, in the same launch."""
+    a program holds (a tree's verify) are split over programs too, in the same launch. quantize (one row,
+    32 | D): the output also quantized for the int8-x product that reads it next (as rms_norm's)."""
+    from . import quant_kernels as qk
+
     t, h, d = q.shape
     s, hk, _ = k.shape
     g = h // hk
@@ -516,8 +527,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
         RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4, **pdl.options(q.device))
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
-    kernels["attention_combine"][(hk, t * g)](o, m, l, out, splits, G=g, HK=hk, D=d, RT=row_blocks * rows,
-                                              SPLITS=max(2, pow2(splits)), num_warps=2, **pdl.options(q.device))
+    quantize = quantize and t == 1 and d % 32 == 0
+    buffers = qk.x8_buffers(1, h * d, q.device)[0] if quantize else (out, out, out)
+    kernels["attention_combine"][(hk, t * g)](o, m, l, out, *buffers, splits, G=g, HK=hk, D=d, RT=row_blocks * rows,
+                                              SPLITS=max(2, pow2(splits)), QUANT=quantize, num_warps=2,
+                                              **pdl.options(q.device))
+    if quantize:
+        qk.remember_x8(out, qk.x8_result(buffers))
     return out
 
 
@@ -525,10 +541,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 #: never); hidden sizes up to NORM_MAX_DIM, a row a program
 NORM_MAX_ROWS = 64
 NORM_MAX_DIM = 16384
-#: rows up to which a norm whose rows go into an int8-x product quantizes them itself (quant_kernels.quantize_x;
-#: 0: never). H200, Q4_K_M 8B shape, ms a step with and without: 1 row 2.419 against 2.458; 16 rows 5.192
-#: against 5.143 (16 programs each quantizing a whole row lose to quantize_x's 64)
-NORM_QUANTIZE_ROWS = 1
+#: rows up to which a norm (or attention, at one row) whose output goes into an int8-x product quantizes it
+#: in its own launch (quant_kernels.quantize_x; 0: never). H200, Q4_K_M 8B shape, ms a step with and without
+#: the norms doing it: 1 row 2.419 against 2.458; 16 rows 5.192 against 5.143 (16 programs each quantizing a
+#: whole row lose to quantize_x's 64)
+QUANTIZE_ROWS = 1
 
 
 def norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
