@@ -173,14 +173,14 @@ class TritonKernels(Kernels):
         return slow()
 
     def rms_norm(self, x, weight, eps, into=None):
-        slow = lambda: self.groups["rms_norm"](x, weight, eps)  # noqa: E731
-        if not self._tk.norm_fits(x, None, weight):
-            return slow()
-        quantize = self._int8_into(into, x.numel() // x.shape[-1])
-        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, quantize=quantize), slow)
+        return self._norm(x, None, weight, eps, into, lambda: self.groups["rms_norm"](x, weight, eps))
 
     def add_rms_norm(self, x, residual, weight, eps, into=None):
-        slow = lambda: self.groups["add_rms_norm"](x, residual, weight, eps)  # noqa: E731
+        return self._norm(x, residual, weight, eps, into,
+                          lambda: self.groups["add_rms_norm"](x, residual, weight, eps))
+
+    def _norm(self, x, residual, weight, eps, into, slow):
+        """rms_norm and add_rms_norm (residual given) on the Triton kernel where it fits, else slow()."""
         if not self._tk.norm_fits(x, residual, weight):
             return slow()
         quantize = self._int8_into(into, x.numel() // x.shape[-1])

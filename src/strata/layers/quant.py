@@ -78,8 +78,7 @@ class QuantWeight:
             y = torch.nn.functional.linear(flat, self.dequantize())
         else:
             x8 = None  # one quantized x for every segment that takes it (a fused q/k/v)
-            if len(self.segments) > 1 and any(qk.int8_x(s.qtype, flat.shape[0], self.cols, s.data.numel())
-                                              for s in self.segments):
+            if len(self.segments) > 1 and self.takes_int8(flat.shape[0]):
                 x8 = qk.quantize_x(flat)
             if len(self.segments) == 1:
                 s = self.segments[0]

@@ -976,10 +976,11 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 _X8: list = []  # at most one (weak reference to a tensor, its quantize_x)
 
 
-def remember_x8(x: torch.Tensor, x8: tuple[torch.Tensor, ...]) -> None:
-    """x's quantize_x, made by the kernel that wrote x (a norm), for the one product that reads x next; x
-    is not written in between (inference tensors keep no version count to check it by)."""
-    _X8[:] = [(weakref.ref(x), x8)]
+def remember_x8(x: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> None:
+    """x's quantize_x, written into x8_buffers by the kernel that wrote x (a norm, attention), for the one
+    product that reads x next; x is not written in between (inference tensors keep no version count to
+    check it by)."""
+    _X8[:] = [(weakref.ref(x), x8_result(buffers))]
 
 
 def recall_x8(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:

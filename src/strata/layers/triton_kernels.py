@@ -533,7 +533,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
                                               SPLITS=max(2, pow2(splits)), QUANT=quantize, num_warps=2,
                                               **pdl.options(q.device))
     if quantize:
-        qk.remember_x8(out, qk.x8_result(buffers))
+        qk.remember_x8(out, buffers)
     return out
 
 
@@ -575,7 +575,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         flat.stride(0), r.stride(0), h, h, ADD=residual is not None, QUANT=quantize, SUMS=sums, BLOCK=block,
         num_warps=max(1, min(8, block // 512)), **pdl.options(x.device))
     if quantize:
-        qk.remember_x8(out, qk.x8_result(buffers))
+        qk.remember_x8(out, buffers)
     return out if residual is None else (total, out)
 
 
