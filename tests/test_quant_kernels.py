@@ -87,13 +87,14 @@ def test_dequantize_is_bit_exact_and_products_match(qtype):
     assert torch.equal(qk.gather(data, int(qtype), 512, tokens, torch.float32), w[tokens])
 
 
-@pytest.mark.parametrize("qtype,rows", [(T.Q4_K, 1), (T.Q4_K, 5), (T.Q5_K, 1), (T.Q6_K, 1), (T.Q6_K, 5), (T.Q8_0, 1)],
+@pytest.mark.parametrize("qtype,rows", [(T.Q4_K, 1), (T.Q4_K, 5), (T.Q5_K, 1), (T.Q6_K, 1), (T.Q6_K, 5), (T.Q8_0, 1),
+                                       (T.Q8_0, 5)],
                          ids=lambda v: getattr(v, "name", f"rows {v}"))
 def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every
     offset from a 16-byte boundary (the GEMV's last one reads a chunk past the matrix, which must stay
     masked; the GEMM assembles odd ones' words from two) and Q8_0's blocks at each of their 4 offsets from
-    an 8-byte one, float32 x to 1e-6 and half-precision x as rounded; rows of W not a multiple of a
+    an 8-byte one (both its kernels on int8 x), float32 x to 1e-6 and half-precision x as rounded; rows of W not a multiple of a
     program's, gate/up fused, K slices past the last (Q8_0's gate/up)."""
     raw = blocks(qtype, 10, 2048, 40 + qtype.value)
     w = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)).double()

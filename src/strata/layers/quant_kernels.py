@@ -15,7 +15,8 @@ runs of consecutive bytes of a row: with a thread per (row, superblock), as Q8_0
 touched 32 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
 The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) run on tensor
 cores: Q4_K's on int8 x and its nibbles as int8 (skinny_q4k8_kernel), its integer sums scaled as the
-GEMV scales its dp4a sums, Q6_K's on float tiles built from the words. Block layouts are the GGML
+GEMV scales its dp4a sums, Q8_0's the same way on its bytes (skinny_q8_0_kernel), Q6_K's on float tiles
+built from the words. Block layouts are the GGML
 formats' (ggml-common.h); d and other float16 fields sit at even offsets, so they are read through a
 float16 view of the same bytes."""
 
@@ -714,6 +715,38 @@ def _build():
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
+    def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
+        """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
+        its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
+        blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
+        word, their words joined from two, as in gemv_q8_0_kernel."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rows < N
+        offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        j8 = tl.arange(0, 8)[None, :]
+        acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
+        lo, hi = _k_range(K // 128, SPLIT)
+        for g in range(lo, hi):
+            for blk in tl.static_range(4):
+                xt, xd, _ = _x_block(q_ptr, ds_ptr, K, 4 * g + blk)
+                nxt = ()
+                for s in tl.static_range(2 if GLU else 1):
+                    base = tl.multiple_of(offs[s] + g * 34, 2) + 17 * (blk // 2)  # the word of the pair's first d
+                    if blk % 2 == 0:
+                        d, _ = _half2(tl.load(w32 + base), True)
+                        at = w32 + base[:, None] + j8
+                        qw = (tl.load(at) >> 16) | (tl.load(at + 1) << 16)
+                    else:
+                        _, d = _half2(tl.load(w32 + base + 8), True)
+                        qw = tl.load(w32 + base[:, None] + 9 + j8)
+                    isum = tl.dot(_bytes(qw, ASM), xt, out_dtype=tl.int32)
+                    nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
+                acc = nxt if GLU else (nxt[0], acc[1])
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
+
+    @triton.jit
     def _words_from(w32, base, k0: tl.constexpr, n: tl.constexpr, odd):
         """[R, n] 32-bit words of bytes 4 k0 .. of superblocks that start at word base [R] (odd: 2 bytes later)."""
         at = w32 + base[:, None] + k0 + tl.arange(0, n)[None, :]
@@ -788,7 +821,7 @@ def _build():
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "quantize_x": quantize_x_kernel, "quantize_blocks": quantize_blocks, "gemv_q4k8c": gemv_q4k8c_kernel,
                "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0": gemv_q8_0_kernel,
-               "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel}
+               "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
@@ -881,7 +914,7 @@ SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many 
 
 
 def _split_fits(name: str, block_n: int, split: int, n: int, k: int) -> bool:
-    steps = k // (512 if name == "skinny_q6k" else 256)
+    steps = k // {"skinny_q6k": 512, "skinny_q8_0": 128}.get(name, 256)
     return split == 1 or (cdiv(n, block_n) * split <= SPLIT_PROGRAMS and split <= steps)
 
 
@@ -908,10 +941,11 @@ def _counters(device) -> torch.Tensor:
 INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0"}
 #: the GEMVs with lanes along K (LANE_K_CONFIGS); the others take a thread per (row, block)
 LANE_K_GEMVS = ("gemv_q4k8c", "gemv_q6k8c")
-#: the types with a few-row GEMM of their own on 32-bit words (skinny_q4k8 on int8 x and integer tensor cores)
-WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k"}
+#: the types with a few-row GEMM of their own on 32-bit words (skinny_q4k8 and skinny_q8_0 on int8 x and integer
+#: tensor cores, as their GEMVs compute)
+WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k", Q8_0: "skinny_q8_0"}
 #: the kernels that take x as quantize_x makes it; the few-row ones take X_ROWS rows of it
-INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8"}
+INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8", "skinny_q8_0"}
 X_ROWS = 16
 
 
@@ -919,8 +953,10 @@ def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0) -> str | Non
     """The word kernel for this product over a matrix of nbytes, if any. Q6_K's 210-byte superblocks lie
     anywhere in 16-byte chunks: its GEMV reads chunks from 16-byte boundaries of the row, so its rows must
     start on one (2048 | cols), and its byte offsets are int32 (nbytes < 2 GiB); its GEMM takes superblocks
-    in pairs from 4-byte boundaries (512 | cols)."""
+    in pairs from 4-byte boundaries (512 | cols). Q8_0's GEMM takes blocks in fours (128 | cols)."""
     if qtype == Q6_K and (cols % (2048 if rows == 1 else 512) or (rows == 1 and nbytes >= 2 ** 31)):
+        return None
+    if qtype == Q8_0 and rows > 1 and cols % 128:
         return None
     return (INT8_GEMVS if rows == 1 else WORD_KERNELS).get(qtype)
 
