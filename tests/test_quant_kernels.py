@@ -94,8 +94,8 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every
     offset from a 16-byte boundary (the GEMV's last one reads a chunk past the matrix, which must stay
     masked; the GEMM assembles odd ones' words from two) and Q8_0's blocks at each of their 4 offsets from
-    an 8-byte one (both its kernels on int8 x), float32 x to 1e-6 and half-precision x as rounded; rows of W not a multiple of a
-    program's, gate/up fused, K slices past the last (Q8_0's gate/up)."""
+    an 8-byte one (both its kernels on int8 x), float32 x to 1e-6 and half-precision x as rounded; rows of W
+    not a multiple of a program's, gate/up fused, K slices past the last (Q8_0's gate/up)."""
     raw = blocks(qtype, 10, 2048, 40 + qtype.value)
     w = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)).double()
     data = torch.from_numpy(raw.copy())

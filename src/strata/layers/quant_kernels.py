@@ -16,9 +16,8 @@ touched 32 cache lines, and the L1 and L2 requests, not the instructions, bound 
 The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) run on tensor
 cores: Q4_K's on int8 x and its nibbles as int8 (skinny_q4k8_kernel), its integer sums scaled as the
 GEMV scales its dp4a sums, Q8_0's the same way on its bytes (skinny_q8_0_kernel), Q6_K's on float tiles
-built from the words. Block layouts are the GGML
-formats' (ggml-common.h); d and other float16 fields sit at even offsets, so they are read through a
-float16 view of the same bytes."""
+built from the words. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit
+at even offsets, so they are read through a float16 view of the same bytes."""
 
 from __future__ import annotations
 
