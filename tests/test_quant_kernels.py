@@ -177,13 +177,14 @@ def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
 
 def test_random_quantized_targets_follow_the_file_type_and_the_floor_counts_their_bytes():
     """`strata bench --quant` builds these: Q4_K_M gives the LM head and the 'more bits' layers' v and down
-    Q6_K (llama.cpp's rule), the rest Q4_K; a token reads the blocks of every matrix but one embedding row."""
+    Q6_K (llama.cpp's rule), the rest Q4_K; a token reads the blocks of every matrix but one embedding row.
+    On the CPU they are dequantized at build, as a GGUF file is at load."""
     from strata.bench.run import bytes_per_token
     from strata.layers.quant import use_more_bits
     from strata.models.random_init import random_target
 
     shape = dict(hidden_size=256, intermediate_size=256, head_dim=64, vocab_size=512, num_hidden_layers=8)
-    t = random_target("tiny", quant="Q4_K_M", **shape)
+    t = random_target("tiny", quant="Q4_K_M", quantized=True, **shape)
     assert [s.qtype for s in t.lm_head.weight.segments] == [int(T.Q6_K)]
     for i, layer in enumerate(t.layers):
         more = use_more_bits(i, 8)
@@ -196,6 +197,12 @@ def test_random_quantized_targets_follow_the_file_type_and_the_floor_counts_thei
     kv = 2 * 8 * 100 * 2 * 64 * 4
     assert bytes_per_token(t, 100) == blocks - emb + emb // 512 + kv
     assert t.embed_tokens.weight.nbytes == 512 * 256 // 256 * 144
+    # the CPU's default, as a GGUF file's: the same blocks dequantized by gguf's reference, plain parameters
+    plain = random_target("tiny", quant="Q4_K_M", **shape)
+    assert not any(isinstance(v, QuantWeight) for m in plain.modules() for v in vars(m).values())
+    for name in ("lm_head", "embed_tokens", "layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj"):
+        assert torch.equal(plain.get_submodule(name).weight, t.get_submodule(name).weight.dequantize()), name
+    assert plain.forward_batch(torch.tensor([[5, 17, 200]])).logits.isfinite().all()
 
 
 def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization_does(tmp_path, monkeypatch):
@@ -289,8 +296,8 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
     for name, shapes in (("GEMV_CONFIGS", [(128, 4, 4)]), ("SKINNY_CONFIGS", [(128, 4, 4)]),
                          ("LANE_K_CONFIGS", [(1, 256, 4)]), ("WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])):
         monkeypatch.setattr(qk, name, shapes)  # wide blocks: few interpreted programs
-    target = random_target("tiny", quant="Q4_K_M", hidden_size=256, intermediate_size=256, head_dim=64,
-                           vocab_size=256, num_hidden_layers=1)
+    target = random_target("tiny", quant="Q4_K_M", quantized=True, hidden_size=256, intermediate_size=256,
+                           head_dim=64, vocab_size=256, num_hidden_layers=1)
     launches, recalled = [], []
 
     class Counted:

@@ -169,7 +169,8 @@ def build_parser(commands) -> argparse.ArgumentParser:
     be = sub.add_parser("bench", help="Strata target-only vs DFlash vs HF generate vs the bandwidth floor")
     be.add_argument("--shape", choices=list(SHAPES), help="random weights of a named shape")
     be.add_argument("--quant", choices=["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"],
-                    help="with --shape: random valid GGUF blocks of this llama.cpp file type, kept quantized")
+                    help="with --shape: random valid GGUF blocks of this llama.cpp file type, kept "
+                         "quantized on a GPU, dequantized on the CPU (as a GGUF file is)")
     be.add_argument("--drafter-layers", type=int, metavar="N", help="a random DFlash drafter of this many layers")
     be.add_argument("--block-size", type=int, default=16, help="block size of the random drafter (default 16)")
     be.add_argument("--prompt-len", type=int, default=512, metavar="N", help="random prompt tokens (without --prompt)")

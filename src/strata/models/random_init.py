@@ -50,10 +50,12 @@ def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
 
 
 def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: int = 0, quant: str | None = None,
-                  **overrides):
+                  quantized: bool | None = None, **overrides):
     """A random-weight target built directly on the device (no files: an 8B shape needs no download). With
     quant (a llama.cpp file type: Q4_K_M, Q8_0, ...) its matrices are random valid GGUF blocks of the
-    types that file type gives them, kept quantized."""
+    types that file type gives them, kept quantized on a GPU (or with quantized=True: the Triton kernels
+    then run, in the interpreter on the CPU) and on the CPU dequantized by gguf's reference, as load_target
+    keeps a GGUF file's."""
     hf = qwen3_config(**{**SHAPES[shape], **overrides})
     fam = family_for(hf, Path(f"<random {shape}>"))
     cfg = fam.config(hf, Path(f"<random {shape}>"))
@@ -73,7 +75,26 @@ def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: 
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02))
+    if quant is not None and not (torch.device(device).type == "cuda" if quantized is None else quantized):
+        dequantize_blocks(model, dtype)
     return model.tie_weights_().eval().requires_grad_(False)
+
+
+def dequantize_blocks(model, dtype) -> None:
+    """Every quantized matrix of the model replaced by its values, dequantized by gguf's reference
+    (gguf.quants.dequantize), as parameters of dtype."""
+    import gguf
+    from gguf import quants
+
+    from ..layers.quant import QuantWeight
+
+    for module in model.modules():
+        for attr, w in list(vars(module).items()):
+            if isinstance(w, QuantWeight):
+                values = torch.cat([torch.from_numpy(quants.dequantize(s.data.cpu().numpy(), gguf.GGMLQuantizationType(
+                    s.qtype))) for s in w.segments]).to(device=w.segments[0].data.device, dtype=dtype)
+                delattr(module, attr)
+                module.register_parameter(attr, torch.nn.Parameter(values, requires_grad=False))
 
 
 def quantize_randomly(model, cfg, recipe: str, device, dtype, gen) -> None:
