@@ -156,7 +156,6 @@ def values(info: TensorInfo, shape: tuple, where: str) -> torch.Tensor:
     """A tensor's values: F32/F16/BF16 as stored, quantized types (matrices only) dequantized to float32 by
     gguf's reference (gguf.quants.dequantize)."""
     import gguf
-    from gguf import quants
 
     T = gguf.GGMLQuantizationType
     if tuple(reversed(info.shape)) != shape:
@@ -181,7 +180,17 @@ def values(info: TensorInfo, shape: tuple, where: str) -> torch.Tensor:
     if shape[-1] % block or data.nbytes != int(np.prod(shape)) // block * type_size:
         raise ArtifactError(f"{where}: tensor '{info.name}' data is truncated or its rows are not whole "
                             f"{info.type.name} blocks of {block}")
-    return torch.from_numpy(quants.dequantize(data, info.type).reshape(shape).astype(np.float32, copy=False))
+    return reference_values(data, info.type).reshape(shape)
+
+
+def reference_values(blocks: np.ndarray, qtype) -> torch.Tensor:
+    """Quantized blocks (bytes, the last axis whole blocks) as float32 values, by gguf's reference
+    (gguf.quants.dequantize): what the CPU keeps of a quantized matrix."""
+    import gguf
+    from gguf import quants
+
+    return torch.from_numpy(quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)).astype(np.float32,
+                                                                                                copy=False))
 
 
 def rows_of_blocks(info: TensorInfo, shape: tuple) -> torch.Tensor:

@@ -82,17 +82,15 @@ def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: 
 
 def dequantize_blocks(model, dtype) -> None:
     """Every quantized matrix of the model replaced by its values, dequantized by gguf's reference
-    (gguf.quants.dequantize), as parameters of dtype."""
-    import gguf
-    from gguf import quants
-
+    (gguf_file.reference_values), as parameters of dtype."""
+    from ..gguf_file import reference_values
     from ..layers.quant import QuantWeight
 
     for module in model.modules():
         for attr, w in list(vars(module).items()):
             if isinstance(w, QuantWeight):
-                values = torch.cat([torch.from_numpy(quants.dequantize(s.data.cpu().numpy(), gguf.GGMLQuantizationType(
-                    s.qtype))) for s in w.segments]).to(device=w.segments[0].data.device, dtype=dtype)
+                values = torch.cat([reference_values(s.data.cpu().numpy(), s.qtype) for s in w.segments])
+                values = values.to(device=w.segments[0].data.device, dtype=dtype)
                 delattr(module, attr)
                 module.register_parameter(attr, torch.nn.Parameter(values, requires_grad=False))
 
