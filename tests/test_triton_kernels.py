@@ -251,3 +251,39 @@ def test_a_moe_step_runs_the_expert_gemvs(monkeypatch):
     close(outs[1].logits, outs[0].logits, torch.float32)
     assert outs[1].logits.argmax(-1).equal(outs[0].logits.argmax(-1))
     assert len(calls) == len(target.cfg.moe.layers) == 2
+
+
+def test_experts_in_host_memory_run_in_static_shapes():
+    """A MoE target with most experts in host memory (an expert cache): its static 12-row step, through the
+    torch set and through TritonKernels (the per-assignment GEMVs: the stand-ins for the host's experts
+    repeat within a row, which the grouped kernel does not serve), keeps the eager step's logits; while a
+    step is captured each sparse layer hands its host work over (graph_breaks) instead of running it."""
+    from strata.layers import graph_breaks
+    from strata.models.placement import sparse_layers
+
+    target = random_target("tiny-moe", seed=2, num_hidden_layers=2)
+    prompt = torch.randint(0, target.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
+    window = torch.randint(0, target.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(6))
+
+    def step(kernels):
+        cache = target.make_cache(64)
+        forward_at(target, prompt, 0, cache)
+        return forward_at(target, window, 9, cache, kv_len=64, kernels=kernels)
+
+    want = step(EAGER)
+    moes = sparse_layers(target)
+    for moe in moes:
+        moe.place([0, 3])
+    for kernels in (Kernels(attention="grouped", static=True), TritonKernels(compiled=False)):
+        got = step(kernels)
+        close(got.logits, want.logits, torch.float32)
+        assert got.logits.argmax(-1).equal(want.logits.argmax(-1))
+    assert all(moe.timing["host_experts"] > 0 for moe in moes)
+    fills = []
+    cache = target.make_cache(64)
+    forward_at(target, prompt, 0, cache)
+    for moe in moes:
+        moe.timing.clear()
+    with graph_breaks.splitting(fills.append):
+        forward_at(target, window, 9, cache, kv_len=64, kernels=Kernels(attention="grouped", static=True))
+    assert len(fills) == len(moes) == 2 and not any(moe.timing for moe in moes)

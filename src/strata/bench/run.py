@@ -168,26 +168,26 @@ def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], ru
 def graph_profile(engine: Engine, reps: int = 20) -> dict:
     """Kernel time vs wall time of each captured step, replayed back to back: how far a step is from
     its kernels' own time (launch gaps), and which kernels dominate."""
-    graphs = engine.runner.graphs.graphs
-    if not graphs:
+    graphs = engine.runner.graphs
+    if not graphs.graphs:
         return {}
     from torch.profiler import ProfilerActivity, profile
 
     out = {}
-    for key, (graph, _) in graphs.items():
+    for key, (parts, _) in graphs.graphs.items():
         name = "-".join(str(k) for k in key) if isinstance(key, tuple) else str(key)
-        graph.replay()
+        graphs.replay(key)
         sync(engine.target.device)
         t0 = time.perf_counter()
         for _ in range(reps):
-            graph.replay()
+            graphs.replay(key)
         sync(engine.target.device)
         wall_ms = 1e3 * (time.perf_counter() - t0) / reps
-        entry = {"wall_ms": wall_ms}
+        entry = {"wall_ms": wall_ms, "segments": (len(parts) + 1) // 2}
         try:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(reps):
-                    graph.replay()
+                    graphs.replay(key)
                 sync(engine.target.device)
             kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
                        and str(e.device_type).endswith("CUDA")]

@@ -20,6 +20,7 @@ import torch
 
 from ..cache import aligned_cells
 from ..errors import StrataError
+from ..layers import graph_breaks
 from ..layers.kernels import EAGER, TritonKernels, select_kernels
 from ..layers.modules import Step
 from ..models.decoder import ForwardOut
@@ -36,12 +37,15 @@ class CudaGraphs:
     overhead, not the GPU, sets the speed. A captured step only reads and writes tensors whose
     addresses never change (caches, input buffers, its own outputs). A step must be idempotent
     (running it twice on the same inputs has the effect of running it once), because capture runs it
-    once for real before recording it."""
+    once for real before recording it. A step with host work inside (graph_breaks.on_host: a MoE
+    layer's experts in host memory) is captured as segments in one memory pool, its host work run
+    between them at each replay."""
 
     def __init__(self, device: torch.device, enabled: bool = True):
         self.enabled = enabled and torch.device(device).type == "cuda"
-        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.graphs: dict[Hashable, tuple[list[Callable[[], None]], object]] = {}  # key: (replay's parts, result)
         self.capture_s = 0.0
+        self.stream = torch.cuda.Stream() if self.enabled else None
 
     def run(self, key: Hashable, fn: Callable[[], object]):
         """fn()'s result; on CUDA from a graph captured the first time `key` is run."""
@@ -55,15 +59,40 @@ class CudaGraphs:
             with torch.cuda.stream(side):
                 fn()  # lazy initialisation (cuBLAS workspaces, kernel selection) stays out of the graph
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fn()
-            self.graphs[key] = entry = (graph, out)
-            torch.cuda.synchronize()
+            self.graphs[key] = self.capture(fn)
             self.capture_s += time.perf_counter() - t0
-        graph, out = entry
-        graph.replay()
+        return self.replay(key)
+
+    def replay(self, key: Hashable):
+        """The step captured under key, run again: its graphs and the host work between them."""
+        parts, out = self.graphs[key]
+        for part in parts:
+            part()
         return out
+
+    def capture(self, fn: Callable[[], object]) -> tuple[list[Callable[[], None]], object]:
+        """fn recorded as its replay's parts (graphs, and the host work between them) and its result."""
+        torch.cuda.synchronize()
+        pool, parts = torch.cuda.graph_pool_handle(), []
+        graph = torch.cuda.CUDAGraph()
+
+        def split(fill):
+            nonlocal graph
+            graph.capture_end()
+            parts.extend((graph.replay, fill))
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=pool)
+
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=pool)
+            try:
+                with graph_breaks.splitting(split):
+                    out = fn()
+            finally:
+                graph.capture_end()
+        parts.append(graph.replay)
+        torch.cuda.synchronize()
+        return parts, out
 
 
 class HostCopy:
@@ -113,9 +142,8 @@ class ModelRunner:
                               "for a fixed window; drop --adaptive-window")
         self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if spare else self.max_len,
                                        rows=self.rows)
-        graphs = cfg.graphs and not target.host_experts
-        self.graphs = CudaGraphs(dev, enabled=graphs and cfg.static)
-        self.kernels = select_kernels(dev, cfg.static, graphs, cfg.compile, cfg.triton, cfg.attention)
+        self.graphs = CudaGraphs(dev, enabled=cfg.graphs and cfg.static)
+        self.kernels = select_kernels(dev, cfg.static, cfg.graphs, cfg.compile, cfg.triton, cfg.attention)
         self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.candidates = torch.zeros(window - 1, dtype=torch.long, device=dev)

@@ -53,12 +53,15 @@ class Kernels:
         return F.linear(x, w, b)
 
     def experts(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                experts: torch.Tensor) -> torch.Tensor:
+                experts: torch.Tensor, reduce=None, repeats: bool = False) -> torch.Tensor:
         """Routed rows h [N, H] through their experts (ops.experts_routed's contract): over each expert's rows
-        (eager), or in static shapes as a grouped GEMM (gathered per row where torch has none for the type)."""
-        run = ops.experts_routed if not self.static else \
-            ops.experts_grouped if ops.grouped_gemm_fits(h) else ops.experts_gathered
-        return run(h, gate_up, down, weights, experts)
+        (eager), or in static shapes as a grouped GEMM (gathered per row where torch has none for the type).
+        Static sets only: reduce sums the outputs [N, k, H] in place of sum_slots; repeats, a row may name
+        an expert more than once (stand-ins for experts run elsewhere)."""
+        if not self.static:
+            return ops.experts_routed(h, gate_up, down, weights, experts)
+        run = ops.experts_grouped if ops.grouped_gemm_fits(h) else ops.experts_gathered
+        return run(h, gate_up, down, weights, experts, reduce=reduce or ops.sum_slots)
 
     def route(self, h: torch.Tensor, router, top_k: int, renormalize: bool):
         """A MoE layer's routing (ops.route's contract)."""
@@ -139,12 +142,14 @@ class TritonKernels(Kernels):
             return slow()
         return self._either(name, lambda: getattr(self._tk, name)(x, gate_up, glu=True), slow)
 
-    def experts(self, h, gate_up, down, weights, experts):
+    def experts(self, h, gate_up, down, weights, experts, reduce=None, repeats=False):
         args = (h, gate_up, down, weights, experts)
-        slow = lambda: super(TritonKernels, self).experts(*args)  # noqa: E731
+        slow = lambda: super(TritonKernels, self).experts(*args, reduce=reduce)  # noqa: E731
         if not self._tk.experts_fit(gate_up, down, experts):
             return slow()
-        return self._either("experts", lambda: self._tk.experts(*args, reduce=self.sum_slots), slow)
+        grouped = False if repeats else None  # the grouped kernel serves an expert at most once a row
+        return self._either("experts", lambda: self._tk.experts(*args, reduce=reduce or self.sum_slots,
+                                                                 grouped=grouped), slow)
 
     def route(self, h, router, top_k, renormalize):
         slow = lambda: ops.route(h, router, top_k, renormalize)  # noqa: E731

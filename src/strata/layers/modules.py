@@ -7,13 +7,14 @@ the first `kv_len` cells under the step's mask: nothing else is read."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
-from . import ops
+from . import graph_breaks, ops
 from .kernels import EAGER, Kernels
 from .rotary import Rope
 
@@ -187,7 +188,7 @@ class SparseMoE(nn.Module):
         """Keep the experts `resident` in the parameters (they go wherever the model goes) and move the
         others to host memory (pinned for fast copies when pin), where the CPU runs them; called before
         the model moves to its device, so the host experts never occupy it. Each forward then reads its
-        routing on the host (ops.experts_placed)."""
+        routing on the host (ops.experts_placed; placed in static shapes)."""
         stay = sorted(set(resident))
         away = sorted(set(range(self.experts)) - set(stay))
         if not away:
@@ -203,12 +204,15 @@ class SparseMoE(nn.Module):
         self.gate_up_proj = nn.Parameter(gate_up[:, stay].contiguous(), requires_grad=False)
         self.down_proj = nn.Parameter(down[stay].contiguous(), requires_grad=False)
         self.slot = slot
+        self.register_buffer("stand_in", torch.tensor([max(i, 0) for i in slot]), persistent=False)
         self.timing: dict[str, float] = {}
 
     def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         flat = h.reshape(-1, h.shape[-1])
         weights, experts = kernels.route(flat, self.gate.weight, self.top_k, self.renormalize)
-        if self.host_experts:
+        if self.host_experts and kernels.static:
+            out = self.placed(flat, weights, experts, kernels)
+        elif self.host_experts:
             out = ops.experts_placed(flat, self.gate_up_proj, self.down_proj, self.host_gate_up, self.host_down,
                                      self.slot, weights, experts, self.timing)
         else:
@@ -217,6 +221,62 @@ class SparseMoE(nn.Module):
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(h, kernels)) * self.shared_expert(h, kernels)
         return out
+
+
+    def placed(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        """ops.experts_placed in static shapes, no host read among the device's work (a CUDA graph captures
+        it in two segments): the device's experts run every (row, expert) pair, a pair whose expert is in
+        host memory through a stand-in (stand_in: its resident expert 0), and the host's outputs replace
+        the stand-ins' before each row's outputs are summed. The host's pairs run at graph_breaks.on_host,
+        once the device's work up to them (its experts included) is done."""
+        host_y = torch.empty(*experts.shape, h.shape[-1], dtype=h.dtype, device=h.device)
+        host = torch.empty(experts.shape, dtype=torch.bool, device=h.device)
+        fill = HostExperts(self, h, experts, host_y, host)
+        if not self.gate_up_proj.shape[1]:
+            graph_breaks.on_host(fill)
+            return kernels.sum_slots(host_y, weights, h.dtype)
+
+        def reduce(y, weights, dtype):
+            graph_breaks.on_host(fill)
+            return kernels.sum_slots(torch.where(host[..., None], host_y, y), weights, dtype)
+
+        return kernels.experts(h, self.gate_up_proj, self.down_proj, weights, self.stand_in[experts], reduce=reduce,
+                               repeats=True)
+
+
+class HostExperts:
+    """A sparse layer's host work in static shapes (SparseMoE.placed): its rows and routing copied to the
+    host (pinned buffers on a GPU), the experts in host memory run there (ops.host_expert_outputs), their
+    outputs and where they go copied into device tensors that the rest of the step reads. Timed into the
+    layer's timing as experts_placed is."""
+
+    def __init__(self, moe: SparseMoE, h: torch.Tensor, experts: torch.Tensor, y: torch.Tensor,
+                 host: torch.Tensor):
+        self.moe, self.h, self.experts, self.y, self.host = moe, h, experts, y, host
+        self.buffers = None  # the host's side, made at the first call: never while a graph is captured
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        if self.buffers is None:
+            pin = self.h.is_cuda
+            self.buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                            for t in (self.h, self.experts, self.y, self.host)]
+            self.ready = torch.cuda.Event() if pin else None
+        h, experts, y, host = self.buffers
+        h.copy_(self.h, non_blocking=True)
+        experts.copy_(self.experts, non_blocking=True)
+        if self.ready is not None:
+            self.ready.record()
+            self.ready.synchronize()
+        t1 = time.perf_counter()
+        moe = self.moe
+        outputs = ops.host_expert_outputs(h, experts, moe.host_gate_up, moe.host_down, moe.slot)
+        for buf, t, out in zip((y, host), outputs, (self.y, self.host)):
+            buf.copy_(t)
+            out.copy_(buf, non_blocking=True)  # the next call's wait on ready comes after this copy
+        timing = moe.timing
+        timing["routing_read"] = timing.get("routing_read", 0.0) + t1 - t0
+        timing["host_experts"] = timing.get("host_experts", 0.0) + time.perf_counter() - t1
 
 
 class DecoderLayer(nn.Module):

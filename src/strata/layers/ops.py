@@ -147,22 +147,23 @@ def experts_routed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w
 
 
 def experts_gathered(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                     experts: torch.Tensor) -> torch.Tensor:
+                     experts: torch.Tensor, reduce=sum_slots) -> torch.Tensor:
     """experts_routed in static shapes, with no host read (CUDA-graph safe): slot by slot, every row's
-    expert matrices gathered on the device and applied as batched matrix-vector products."""
+    expert matrices gathered on the device and applied as batched matrix-vector products; the outputs
+    [N, k, H] summed by reduce (sum_slots' contract)."""
     x = h[:, :, None]
     y = []
     for e in experts.T:
         a = F.silu(torch.bmm(gate_up[0, e], x)) * torch.bmm(gate_up[1, e], x)
         y.append(torch.bmm(down[e], a)[..., 0])
-    return sum_slots(torch.stack(y, dim=1), weights, h.dtype)
+    return reduce(torch.stack(y, dim=1), weights, h.dtype)
 
 
 def experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                    experts: torch.Tensor) -> torch.Tensor:
+                    experts: torch.Tensor, reduce=sum_slots) -> torch.Tensor:
     """experts_routed in static shapes, with no host read (CUDA-graph safe), reading only the experts hit:
     every (row, expert) pair sorted by expert, each expert's rows one group of a grouped GEMM
-    (torch._grouped_mm)."""
+    (torch._grouped_mm); the outputs [N, k, H] summed by reduce (sum_slots' contract)."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     perm = torch.argsort(flat, stable=True)
@@ -172,7 +173,7 @@ def experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     x = h.index_select(0, perm // k)
     a = F.silu(torch._grouped_mm(x, gate_up[0].mT, offs=offs)) * torch._grouped_mm(x, gate_up[1].mT, offs=offs)
     y = torch.empty_like(x).index_copy_(0, perm, torch._grouped_mm(a, down.mT, offs=offs)).view(n, k, -1)
-    return sum_slots(y, weights, h.dtype)
+    return reduce(y, weights, h.dtype)
 
 
 def grouped_gemm_fits(h: torch.Tensor) -> bool:
@@ -196,28 +197,35 @@ def experts_placed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, h
     t1 = time.perf_counter()
     host_s = 0.0
     y = torch.zeros(*routed.shape, h.shape[-1], dtype=h.dtype, device=h.device)
-    on_host = []
-    for e in torch.unique(routed).tolist():
-        rows, slots = torch.where(routed == e)
-        if slot[e] < 0:
-            on_host.append((-1 - slot[e], rows, slots))
-        else:
-            r, s = rows.to(h.device), slots.to(h.device)
-            y[r, s] = expert(h[r], gate_up, down, slot[e])
-    if on_host:
+    hit = torch.unique(routed).tolist()
+    for e in hit:
+        if slot[e] >= 0:
+            rows, slots = (t.to(h.device) for t in torch.where(routed == e))
+            y[rows, slots] = expert(h[rows], gate_up, down, slot[e])
+    if any(slot[e] < 0 for e in hit):
         t2 = time.perf_counter()
-        hx = h.cpu()
-        host_y = torch.zeros(*routed.shape, h.shape[-1], dtype=h.dtype)
-        host = torch.zeros(routed.shape, dtype=torch.bool)
-        for j, rows, slots in on_host:
-            host_y[rows, slots] = expert(hx[rows], host_gate_up, host_down, j)
-            host[rows, slots] = True
+        host_y, host = host_expert_outputs(h.cpu(), routed, host_gate_up, host_down, slot)
         y = torch.where(host.to(h.device)[..., None], host_y.to(h.device), y)
         host_s = time.perf_counter() - t2
     if timing is not None:
         timing["routing_read"] = timing.get("routing_read", 0.0) + t1 - t0
         timing["host_experts"] = timing.get("host_experts", 0.0) + host_s
     return sum_slots(y, weights, h.dtype)
+
+
+def host_expert_outputs(hx: torch.Tensor, routed: torch.Tensor, host_gate_up: torch.Tensor, host_down: torch.Tensor,
+                        slot: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the host, rows hx [N, H] through those of their experts (routing `routed` [N, k]) that live in host
+    memory (slot[e] < 0, as experts_placed): their outputs [N, k, H] (zero elsewhere) and where they are
+    [N, k] (bool)."""
+    y = torch.zeros(*routed.shape, hx.shape[-1], dtype=hx.dtype)
+    host = torch.zeros(routed.shape, dtype=torch.bool)
+    for e in torch.unique(routed).tolist():
+        if slot[e] < 0:
+            rows, slots = torch.where(routed == e)
+            y[rows, slots] = expert(hx[rows], host_gate_up, host_down, -1 - slot[e])
+            host[rows, slots] = True
+    return y, host
 
 
 def causal_conv(x_full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,8 @@ class DecoderLM(nn.Module):
     @property
     def host_experts(self) -> int:
         """Experts an expert cache left in host memory (models/placement.py): each forward reads its routing
-        on the host, so the steps cannot be captured in CUDA graphs."""
+        on the host, so a captured step is a CUDA graph per stretch between sparse layers
+        (layers/graph_breaks.py)."""
         return sum(getattr(layer.mlp, "host_experts", 0) for layer in self.layers)
 
     @property
