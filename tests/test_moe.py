@@ -157,3 +157,48 @@ def test_expert_cache_never_changes_the_output(tmp_path, capsys):
     assert "in host memory, run by the CPU" in err and ": 6 (0.01 GiB)" in err
     assert main(["generate", "--model", str(path), "--expert-cache", "-1", "--prompt-ids", "3", "--ids"]) == 2
     assert "--expert-cache must be >= 0 MiB, got -1" in capsys.readouterr().err
+
+
+def test_placement_by_prefill_routing(tmp_path, capsys):
+    """--expert-placement prefill: the first prefill's routing decides which experts each layer keeps on the
+    device (the most chosen; ties: those already there, then lower ids), every expert's matrices move with
+    it (rebuilt from device and host stacks they equal the checkpoint's), later prefills move nothing, and
+    the tokens stay transformers', eager and static, with DFlash too."""
+    from strata.cli import main
+    from strata.engine.loader import PairSpec, load_pair
+    from strata.models.placement import sparse_layers
+
+    path, hf = write_hf_model(tmp_path / "big", "qwen3_moe", seed=5, hidden_size=128, intermediate_size=256,
+                              layers=2, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=1024,
+                              norm_topk_prob=True)
+    drafter_dir = write_hf_drafter(tmp_path / "drafter", hidden=128, layers=1, taps=(0, 1), block_size=8, seed=4,
+                                   num_target_layers=2, scale=0.2)
+    full = [(moe.gate_up_proj.detach().clone(), moe.down_proj.detach().clone())
+            for moe in sparse_layers(load_target(path))]
+    prompt = [3, 99, 14, 250, 8, 8, 41, 17, 5, 6, 7, 5, 6, 7, 5]
+    pair = load_pair(PairSpec(model=str(path), dflash=str(drafter_dir), expert_cache=3, expert_placement="prefill"))
+    target, plan = pair.target, pair.target.expert_plan
+    assert plan.resident == [1, 1] and plan.moved is None
+    Engine(target, max_len=64).runner.prefill(prompt)
+    counts = [moe.counts.clone() for moe in sparse_layers(target)]
+    assert [int(c.sum()) for c in counts] == [len(prompt)] * 2
+    kept = [[e for e in range(4) if moe.slot[e] >= 0] for moe in sparse_layers(target)]
+    assert kept == [[max(range(4), key=lambda e: (int(c[e]), e == 0, -e))] for c in counts]
+    assert plan.moved == sum(k != [0] for k in kept) > 0
+    for moe, (gate_up, down) in zip(sparse_layers(target), full):
+        for e, s in enumerate(moe.slot):
+            src_gate_up, src_down, i = (moe.gate_up_proj, moe.down_proj, s) if s >= 0 else \
+                (moe.host_gate_up, moe.host_down, -1 - s)
+            assert src_gate_up[:, i].equal(gate_up[:, e]) and src_down[i].equal(down[e])
+        assert moe.stand_in.tolist() == [max(s, 0) for s in moe.slot]
+    Engine(target, max_len=64).runner.prefill(prompt[::-1])
+    assert [[e for e in range(4) if moe.slot[e] >= 0] for moe in sparse_layers(target)] == kept
+    want = hf_greedy(hf, prompt, 24)
+    for static in (False, True):
+        assert Engine(target, max_len=64, static=static).generate(prompt, 24).output_ids == want
+        assert Engine(target, pair.drafter, max_len=64, static=static, window=8).generate(prompt, 24).output_ids == want
+    assert main(["generate", "--model", str(path), "--expert-cache", "3", "--expert-placement", "prefill",
+                 "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "4", "--ids"]) == 0
+    assert "which: those each layer's rows choose most in the first prompt's prefill" in capsys.readouterr().err
+    with pytest.raises(StrataError, match="--expert-placement must be one of static, prefill, got 'often'"):
+        PairSpec(model=str(path), expert_placement="often")

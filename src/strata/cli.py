@@ -18,7 +18,8 @@ def pair_spec(args, model: str | None = None):
 
     return PairSpec(model=model or args.model, device=args.device, dtype=args.dtype, dflash=args.dflash,
                     no_dflash=args.no_dflash, prompt_lookup=args.prompt_lookup, dflash_window=args.dflash_window,
-                    expert_cache=getattr(args, "expert_cache", None))
+                    expert_cache=getattr(args, "expert_cache", None),
+                    expert_placement=getattr(args, "expert_placement", "static"))
 
 
 def engine_config(args, window: int | None = None):

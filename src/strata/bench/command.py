@@ -57,7 +57,8 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
         if pair.expert_cache is not None:  # random weights are made on the device: only a pinned budget moves some
             from ..models.placement import place_experts
 
-            place_experts(target, target.device, pair.expert_cache, engine.context(target.cfg))
+            place_experts(target, target.device, pair.expert_cache, engine.context(target.cfg),
+                          by=pair.expert_placement)
         label, tokenizer, dflash = bench.shape + (f"-{bench.quant}" if bench.quant else ""), None, pair.dflash
         loaded = None
     else:

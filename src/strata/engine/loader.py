@@ -24,6 +24,7 @@ class PairSpec:
     prompt_lookup: int | None = None  # n-gram drafting with n-grams up to this
     dflash_window: int = 32768  # the drafter's attention window in context cells
     expert_cache: int | None = None  # MiB of experts on the device (models/placement.py); None: auto
+    expert_placement: str = "static"  # which experts the device keeps (models/placement.py's PLACEMENTS)
 
     def __post_init__(self):
         if self.dflash and self.prompt_lookup is not None:
@@ -34,6 +35,10 @@ class PairSpec:
             raise StrataError(f"--dflash-window must be >= 1, got {self.dflash_window}")
         if self.expert_cache is not None and self.expert_cache < 0:
             raise StrataError(f"--expert-cache must be >= 0 MiB, got {self.expert_cache}")
+        from ..models.placement import PLACEMENTS
+
+        if self.expert_placement not in PLACEMENTS:
+            raise StrataError(f"--expert-placement must be one of {', '.join(PLACEMENTS)}, got {self.expert_placement!r}")
 
     def torch_device(self) -> str:
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -87,7 +92,7 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     device = spec.torch_device()
 
     target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=lambda model: place_experts(
-        model, device, spec.expert_cache, max_len, footprint(dflash)))
+        model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement))
     pair = Pair(target, tokenizer_of(model_dir), None, model_dir, using_demo, declared_stop_ids(target, model_dir))
     if drafter:
         pair.drafter = load_drafter_for(spec, target, engine, dflash)

@@ -24,6 +24,7 @@ from ..layers import graph_breaks
 from ..layers.kernels import EAGER, TritonKernels, select_kernels
 from ..layers.modules import Step
 from ..models.decoder import ForwardOut
+from ..models.placement import place_by_routing
 from .config import EngineConfig
 from .drafter import Commit, Drafter, DraftRequest, Proposal
 from .tree import Tree, build, walk
@@ -184,7 +185,8 @@ class ModelRunner:
 
     def prefill(self, prompt_ids: list[int]):
         """The prompt through the target in chunks (eager, whatever the layout); the drafter observes each.
-        Returns the ForwardOut: the last row's logits [1, vocab] and every row's taps."""
+        A target whose experts are placed by "prefill" then settles them (models/placement.py). Returns
+        the ForwardOut: the last row's logits [1, vocab] and every row's taps."""
         dev, n = self.target.device, len(prompt_ids)
         tokens = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
         positions = torch.arange(n, device=dev)
@@ -199,6 +201,7 @@ class ModelRunner:
             self.drafter.observe(Commit(start, list(prompt_ids[start:end]), out.taps, positions[start:end],
                                         probe=self.probe))
         self.cache.commit(n)
+        place_by_routing(self.target)
         return ForwardOut(logits, torch.cat(taps) if taps[0] is not None else None)
 
     def start_round(self, anchor: int, pos: int) -> None:

@@ -205,7 +205,28 @@ class SparseMoE(nn.Module):
         self.down_proj = nn.Parameter(down[stay].contiguous(), requires_grad=False)
         self.slot = slot
         self.register_buffer("stand_in", torch.tensor([max(i, 0) for i in slot]), persistent=False)
+        self.counts = torch.zeros(self.experts, dtype=torch.long)  # rows routed to each expert (eager forwards)
         self.timing: dict[str, float] = {}
+
+    def replace(self, resident: list[int]) -> int:
+        """Make `resident` (as many experts as the device holds) the experts on the device: each one moving
+        on swaps weights with one moving off, in place, so captured steps keep their addresses. Returns how
+        many moved on."""
+        want = set(resident)
+        if len(want) != self.gate_up_proj.shape[1]:
+            raise ValueError(f"{len(want)} experts for {self.gate_up_proj.shape[1]} device slots")
+        off = [e for e in range(self.experts) if self.slot[e] >= 0 and e not in want]
+        on = [e for e in sorted(want) if self.slot[e] < 0]
+        for a, b in zip(off, on):
+            i, j = self.slot[a], -1 - self.slot[b]
+            for dev, host in ((self.gate_up_proj.data[:, i], self.host_gate_up[:, j]),
+                              (self.down_proj.data[i], self.host_down[j])):
+                leaving = dev.to("cpu", copy=True)
+                dev.copy_(host)
+                host.copy_(leaving)
+            self.slot[a], self.slot[b] = -1 - j, i
+        self.stand_in.copy_(torch.tensor([max(i, 0) for i in self.slot]))
+        return len(on)
 
     def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         flat = h.reshape(-1, h.shape[-1])
@@ -214,7 +235,7 @@ class SparseMoE(nn.Module):
             out = self.placed(flat, weights, experts, kernels)
         elif self.host_experts:
             out = ops.experts_placed(flat, self.gate_up_proj, self.down_proj, self.host_gate_up, self.host_down,
-                                     self.slot, weights, experts, self.timing)
+                                     self.slot, weights, experts, self.timing, self.counts)
         else:
             out = kernels.experts(flat, self.gate_up_proj, self.down_proj, weights, experts)
         out = out.view(h.shape)

@@ -184,17 +184,19 @@ def grouped_gemm_fits(h: torch.Tensor) -> bool:
 
 def experts_placed(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, host_gate_up: torch.Tensor,
                    host_down: torch.Tensor, slot: list[int], weights: torch.Tensor, experts: torch.Tensor,
-                   timing: dict | None = None) -> torch.Tensor:
+                   timing: dict | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """experts_routed with each expert on the device or in host memory (an expert cache): slot[e] >= 0
     indexes expert e in gate_up/down, slot[e] < 0 indexes host_gate_up/host_down at -1 - slot[e]. One host
     read of the routing; the device's experts are queued first, so they run while the CPU computes its
     own. Each expert sees exactly the rows experts_routed gives it and every row's outputs are summed in
     ascending expert order, so placement never changes the result. timing: seconds accumulate under
     "routing_read" (waiting for the device's work up to the routing) and "host_experts" (the CPU's
-    experts with their copies)."""
+    experts with their copies). counts [E]: each expert's rows added (the placement's routing count)."""
     t0 = time.perf_counter()
     routed = experts.cpu()
     t1 = time.perf_counter()
+    if counts is not None:
+        counts += torch.bincount(routed.flatten(), minlength=counts.numel())
     host_s = 0.0
     y = torch.zeros(*routed.shape, h.shape[-1], dtype=h.dtype, device=h.device)
     hit = torch.unique(routed).tolist()

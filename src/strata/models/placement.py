@@ -3,9 +3,11 @@ memory, run by the CPU.
 
 The budget is `--expert-cache MIB` (0: every expert on the CPU), or by default what the device has left
 once the other weights, the KV cache, a workspace and the drafter are counted. It is split evenly over
-the sparse layers (the earlier layers take the remainder), each keeping its lowest-numbered experts: a
-static placement, so a pinned budget always gives the same one. On the CPU the device is the CPU, so
-only an explicit budget splits anything (the tests exercise the host path that way)."""
+the sparse layers (the earlier layers take the remainder). Which experts a layer keeps: its
+lowest-numbered ones (static, so a pinned budget always gives the same placement), or, placed by
+"prefill", those its rows chose most in the first prompt's prefill (a real router's choices are skewed,
+so more of a token's experts are then on the device). On the CPU the device is the CPU, so only an
+explicit budget splits anything (the tests exercise the host path that way)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from ..layers.modules import SparseMoE
 GIB = 1 << 30
 MIB = 1 << 20
 WORKSPACE = 2 * GIB  # activations, logits, CUDA graphs' pools, allocator slack
+PLACEMENTS = ("static", "prefill")
 
 
 @dataclass
@@ -28,6 +31,8 @@ class ExpertPlan:
     device: str
     budget: int  # bytes the device may give the experts
     arithmetic: list[str] = field(default_factory=list)  # how the budget was reached
+    by: str = "static"  # which experts stay: PLACEMENTS
+    moved: int | None = None  # "prefill": experts the first prefill's routing moved onto the device (None: not yet)
 
     @property
     def total(self) -> int:
@@ -48,6 +53,11 @@ class ExpertPlan:
         lines.append(f"  on the device ({self.device}): {self.on_device} ({share:.0%}, "
                      f"{self.on_device * self.expert_bytes / GIB:.2f} GiB); in host memory, run by the CPU with "
                      f"{torch.get_num_threads()} threads: {host} ({host * self.expert_bytes / GIB:.2f} GiB)")
+        if self.by == "prefill":
+            lines.append("  which: those each layer's rows choose most in the first prompt's prefill" +
+                         ("" if self.moved is None else f" ({self.moved} experts moved onto the device)"))
+        elif host and self.on_device:
+            lines.append("  which: each layer's lowest-numbered experts (static)")
         return "\n".join(lines)
 
 
@@ -55,9 +65,10 @@ def sparse_layers(model) -> list[SparseMoE]:
     return [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
 
 
-def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_bytes: int = 0) -> ExpertPlan | None:
+def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_bytes: int = 0,
+                 by: str = "static") -> ExpertPlan | None:
     """The placement of a model whose experts still sit in host memory (None: it has none). cache_mib None:
-    the automatic budget, which on a CPU device keeps every expert in place."""
+    the automatic budget, which on a CPU device keeps every expert in place. by: PLACEMENTS."""
     moes = sparse_layers(model)
     if not moes:
         return None
@@ -74,7 +85,7 @@ def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_byt
     count = min(total, max(0, budget) // expert_bytes)
     share, extra = divmod(count, len(moes))
     resident = [min(moe.experts, share + (i < extra)) for i in range(len(moes))]
-    return ExpertPlan(moe.experts, expert_bytes, resident, device.type, budget, arithmetic)
+    return ExpertPlan(moe.experts, expert_bytes, resident, device.type, budget, arithmetic, by)
 
 
 def auto_budget(model, moes, device, max_len: int, drafter_bytes: int, expert_total: int) -> tuple[int, list[str]]:
@@ -91,11 +102,29 @@ def auto_budget(model, moes, device, max_len: int, drafter_bytes: int, expert_to
                     f"{WORKSPACE / GIB:.2f} GiB workspace = {max(budget, 0) / GIB:.2f} GiB for experts"]
 
 
-def place_experts(model, device, cache_mib: int | None, max_len: int, drafter_bytes: int = 0) -> None:
+def place_experts(model, device, cache_mib: int | None, max_len: int, drafter_bytes: int = 0,
+                  by: str = "static") -> None:
     """Plan the placement (plan_experts) and apply it: each sparse layer keeps its planned experts, the rest
-    go to host memory (pinned when a GPU will copy from it); the plan stays as model.expert_plan."""
-    plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes)
+    go to host memory (pinned when a GPU will copy from it); the plan stays as model.expert_plan. Placed
+    by "prefill", the lowest-numbered experts stay until place_by_routing moves them."""
+    plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes, by)
     model.expert_plan = plan
     if plan is not None:
         for moe, keep in zip(sparse_layers(model), plan.resident):
             moe.place(list(range(keep)), pin=plan.device == "cuda")
+
+
+def place_by_routing(model) -> None:
+    """After the first prefill of a model placed by "prefill": each sparse layer keeps on the device the
+    experts its rows chose most in that prefill (SparseMoE.counts; ties: those already there, then the
+    lower ids), their weights swapped with host memory in place, once. Placement never changes the
+    output; it only decides which device computes an expert."""
+    plan = getattr(model, "expert_plan", None)
+    if plan is None or plan.by != "prefill" or plan.moved is not None:
+        return
+    moved = 0
+    for moe, keep in zip(sparse_layers(model), plan.resident):
+        if moe.host_experts and keep:
+            rank = sorted(range(moe.experts), key=lambda e: (-int(moe.counts[e]), moe.slot[e] < 0, e))
+            moved += moe.replace(rank[:keep])
+    plan.moved = moved
