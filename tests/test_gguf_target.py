@@ -131,7 +131,8 @@ def write_gguf_target(path, hf_dir, arch: str, matrix_type=T.F32, seed: int = 0)
             t = interleave(t, heads if "q_proj" in name else kv_heads)
         if t.dim() == 3:  # stacked experts: the matrices' type, each expert's rows whole blocks
             flat = t.reshape(-1, t.shape[-1])
-            arr = quants.quantize(flat.numpy(), matrix_type) if matrix_type != T.F32 else flat.numpy()
+            arr = flat.numpy() if matrix_type == T.F32 else quants.quantize(flat.numpy(), matrix_type) \
+                if matrix_type in (T.Q8_0, T.Q4_0) else random_blocks(matrix_type, *flat.shape, gen)
             values = torch.from_numpy(quants.dequantize(arr, matrix_type).reshape(t.shape).copy()) \
                 if matrix_type != T.F32 else t
             arr = arr.reshape(*t.shape[:2], -1)

@@ -322,3 +322,110 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
         assert outs[1].equal(outs[0])
         fewer = 3 if len(tokens) == 1 else 2  # attention quantizes only one row
         assert counts[0][1] == 0 and counts[1][1] == fewer and counts[1][0] == counts[0][0] - fewer, counts
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_expert_gemvs_over_quantized_experts(qtype):
+    """expert_matmul: each (row, expert) assignment a GEMV over its own expert's blocks (repeats included),
+    the gate/up variant with a row shared by its k assignments, against torch on gguf's dequantization."""
+    e, n, k = 3, 24, 512
+    raw = np.stack([blocks(qtype, 2 * n, k, qtype.value + i) for i in range(e)])
+    values = torch.from_numpy(np.stack([quants.dequantize(r, qtype) for r in raw]).astype(np.float64))
+    data = torch.from_numpy(raw.copy())
+    ids = torch.tensor([2, 0, 2, 2])
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, k, generator=gen)
+    want = torch.stack([x[a // 2].double() @ values[i].T for a, i in enumerate(ids.tolist())])
+    assert rel(qk.expert_matmul(x, data, int(qtype), n, ids, share=2, glu=True).double(), silu_mul(want)) <= 1e-5
+    h = torch.randn(4, k, generator=gen)
+    want = torch.stack([h[a].double() @ values[i].T for a, i in enumerate(ids.tolist())])
+    assert rel(qk.expert_matmul(h, data, int(qtype), 2 * n, ids).double(), want) <= 1e-5
+
+
+def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
+    """A qwen3moe file's Q8_0 experts kept quantized (QuantExperts): an eager forward (each expert hit
+    dequantized for its rows) chooses as the file dequantized at load does, and static decoding (one
+    quantized GEMV per assignment) gives its greedy tokens; an expert cache that holds every expert keeps
+    them so, one that cannot dequantizes them first and still chooses alike."""
+    from strata.engine.decode import Engine
+    from strata.layers.kernels import EAGER, Kernels
+    from strata.layers.ops import experts_routed, route
+    from strata.layers.quant import QuantExperts
+    from strata.models.loader import load_target
+    from strata.models.placement import place_experts, sparse_layers
+
+    from conftest import forward_at, write_hf_model
+    from test_gguf_target import qwen2_tokenizer, write_gguf_target
+
+    monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
+    monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
+    monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
+    monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
+    monkeypatch.setattr(qk, "EXPERT_GEMV_CONFIG", (128, 4, 1))
+    hf, _ = write_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, vocab=320, hidden_size=256, intermediate_size=256,
+                           head_dim=64, layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                           norm_topk_prob=True)
+    qwen2_tokenizer(hf, 320)
+    path = tmp_path / "t.gguf"
+    write_gguf_target(path, hf, "qwen3moe", T.Q8_0)
+    plain = load_target(path)
+    kept = load_target(path, quantized=True)
+    for moe in sparse_layers(kept):
+        assert isinstance(moe.gate_up_proj, QuantExperts) and moe.gate_up_proj.qtype == int(T.Q8_0)
+        assert moe.gate_up_proj.shape == (4, 512, 256) and moe.down_proj.shape == (4, 256, 256)
+    assert weight_bytes(kept) < weight_bytes(plain) / 3
+    h = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    ours, theirs = sparse_layers(kept)[1], sparse_layers(plain)[1]
+    weights, experts = route(h, theirs.gate.weight, 2, True)
+    want = experts_routed(h, theirs.gate_up_proj, theirs.down_proj, weights, experts)
+    for kernels in (EAGER, Kernels(static=True)):  # each expert dequantized for its rows; a GEMV per assignment
+        assert rel(kernels.experts(h, ours.gate_up_proj, ours.down_proj, weights, experts), want) <= 1e-5
+    prompt = torch.tensor([5, 17, 200, 31, 7, 99])
+
+    def choices(target):
+        logits = forward_at(target, prompt, 0, target.make_cache(64)).logits
+        return logits.argmax(-1), logits
+
+    want, logits = choices(plain)
+    tokens = Engine(plain, max_len=64).generate(prompt.tolist(), 4).output_ids
+    assert len(set(tokens)) > 1 and Engine(kept, max_len=64, static=True).generate(prompt.tolist(), 4).output_ids == tokens
+    for mib, stays in ((None, True), (2, True), (0, False)):  # 8 experts of 0.2 MiB in Q8_0, 0.75 MiB dequantized
+        target = kept if mib is None else load_target(path, quantized=True,
+                                                      place=lambda m: place_experts(m, "cpu", mib, 64))
+        assert all(moe.quantized == stays for moe in sparse_layers(target))
+        if mib is not None:
+            assert target.expert_plan.on_device == (8 if stays else 0)
+            assert ("do not all fit: dequantized" in target.expert_plan.report()) != stays
+        if mib != 2:
+            got, got_logits = choices(target)
+            assert got.equal(want) and rel(got_logits, logits) <= 0.05
+
+
+def test_random_quantized_moe_targets_keep_their_experts_in_blocks():
+    """`strata bench --shape qwen3-30b-a3b --quant Q4_K_M` builds these: experts as QuantExperts (gate/up
+    Q4_K, down Q6_K in the 'more bits' layers, as llama.cpp types ffn_*_exps), the router a plain matrix;
+    a token reads top-k experts' blocks; on the CPU the same blocks dequantized by gguf's reference."""
+    from strata.bench.run import bytes_per_token
+    from strata.layers.quant import QuantExperts, use_more_bits
+    from strata.models.placement import sparse_layers
+    from strata.models.random_init import random_target
+
+    shape = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, head_dim=64, vocab_size=512,
+                 num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)
+    t = random_target("tiny-moe", quant="Q4_K_M", quantized=True, **shape)
+    moes = sparse_layers(t)
+    for i, moe in enumerate(moes):
+        assert isinstance(moe.gate_up_proj, QuantExperts) and isinstance(moe.gate.weight, torch.nn.Parameter)
+        assert moe.gate_up_proj.qtype == int(T.Q4_K)
+        assert moe.down_proj.qtype == int(T.Q6_K if use_more_bits(i, 2) else T.Q4_K)
+    assert [moe.down_proj.qtype for moe in moes] == [int(T.Q4_K), int(T.Q6_K)]
+    expert = [(moe.gate_up_proj.nbytes + moe.down_proj.nbytes) // 4 for moe in moes]
+    assert [moe.expert_bytes for moe in moes] == expert == [2 * 256 * 144 + 256 * 144, 2 * 256 * 144 + 256 * 210]
+    emb = t.embed_tokens.weight.nbytes
+    assert bytes_per_token(t, 0) == weight_bytes(t) - emb + emb // 512 - 4 * sum(expert) + 2 * sum(expert)
+    plain = random_target("tiny-moe", quant="Q4_K_M", **shape)
+    for ours, kept in zip(sparse_layers(plain), moes):
+        gate_up, down = (torch.from_numpy(quants.dequantize(q.data.numpy(), q.qtype).copy())
+                         for q in (kept.gate_up_proj, kept.down_proj))
+        assert torch.equal(ours.gate_up_proj, gate_up.view(4, 2, 256, 256).transpose(0, 1))
+        assert torch.equal(ours.down_proj, down)

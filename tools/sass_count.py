@@ -50,7 +50,8 @@ def loop_ops(sass: str) -> collections.Counter:
 def main() -> None:
     kernels = qk._build()
     byte_sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "tab_ptr": "*i8", "y_ptr": "*bf16", "N": "i32", "K": "i32",
-                "row_bytes": "i32", "QTYPE": "constexpr", "GLU": "constexpr", "BLOCK_N": "constexpr",
+                "row_bytes": "i32", "ids_ptr": "*i64", "expert_bytes": "i64", "stride_x": "i32", "stride_y": "i32",
+                "QTYPE": "constexpr", "GLU": "constexpr", "BLOCK_N": "constexpr",
                 "UNROLL": "constexpr"}
     runs = []
     for name, qtype in (("Q4_K", qk.Q4_K), ("Q6_K", qk.Q6_K), ("Q8_0", qk.Q8_0)):

@@ -57,7 +57,7 @@ def bytes_per_token(model, context: int) -> int:
     cfg = model.cfg
     total = weight_bytes(model)
     for moe in sparse_layers(model):  # dense layers (mlp_only_layers) read their whole MLP
-        resident = sum(p.numel() * p.element_size() for p in (moe.gate_up_proj, moe.down_proj))
+        resident = moe.gate_up_proj.nbytes + moe.down_proj.nbytes  # parameters or QuantExperts
         total += moe.top_k * moe.expert_bytes - resident
     emb = model.embed_tokens.weight
     if not cfg.tie_word_embeddings:

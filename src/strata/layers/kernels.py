@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import delta_kernels, fla_kernels, ops, pdl
-from .quant import QuantWeight
+from .quant import QuantExperts, QuantWeight
 
 #: the elementwise groups a compiled set fuses, each one kernel
 GROUPS = ("rms_norm", "add_rms_norm", "norm_rotate_store", "norm_rotate_store_kv", "silu_mul", "masked_softmax",
@@ -57,9 +57,15 @@ class Kernels:
         """Routed rows h [N, H] through their experts (ops.experts_routed's contract): over each expert's rows
         (eager), or in static shapes as a grouped GEMM (gathered per row where torch has none for the type).
         Static sets only: reduce sums the outputs [N, k, H] in place of sum_slots; repeats, a row may name
-        an expert more than once (stand-ins for experts run elsewhere)."""
+        an expert more than once (stand-ins for experts run elsewhere). Quantized experts (QuantExperts):
+        eager, each expert hit dequantized for its rows; static, one quantized GEMV per assignment."""
         if not self.static:
             return ops.experts_routed(h, gate_up, down, weights, experts)
+        if isinstance(gate_up, QuantExperts):  # one quantized GEMV per assignment, whatever the window
+            n, k = experts.shape
+            ids = experts.reshape(-1)
+            y = down.assignments(gate_up.assignments(h, ids, share=k, glu=True), ids)
+            return (reduce or self.sum_slots)(y.view(n, k, -1), weights, h.dtype)
         run = ops.experts_grouped if ops.grouped_gemm_fits(h) else ops.experts_gathered
         return run(h, gate_up, down, weights, experts, reduce=reduce or ops.sum_slots)
 
@@ -145,7 +151,7 @@ class TritonKernels(Kernels):
     def experts(self, h, gate_up, down, weights, experts, reduce=None, repeats=False):
         args = (h, gate_up, down, weights, experts)
         slow = lambda: super(TritonKernels, self).experts(*args, reduce=reduce)  # noqa: E731
-        if not self._tk.experts_fit(gate_up, down, experts):
+        if isinstance(gate_up, QuantExperts) or not self._tk.experts_fit(gate_up, down, experts):
             return slow()
         grouped = False if repeats else None  # the grouped kernel serves an expert at most once a row
         return self._either("experts", lambda: self._tk.experts(*args, reduce=reduce or self.sum_slots,

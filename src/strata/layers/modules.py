@@ -16,6 +16,7 @@ from torch import nn
 
 from . import graph_breaks, ops
 from .kernels import EAGER, Kernels
+from .quant import QuantExperts
 from .rotary import Rope
 
 #: probe(layer, stage, tensor) -> tensor: sees (and may replace) an intermediate; layer -1 is outside the layers
@@ -154,8 +155,9 @@ class MLP(nn.Module):
 class SparseMoE(nn.Module):
     """Qwen3-MoE's MLP: a router over `experts` SwiGLU experts, each row's top_k of them weighted and summed.
     The experts' matrices are stacked: [2, E, I, H] every expert's gate, then every expert's up (as a
-    dense MLP's gate_up_proj keeps up at a fixed row offset), and [E, H, I] down; the kernels decide how
-    they run (Kernels.experts)."""
+    dense MLP's gate_up_proj keeps up at a fixed row offset), and [E, H, I] down; or, from a GGUF file on a
+    GPU, QuantExperts of [E, 2I, H] (each expert's gate rows, then its up rows) and [E, H, I]. The kernels
+    decide how they run (Kernels.experts)."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, renormalize: bool,
                  shared: int = 0):
@@ -174,10 +176,29 @@ class SparseMoE(nn.Module):
         return self.gate.weight.shape[0]
 
     @property
+    def quantized(self) -> bool:
+        """Whether the experts are kept in GGUF blocks (QuantExperts) rather than as parameters."""
+        return isinstance(self.down_proj, QuantExperts)
+
+    @property
     def expert_bytes(self) -> int:
         """Bytes of one expert's three matrices."""
+        if self.quantized:
+            return (self.gate_up_proj.nbytes + self.down_proj.nbytes) // self.experts
         _, _, inter, hidden = self.gate_up_proj.shape
         return 3 * inter * hidden * self.down_proj.element_size()
+
+    def dequantize_experts(self, values: Callable | None = None) -> None:
+        """Quantized experts (QuantExperts) replaced by parameters of their values, in the stacked layout.
+        values(QuantExperts) -> [E, rows, cols]: how (default: its own kernels, where it is)."""
+        if self.quantized:
+            values = values or (lambda q: q.dequantize())
+            e, rows, cols = self.gate_up_proj.shape
+            gate_up = values(self.gate_up_proj).view(e, 2, rows // 2, cols).transpose(0, 1).contiguous()
+            down = values(self.down_proj)
+            del self.gate_up_proj, self.down_proj
+            self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+            self.down_proj = nn.Parameter(down, requires_grad=False)
 
     @property
     def host_experts(self) -> int:
@@ -193,6 +214,8 @@ class SparseMoE(nn.Module):
         away = sorted(set(range(self.experts)) - set(stay))
         if not away:
             return
+        if self.quantized:
+            raise ValueError("quantized experts stay whole on the device; dequantize_experts before placing them")
         slot = [0] * self.experts
         for i, e in enumerate(stay):
             slot[e] = i

@@ -114,7 +114,11 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):
 
 
 def expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e: int) -> torch.Tensor:
-    """Expert e of the stacks (gate_up [2, E, I, H], down [E, H, I]) over rows x [n, H]: a SwiGLU MLP."""
+    """Expert e of the stacks (gate_up [2, E, I, H], down [E, H, I]) over rows x [n, H]: a SwiGLU MLP.
+    Quantized stacks (layers/quant.QuantExperts) give expert e's values, its gate rows then its up rows."""
+    if not isinstance(down, torch.Tensor):
+        gate, up = gate_up.values(e).chunk(2)
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down.values(e))
     return F.linear(F.silu(F.linear(x, gate_up[0, e])) * F.linear(x, gate_up[1, e]), down[e])
 
 

@@ -109,8 +109,50 @@ class QuantWeight:
         return qk.gather(s.data, s.qtype, self.cols, tokens, self.dtype)
 
 
+class QuantExperts:
+    """A sparse layer's stacked experts kept in GGUF blocks of one type: data [E, rows, row_bytes], each
+    expert's [rows, cols] matrix (a gate/up stack: its gate rows, then its up rows). The window's
+    (row, expert) assignments run as one quantized GEMV each (quant_kernels.expert_matmul); an eager
+    product over an expert's rows dequantizes that expert alone."""
+
+    def __init__(self, qtype: int, data: torch.Tensor, cols: int, dtype: torch.dtype):
+        self.qtype, self.data, self.cols, self.dtype = qtype, data, cols, dtype
+
+    @classmethod
+    def fits(cls, qtype: int, cols: int) -> bool:
+        return qtype in KERNEL_TYPES and cols % qk.TILE == 0
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.data.shape[0], self.data.shape[1], self.cols)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def to(self, device) -> "QuantExperts":
+        return QuantExperts(self.qtype, self.data.to(device), self.cols, self.dtype)
+
+    def values(self, e: int) -> torch.Tensor:
+        """Expert e's matrix [rows, cols] in the activations' dtype."""
+        return qk.dequantize(self.data[e], self.qtype, self.cols).to(self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.stack([self.values(e) for e in range(self.data.shape[0])])
+
+    def assignments(self, x: torch.Tensor, ids: torch.Tensor, share: int = 1, glu: bool = False) -> torch.Tensor:
+        """Assignment a's product with x row a // share over expert ids[a]: [A, rows] (glu: [A, rows / 2],
+        silu(gate) * up)."""
+        return qk.expert_matmul(x, self.data, self.qtype, self.data.shape[1] // (2 if glu else 1), ids, share, glu)
+
+
 def replace_parameter(model: torch.nn.Module, name: str, weight) -> None:
-    """Put a QuantWeight where a parameter was (it is no tensor, so it lives as a plain attribute)."""
+    """Put a QuantWeight or QuantExperts where a parameter was (it is no tensor, so it lives as a plain
+    attribute)."""
     path, _, attr = name.rpartition(".")
     module = model.get_submodule(path)
     module._parameters.pop(attr, None)
@@ -126,7 +168,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
             total += p.numel() * p.element_size()
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, QuantWeight) and id(value) not in seen:
+            if isinstance(value, (QuantWeight, QuantExperts)) and id(value) not in seen:
                 seen.add(id(value))
                 total += value.nbytes
     return total

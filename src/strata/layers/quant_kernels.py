@@ -177,11 +177,19 @@ def _build():
             tl.store(out_ptr + t * K + k0 + cols_hi[None, :], hi.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, tab_ptr, y_ptr, N, K, row_bytes, QTYPE: tl.constexpr, GLU: tl.constexpr,
-                    BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
+    def gemv_kernel(x_ptr, w_ptr, tab_ptr, y_ptr, N, K, row_bytes, ids_ptr, expert_bytes, stride_x, stride_y,
+                    QTYPE: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+                    PDL: tl.constexpr = False, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1):
         """UNROLL 256-column tiles per step, their loads independent of each other: a program keeps that
-        many tiles of bytes in flight. A tile past K re-reads the last one (its x is 0) and adds nothing."""
+        many tiles of bytes in flight. A tile past K re-reads the last one (its x is 0) and adds nothing.
+        EXPERTS: axis 1 runs a window's (row, expert) assignments, assignment a over expert ids[a]'s
+        matrix (expert_bytes apart) with x row a // SHARE, into y row a."""
         settle(PDL)
+        if EXPERTS:
+            a = tl.program_id(1)
+            w_ptr += tl.load(ids_ptr + a).to(tl.int64) * expert_bytes
+            x_ptr += (a // SHARE).to(tl.int64) * stride_x
+            y_ptr += a.to(tl.int64) * stride_y
         rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rmask = rows < N
         row_off = tl.where(rmask, rows * row_bytes, 0)[:, None]
@@ -824,7 +832,7 @@ def _build():
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         kernels["gemv_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
-            key=["N", "K", "QTYPE", "GLU"])(gemv_kernel)
+            key=["N", "K", "QTYPE", "GLU", "EXPERTS"])(gemv_kernel)
         for skinny in WORD_KERNELS.values():
             kernels[f"{skinny}_tuned"] = triton.autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
@@ -1090,7 +1098,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         return y
     tab = _table(x.device)
     name = "gemv" if rows == 1 else "skinny"
-    args = (x, data, tab, y, n, k, data.stride(0)) if rows == 1 else \
+    args = (x, data, tab, y, n, k, data.stride(0), data, 0, 0, 0) if rows == 1 else \
         (x, data, tab, y, rows, n, k, data.stride(0), x.stride(0), y.stride(0))
     extra = pdl.options(x.device) if rows == 1 else {"BLOCK_M": max(16, pow2(rows)), "PRECISION": precision(x)}
     if config is None and f"{name}_tuned" in kernels:
@@ -1100,3 +1108,31 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         kernels[name][(cdiv(n, block_n),)](*args, QTYPE=qtype, GLU=glu, BLOCK_N=block_n, UNROLL=unroll,
                                             num_warps=warps, **extra)
     return y
+
+
+def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: torch.Tensor, share: int = 1,
+                  glu: bool = False, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A window's (row, expert) assignments over stacked quantized experts, one GEMV each: data [E, rows,
+    row_bytes] (each expert's n rows, with glu its n gate rows then its n up rows), ids [A] the experts,
+    x [A / share, K] (assignment a reads row a // share). Returns [A, n] (with glu silu(gate) * up).
+    Only the experts named are read; the ids stay on the device (CUDA-graph safe)."""
+    rows, k = x.shape
+    _check(data[0], qtype, k)
+    assert ids.numel() == rows * share and data.is_contiguous(), (ids.shape, rows, share)
+    x = x.contiguous()
+    y = torch.empty(ids.numel(), n, device=x.device, dtype=x.dtype)
+    kernels = _build()
+    args = (x, data, _table(x.device), y, n, k, data.stride(1), ids.contiguous(), data.stride(0), x.stride(0),
+            y.stride(0))
+    extra = {"QTYPE": qtype, "GLU": glu, "EXPERTS": True, "SHARE": share, **pdl.options(x.device)}
+    if config is None and "gemv_tuned" in kernels:
+        kernels["gemv_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), ids.numel())](*args, **extra)
+    else:
+        block_n, warps, unroll = config or EXPERT_GEMV_CONFIG
+        kernels["gemv"][(cdiv(n, block_n), ids.numel())](*args, BLOCK_N=block_n, UNROLL=unroll, num_warps=warps,
+                                                          **extra)
+    return y
+
+
+#: (BLOCK_N, num_warps, UNROLL) of expert_matmul where it is not tuned (the interpreter): few programs
+EXPERT_GEMV_CONFIG = (16, 4, 1)

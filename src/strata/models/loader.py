@@ -109,7 +109,7 @@ def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], d
     """The family's modules built without memory, the state assigned, quantized matrices (QuantWeights,
     already on the device) put in place of their parameters, moved to the device, frozen. place(model):
     runs before the move (an expert cache keeps some experts in host memory)."""
-    from ..layers.quant import replace_parameter
+    from ..layers.quant import QuantExperts, replace_parameter
 
     quant = dict(quant or {})
     if cfg.tie_word_embeddings:
@@ -127,7 +127,12 @@ def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], d
     model.tie_weights_()
     if place is not None:
         place(model)
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device)
+    for module in model.modules():  # quantized experts the placement kept whole (no tensors: .to skips them)
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, QuantExperts):
+                setattr(module, attr, value.to(device))
+    return model.eval().requires_grad_(False)
 
 
 def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool | None = None,
@@ -184,6 +189,11 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
             if missing:
                 shape = next(s for n, s, _ in sources if n == missing[0])
                 raise StrataError(f"{path}: missing tensor '{missing[0]}' (expected shape {list(shape)})")
+            experts = quantized and quantized_experts(sources, tensors, dtype)
+            if experts:
+                quant[param] = experts
+                state[param] = torch.empty(experts.shape, device="meta", dtype=dtype)
+                continue
             if quantized and all(QuantWeight.fits(tensors[n].type, s) and tuple(reversed(tensors[n].shape)) == s
                                  for n, s, _ in sources):
                 parts = [(int(tensors[n].type), gguf_file.rows_of_blocks(tensors[n], s)) for n, s, _ in sources]
@@ -200,6 +210,23 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
     except ArtifactError as e:
         raise StrataError(str(e)) from None
     return instantiate(fam, cfg, state, device, quant, place)
+
+
+def quantized_experts(sources: list[tuple], tensors: dict, dtype):
+    """A sparse layer's 3-D expert tensors ([E, rows, cols] each; gate and up stacked per expert) as
+    QuantExperts in host memory, where one type the kernels take holds them all; else None (dequantized at
+    load). They move to the device once the expert cache has placed them (instantiate)."""
+    from .. import gguf_file
+    from ..layers.quant import QuantExperts
+
+    infos = [tensors[name] for name, *_ in sources]
+    shapes = [shape for _, shape, _ in sources]
+    if any(len(s) != 3 or tuple(reversed(i.shape)) != s for i, s in zip(infos, shapes)) or \
+            len({int(i.type) for i in infos}) != 1 or not QuantExperts.fits(int(infos[0].type), shapes[0][2]):
+        return None
+    e = shapes[0][0]
+    blocks = [gguf_file.rows_of_blocks(i, (e * s[1], s[2])).view(e, s[1], -1) for i, s in zip(infos, shapes)]
+    return QuantExperts(int(infos[0].type), torch.cat(blocks, dim=1), shapes[0][2], dtype)
 
 
 def quantized_weight(parts: list[tuple[int, torch.Tensor]], cols: int, device, dtype):

@@ -73,7 +73,7 @@ def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_byt
     if not moes:
         return None
     moe = moes[0]
-    expert_bytes = moe.expert_bytes
+    expert_bytes = max(m.expert_bytes for m in moes)  # a Q4_K_M file gives some layers' down experts more bits
     total = moe.experts * len(moes)
     device = torch.device(device)
     if cache_mib is not None:
@@ -81,21 +81,22 @@ def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_byt
     elif device.type != "cuda":
         budget, arithmetic = total * expert_bytes, [f"auto on {device.type}: every expert stays in place"]
     else:
-        budget, arithmetic = auto_budget(model, moes, device, max_len, drafter_bytes, expert_bytes * total)
+        budget, arithmetic = auto_budget(model, moes, device, max_len, drafter_bytes)
     count = min(total, max(0, budget) // expert_bytes)
     share, extra = divmod(count, len(moes))
     resident = [min(moe.experts, share + (i < extra)) for i in range(len(moes))]
     return ExpertPlan(moe.experts, expert_bytes, resident, device.type, budget, arithmetic, by)
 
 
-def auto_budget(model, moes, device, max_len: int, drafter_bytes: int, expert_total: int) -> tuple[int, list[str]]:
+def auto_budget(model, moes, device, max_len: int, drafter_bytes: int) -> tuple[int, list[str]]:
     """What the GPU has free now, less the weights that are not experts, the KV cache of max_len
     positions, the drafter and a workspace: the bytes left for experts, and the arithmetic."""
     cfg = model.cfg
     free = torch.cuda.mem_get_info(device)[0]
-    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - expert_total
+    experts = {id(p) for moe in moes for p in (moe.gate_up_proj, moe.down_proj)}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in experts)
     attention_layers = cfg.num_layers - (len(cfg.linear.layers) if cfg.linear is not None else 0)
-    kv = 2 * attention_layers * (max_len + 64) * cfg.num_kv_heads * cfg.head_dim * moes[0].down_proj.element_size()
+    kv = 2 * attention_layers * (max_len + 64) * cfg.num_kv_heads * cfg.head_dim * model.norm.weight.element_size()
     budget = free - weights - kv - drafter_bytes - WORKSPACE
     return budget, [f"auto: {free / GIB:.2f} GiB free on {device} - {weights / GIB:.2f} GiB other weights - "
                     f"{kv / GIB:.2f} GiB KV cache ({max_len} positions) - {drafter_bytes / GIB:.2f} GiB drafter - "
@@ -108,6 +109,14 @@ def place_experts(model, device, cache_mib: int | None, max_len: int, drafter_by
     go to host memory (pinned when a GPU will copy from it); the plan stays as model.expert_plan. Placed
     by "prefill", the lowest-numbered experts stay until place_by_routing moves them."""
     plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes, by)
+    if plan is not None and plan.on_device < plan.total and sparse_layers(model)[0].quantized:
+        quantized = plan.expert_bytes
+        where = torch.device(device)
+        for moe in sparse_layers(model):
+            moe.dequantize_experts(lambda q: q.to(where).dequantize().to(q.device))
+        plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes, by)
+        plan.arithmetic.insert(0, f"quantized experts of {quantized / MIB:.2f} MiB do not all fit: dequantized to "
+                                  f"{plan.expert_bytes / MIB:.2f} MiB each for the expert cache")
     model.expert_plan = plan
     if plan is not None:
         for moe, keep in zip(sparse_layers(model), plan.resident):

@@ -59,10 +59,6 @@ def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: 
     hf = qwen3_config(**{**SHAPES[shape], **overrides})
     fam = family_for(hf, Path(f"<random {shape}>"))
     cfg = fam.config(hf, Path(f"<random {shape}>"))
-    if quant is not None and cfg.moe is not None:
-        from ..errors import StrataError
-
-        raise StrataError(f"--quant: the {shape} shape has experts; quantized experts are not implemented")
     with torch.device("meta"):
         model = fam.build(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -84,9 +80,16 @@ def dequantize_blocks(model, dtype) -> None:
     """Every quantized matrix of the model replaced by its values, dequantized by gguf's reference
     (gguf_file.reference_values), as parameters of dtype."""
     from ..gguf_file import reference_values
+    from ..layers.modules import SparseMoE
     from ..layers.quant import QuantWeight
 
+    def experts(q):
+        return torch.stack([reference_values(q.data[e].cpu().numpy(), q.qtype) for e in range(q.shape[0])]).to(
+            device=q.device, dtype=dtype)
+
     for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.dequantize_experts(experts)
         for attr, w in list(vars(module).items()):
             if isinstance(w, QuantWeight):
                 values = torch.cat([reference_values(s.data.cpu().numpy(), s.qtype) for s in w.segments])
@@ -102,9 +105,20 @@ def quantize_randomly(model, cfg, recipe: str, device, dtype, gen) -> None:
 
     if recipe not in RECIPES:
         raise StrataError(f"--quant: expected one of {', '.join(RECIPES)}, got {recipe!r}")
+    from ..layers.modules import SparseMoE
+    from ..layers.quant import QuantExperts
+
     q_rows = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+    for n, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, SparseMoE):  # as llama.cpp quantizes ffn_{gate,up,down}_exps; the router stays
+            _, experts, inter, hidden = layer.mlp.gate_up_proj.shape
+            down_type = recipe_types(recipe, f"layers.{n}.mlp.down_proj.weight", cfg.num_layers)[0][0]
+            for attr, t, rows, cols in (("gate_up_proj", RECIPES[recipe][0], 2 * inter, hidden),
+                                        ("down_proj", down_type, hidden, inter)):
+                blocks = random_blocks(t, experts * rows, cols, device, gen).view(experts, rows, -1)
+                replace_parameter(model, f"layers.{n}.mlp.{attr}", QuantExperts(t, blocks, cols, dtype))
     for name, p in list(model.named_parameters()):
-        if p.dim() != 2:
+        if p.dim() != 2 or name.endswith("mlp.gate.weight"):
             continue
         rows, cols = p.shape
         if cols % 256:
