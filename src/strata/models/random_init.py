@@ -108,6 +108,11 @@ def quantize_randomly(model, cfg, recipe: str, device, dtype, gen) -> None:
     from ..layers.modules import SparseMoE
     from ..layers.quant import QuantExperts
 
+    def check(name: str, cols: int) -> None:
+        if cols % 256:
+            raise StrataError(f"--quant: matrix '{name}' has rows of {cols} values; the quantized kernels take "
+                              f"multiples of 256 (use a larger --shape)")
+
     q_rows = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
     for n, layer in enumerate(model.layers):
         if isinstance(layer.mlp, SparseMoE):  # as llama.cpp quantizes ffn_{gate,up,down}_exps; the router stays
@@ -115,15 +120,14 @@ def quantize_randomly(model, cfg, recipe: str, device, dtype, gen) -> None:
             down_type = recipe_types(recipe, f"layers.{n}.mlp.down_proj.weight", cfg.num_layers)[0][0]
             for attr, t, rows, cols in (("gate_up_proj", RECIPES[recipe][0], 2 * inter, hidden),
                                         ("down_proj", down_type, hidden, inter)):
+                check(f"layers.{n}.mlp.{attr}", cols)
                 blocks = random_blocks(t, experts * rows, cols, device, gen).view(experts, rows, -1)
                 replace_parameter(model, f"layers.{n}.mlp.{attr}", QuantExperts(t, blocks, cols, dtype))
     for name, p in list(model.named_parameters()):
         if p.dim() != 2 or name.endswith("mlp.gate.weight"):
             continue
         rows, cols = p.shape
-        if cols % 256:
-            raise StrataError(f"--quant: matrix '{name}' has rows of {cols} values; the quantized kernels take "
-                              f"multiples of 256 (use a larger --shape)")
+        check(name, cols)
         spans = {"all": rows, "qk": q_rows, "v": rows - q_rows}
         segments = []
         for t, role in recipe_types(recipe, name, cfg.num_layers):
