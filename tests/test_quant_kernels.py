@@ -396,6 +396,7 @@ def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
         if mib is not None:
             assert target.expert_plan.on_device == (8 if stays else 0)
             assert ("do not all fit: dequantized" in target.expert_plan.report()) != stays
+            assert ("(in their GGUF blocks)" in target.expert_plan.report()) == stays
         if mib != 2:
             got, got_logits = choices(target)
             assert got.equal(want) and rel(got_logits, logits) <= 0.05

@@ -32,6 +32,7 @@ class ExpertPlan:
     budget: int  # bytes the device may give the experts
     arithmetic: list[str] = field(default_factory=list)  # how the budget was reached
     by: str = "static"  # which experts stay: PLACEMENTS
+    quantized: bool = False  # the experts stay in their GGUF blocks (layers/quant.QuantExperts)
     moved: int | None = None  # "prefill": experts the first prefill's routing moved onto the device (None: not yet)
 
     @property
@@ -46,7 +47,8 @@ class ExpertPlan:
         """The placement and its budget arithmetic, a few lines for stderr."""
         all_bytes = self.total * self.expert_bytes
         lines = [f"experts: {len(self.resident)} sparse layers x {self.experts} experts x "
-                 f"{self.expert_bytes / MIB:.2f} MiB = {all_bytes / GIB:.2f} GiB"]
+                 f"{self.expert_bytes / MIB:.2f} MiB = {all_bytes / GIB:.2f} GiB"
+                 + (" (in their GGUF blocks)" if self.quantized else "")]
         lines += [f"  {line}" for line in self.arithmetic]
         share = self.on_device / self.total if self.total else 1.0
         host = self.total - self.on_device
@@ -85,7 +87,7 @@ def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_byt
     count = min(total, max(0, budget) // expert_bytes)
     share, extra = divmod(count, len(moes))
     resident = [min(moe.experts, share + (i < extra)) for i in range(len(moes))]
-    return ExpertPlan(moe.experts, expert_bytes, resident, device.type, budget, arithmetic, by)
+    return ExpertPlan(moe.experts, expert_bytes, resident, device.type, budget, arithmetic, by, moe.quantized)
 
 
 def auto_budget(model, moes, device, max_len: int, drafter_bytes: int) -> tuple[int, list[str]]:
