@@ -266,7 +266,6 @@ class SparseMoE(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(h, kernels)) * self.shared_expert(h, kernels)
         return out
 
-
     def placed(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         """ops.experts_placed in static shapes, no host read among the device's work (a CUDA graph captures
         it in two segments): the device's experts run every (row, expert) pair, a pair whose expert is in

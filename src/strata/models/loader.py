@@ -107,8 +107,9 @@ def load_model_config(folder: str | Path) -> tuple[Family, ModelConfig]:
 def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], device,
                 quant: dict | None = None, place=None) -> torch.nn.Module:
     """The family's modules built without memory, the state assigned, quantized matrices (QuantWeights,
-    already on the device) put in place of their parameters, moved to the device, frozen. place(model):
-    runs before the move (an expert cache keeps some experts in host memory)."""
+    already on the device; QuantExperts, moved after the placement) put in place of their parameters,
+    moved to the device, frozen. place(model): runs before the move (an expert cache keeps some experts
+    in host memory)."""
     from ..layers.quant import QuantExperts, replace_parameter
 
     quant = dict(quant or {})
