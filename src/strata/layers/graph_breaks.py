@@ -11,26 +11,28 @@ addresses are the graphs'."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Callable
 
-_split: Callable[[Callable[[], None]], None] | None = None
+_capture = threading.local()  # .split: the capture running on this thread, if any
 
 
 def on_host(fill: Callable[[], None]) -> None:
-    """fill() now, or, while a step is captured in segments, at this point of each replay."""
-    if _split is None:
+    """fill() now, or, while this thread captures a step in segments, at this point of each replay."""
+    split = getattr(_capture, "split", None)
+    if split is None:
         fill()
     else:
-        _split(fill)
+        split(fill)
 
 
 @contextmanager
 def splitting(split: Callable[[Callable[[], None]], None]):
-    """Within it, on_host hands its fill to split (the runner's capture) instead of running it."""
-    global _split
-    before, _split = _split, split
+    """Within it, on_host on this thread hands its fill to split (the runner's capture) instead of running it."""
+    before = getattr(_capture, "split", None)
+    _capture.split = split
     try:
         yield
     finally:
-        _split = before
+        _capture.split = before
