@@ -202,3 +202,56 @@ def test_placement_by_prefill_routing(tmp_path, capsys):
     assert "which: those each layer's rows choose most in the first prompt's prefill" in capsys.readouterr().err
     with pytest.raises(StrataError, match="--expert-placement must be one of static, prefill, got 'often'"):
         PairSpec(model=str(path), expert_placement="often")
+
+
+def test_a_step_with_host_work_is_captured_in_segments(monkeypatch):
+    """CudaGraphs' bookkeeping, the GPU's capture replaced by fakes that record: a step handing two pieces of
+    host work to graph_breaks runs them at once in its warm-up, is captured as three graphs in one pool with
+    none of the host work run meanwhile, and each replay runs graph, work, graph, work, graph in order."""
+    import contextlib
+
+    from strata.engine.runner import CudaGraphs
+    from strata.layers import graph_breaks
+
+    log = []
+
+    class Graph:
+        made = 0
+
+        def __init__(self):
+            Graph.made += 1
+            self.id = Graph.made
+
+        def capture_begin(self, pool=None):
+            log.append(("begin", self.id, pool))
+
+        def capture_end(self):
+            log.append(("end", self.id))
+
+        def replay(self):
+            log.append(("replay", self.id))
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    for name, value in (("CUDAGraph", Graph), ("graph_pool_handle", lambda: "pool"), ("Stream", Stream),
+                        ("stream", lambda s: contextlib.nullcontext()), ("current_stream", Stream),
+                        ("synchronize", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+
+    def step():
+        log.append("kernels")
+        graph_breaks.on_host(lambda: log.append("host 1"))
+        log.append("kernels")
+        graph_breaks.on_host(lambda: log.append("host 2"))
+        return "out"
+
+    graphs = CudaGraphs("cuda")
+    assert graphs.run("step", step) == "out"
+    replay = [("replay", 1), "host 1", ("replay", 2), "host 2", ("replay", 3)]
+    assert log == ["kernels", "host 1", "kernels", "host 2",  # the warm-up
+                   ("begin", 1, "pool"), "kernels", ("end", 1), ("begin", 2, "pool"), "kernels", ("end", 2),
+                   ("begin", 3, "pool"), ("end", 3), *replay]
+    log.clear()
+    assert graphs.run("step", step) == "out" and log == replay
