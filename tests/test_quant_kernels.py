@@ -336,10 +336,12 @@ def test_expert_gemvs_over_quantized_experts(qtype):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, k, generator=gen)
     want = torch.stack([x[a // 2].double() @ values[i].T for a, i in enumerate(ids.tolist())])
-    assert rel(qk.expert_matmul(x, data, int(qtype), n, ids, share=2, glu=True).double(), silu_mul(want)) <= 1e-5
+    wide = (16, 4, 1)  # few programs for the interpreter (the result does not depend on the block shape)
+    assert rel(qk.expert_matmul(x, data, int(qtype), n, ids, share=2, glu=True, config=wide).double(),
+               silu_mul(want)) <= 1e-5
     h = torch.randn(4, k, generator=gen)
     want = torch.stack([h[a].double() @ values[i].T for a, i in enumerate(ids.tolist())])
-    assert rel(qk.expert_matmul(h, data, int(qtype), 2 * n, ids).double(), want) <= 1e-5
+    assert rel(qk.expert_matmul(h, data, int(qtype), 2 * n, ids, config=wide).double(), want) <= 1e-5
 
 
 def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
@@ -361,7 +363,6 @@ def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
     monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
-    monkeypatch.setattr(qk, "EXPERT_GEMV_CONFIG", (128, 4, 1))
     hf, _ = write_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, vocab=320, hidden_size=256, intermediate_size=256,
                            head_dim=64, layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                            norm_topk_prob=True)

@@ -1101,13 +1101,21 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     args = (x, data, tab, y, n, k, data.stride(0), data, 0, 0, 0) if rows == 1 else \
         (x, data, tab, y, rows, n, k, data.stride(0), x.stride(0), y.stride(0))
     extra = pdl.options(x.device) if rows == 1 else {"BLOCK_M": max(16, pow2(rows)), "PRECISION": precision(x)}
-    if config is None and f"{name}_tuned" in kernels:
-        kernels[f"{name}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]),)](*args, QTYPE=qtype, GLU=glu, **extra)
-    else:
-        block_n, warps, unroll = config or (GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS)[0]
-        kernels[name][(cdiv(n, block_n),)](*args, QTYPE=qtype, GLU=glu, BLOCK_N=block_n, UNROLL=unroll,
-                                            num_warps=warps, **extra)
+    _byte_kernel(name, n, 1, args, config or (GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS)[0], config is None,
+                 QTYPE=qtype, GLU=glu, **extra)
     return y
+
+
+def _byte_kernel(name: str, n: int, programs: int, args: tuple, config: tuple[int, ...], tune: bool,
+                 **extra) -> None:
+    """The byte kernel `name` (gemv or skinny) over n rows of W, `programs` along axis 1: where tune and the
+    device has it, its tuned variant; else at config (BLOCK_N, num_warps, UNROLL)."""
+    kernels = _build()
+    if tune and f"{name}_tuned" in kernels:
+        kernels[f"{name}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), programs)](*args, **extra)
+    else:
+        block_n, warps, unroll = config
+        kernels[name][(cdiv(n, block_n), programs)](*args, BLOCK_N=block_n, UNROLL=unroll, num_warps=warps, **extra)
 
 
 def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: torch.Tensor, share: int = 1,
@@ -1121,18 +1129,8 @@ def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: 
     assert ids.numel() == rows * share and data.is_contiguous(), (ids.shape, rows, share)
     x = x.contiguous()
     y = torch.empty(ids.numel(), n, device=x.device, dtype=x.dtype)
-    kernels = _build()
     args = (x, data, _table(x.device), y, n, k, data.stride(1), ids.contiguous(), data.stride(0), x.stride(0),
             y.stride(0))
-    extra = {"QTYPE": qtype, "GLU": glu, "EXPERTS": True, "SHARE": share, **pdl.options(x.device)}
-    if config is None and "gemv_tuned" in kernels:
-        kernels["gemv_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), ids.numel())](*args, **extra)
-    else:
-        block_n, warps, unroll = config or EXPERT_GEMV_CONFIG
-        kernels["gemv"][(cdiv(n, block_n), ids.numel())](*args, BLOCK_N=block_n, UNROLL=unroll, num_warps=warps,
-                                                          **extra)
+    _byte_kernel("gemv", n, ids.numel(), args, config or GEMV_CONFIGS[0], config is None, QTYPE=qtype, GLU=glu,
+                 EXPERTS=True, SHARE=share, **pdl.options(x.device))
     return y
-
-
-#: (BLOCK_N, num_warps, UNROLL) of expert_matmul where it is not tuned (the interpreter): few programs
-EXPERT_GEMV_CONFIG = (16, 4, 1)

@@ -112,12 +112,12 @@ def place_experts(model, device, cache_mib: int | None, max_len: int, drafter_by
     by "prefill", the lowest-numbered experts stay until place_by_routing moves them."""
     plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes, by)
     if plan is not None and plan.on_device < plan.total and sparse_layers(model)[0].quantized:
-        quantized = plan.expert_bytes
+        in_blocks = plan.expert_bytes
         where = torch.device(device)
         for moe in sparse_layers(model):
             moe.dequantize_experts(lambda q: q.to(where).dequantize().to(q.device))
         plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes, by)
-        plan.arithmetic.insert(0, f"quantized experts of {quantized / MIB:.2f} MiB do not all fit: dequantized to "
+        plan.arithmetic.insert(0, f"quantized experts of {in_blocks / MIB:.2f} MiB do not all fit: dequantized to "
                                   f"{plan.expert_bytes / MIB:.2f} MiB each for the expert cache")
     model.expert_plan = plan
     if plan is not None:

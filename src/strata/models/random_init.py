@@ -83,13 +83,9 @@ def dequantize_blocks(model, dtype) -> None:
     from ..layers.modules import SparseMoE
     from ..layers.quant import QuantWeight
 
-    def experts(q):
-        return torch.stack([reference_values(q.data[e].cpu().numpy(), q.qtype) for e in range(q.shape[0])]).to(
-            device=q.device, dtype=dtype)
-
     for module in model.modules():
         if isinstance(module, SparseMoE):
-            module.dequantize_experts(experts)
+            module.dequantize_experts(lambda q: reference_values(q.data.cpu().numpy(), q.qtype).to(q.device, dtype))
         for attr, w in list(vars(module).items()):
             if isinstance(w, QuantWeight):
                 values = torch.cat([reference_values(s.data.cpu().numpy(), s.qtype) for s in w.segments])
