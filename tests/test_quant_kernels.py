@@ -390,17 +390,34 @@ def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
     want, logits = choices(plain)
     tokens = Engine(plain, max_len=64).generate(prompt.tolist(), 4).output_ids
     assert len(set(tokens)) > 1 and Engine(kept, max_len=64, static=True).generate(prompt.tolist(), 4).output_ids == tokens
-    for mib, stays in ((None, True), (2, True), (0, False)):  # 8 experts of 0.2 MiB in Q8_0, 0.75 MiB dequantized
+    for mib, device in ((None, 8), (2, 8), (1, 5), (0, 0)):  # 8 experts of 0.2 MiB in Q8_0 (0.75 MiB as values)
         target = kept if mib is None else load_target(path, quantized=True,
                                                       place=lambda m: place_experts(m, "cpu", mib, 64))
-        assert all(moe.quantized == stays for moe in sparse_layers(target))
+        moes = sparse_layers(target)
+        assert all(moe.quantized for moe in moes) and sum(moe.device_experts for moe in moes) == device
         if mib is not None:
-            assert target.expert_plan.on_device == (8 if stays else 0)
-            assert ("do not all fit: dequantized" in target.expert_plan.report()) != stays
-            assert ("(in their GGUF blocks)" in target.expert_plan.report()) == stays
+            report = target.expert_plan.report()
+            assert target.expert_plan.on_device == device and "(in their GGUF blocks)" in report
+            assert f"{8 - device} ({(8 - device) * 0.75 / 1024:.2f} GiB, dequantized)" in report
+        if mib == 1:  # layer 0 keeps experts 0-2 in blocks, its expert 3 is values in host memory
+            assert [moe.device_experts for moe in moes] == [3, 2]
+            assert torch.equal(moes[0].host_down[0], sparse_layers(plain)[0].down_proj[3])
+            assert Engine(target, max_len=64, static=True).generate(prompt.tolist(), 2).output_ids == tokens[:2]
         if mib != 2:
             got, got_logits = choices(target)
             assert got.equal(want) and rel(got_logits, logits) <= 0.05
+    target = load_target(path, quantized=True, place=lambda m: place_experts(m, "cpu", 1, 64, by="prefill"))
+    Engine(target, max_len=64).runner.prefill(prompt.tolist())  # blocks move on, the leaving experts' values off
+    assert target.expert_plan.moved > 0
+    blocks = [(moe.gate_up_proj.data.clone(), moe.down_proj.data.clone()) for moe in sparse_layers(kept)]
+    for moe, ref, (gate_up, down) in zip(sparse_layers(target), sparse_layers(plain), blocks):
+        for e, s in enumerate(moe.slot):
+            if s >= 0:
+                assert moe.gate_up_proj.data[s].equal(gate_up[e]) and moe.down_proj.data[s].equal(down[e])
+            else:
+                assert moe.host_blocks[0][-1 - s].equal(gate_up[e]) and moe.host_blocks[1][-1 - s].equal(down[e])
+                assert moe.host_gate_up[:, -1 - s].equal(ref.gate_up_proj[:, e])
+                assert moe.host_down[-1 - s].equal(ref.down_proj[e])
 
 
 def test_random_quantized_moe_targets_keep_their_experts_in_blocks():

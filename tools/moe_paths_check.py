@@ -2,7 +2,7 @@
 the expert cache's captured step (one CUDA graph per stretch between sparse layers, the CPU's experts
 between them) at budgets of none, some and all of the experts, against the same target with every expert
 on the device and against its eager run; and quantized experts (QuantExperts, one GEMV per assignment
-inside the graphs) against the same blocks dequantized. Prints one line per case and
+inside the graphs), all or some of them on the device, against the same blocks dequantized. Prints one line per case and
 exits 1 on any difference. On the CPU the same cases run without graphs (the tests' twin), the quantized
 ones only in Triton's interpreter (TRITON_INTERPRET=1: Q8_0 in about 15 minutes on 2 cores, Q4_K_M longer).
 
@@ -71,6 +71,15 @@ def main() -> int:
             moe.dequantize_experts()
         report(f"{quant} experts kept quantized vs dequantized, static", tokens(kept, static=True),
                tokens(ref, static=True))
+    kept, ref = (random_target("tiny-moe", device=dev, quant="Q4_K_M", quantized=True, seed=3,
+                               **{**QUANT_SHAPE, "moe_intermediate_size": 1024}) for _ in range(2))
+    for moe in sparse_layers(ref):
+        moe.dequantize_experts()
+    place_experts(kept, dev, 2, 64)  # experts of 0.42-0.49 MiB in blocks: 4 of 8 on the device
+    plan = kept.expert_plan
+    report(f"Q4_K_M experts, --expert-cache 2 ({plan.on_device} of {plan.total} in blocks on the device, the rest "
+           "dequantized in host memory) vs all dequantized on the device, static", tokens(kept, static=True),
+           tokens(ref, static=True))
     return 1 if failed else 0
 
 

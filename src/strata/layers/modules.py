@@ -182,11 +182,21 @@ class SparseMoE(nn.Module):
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert's three matrices."""
+        """Bytes of one expert's three matrices on the device (in their GGUF blocks when quantized)."""
         if self.quantized:
-            return (self.gate_up_proj.nbytes + self.down_proj.nbytes) // self.experts
-        _, _, inter, hidden = self.gate_up_proj.shape
-        return 3 * inter * hidden * self.down_proj.element_size()
+            return sum(q.data.shape[1] * q.data.shape[2] for q in (self.gate_up_proj, self.down_proj))
+        return self.host_expert_bytes
+
+    @property
+    def host_expert_bytes(self) -> int:
+        """Bytes of one expert's three matrices as values in the activations' dtype (how host memory keeps it)."""
+        _, hidden, inter = self.down_proj.shape
+        return 3 * inter * hidden * torch.tensor([], dtype=self.down_proj.dtype).element_size()
+
+    @property
+    def device_experts(self) -> int:
+        """Experts whose weights are on the device (all of them until place moves some to host memory)."""
+        return self.down_proj.shape[0]
 
     def dequantize_experts(self, values: Callable | None = None) -> None:
         """Quantized experts (QuantExperts) replaced by parameters of their values, in the stacked layout.
@@ -205,27 +215,40 @@ class SparseMoE(nn.Module):
         """Experts kept in host memory and run by the CPU (place)."""
         return self.host_down.shape[0] if hasattr(self, "host_down") else 0
 
-    def place(self, resident: list[int], pin: bool = False) -> None:
+    def place(self, resident: list[int], pin: bool = False, values: Callable | None = None,
+              keep_blocks: bool = False) -> None:
         """Keep the experts `resident` in the parameters (they go wherever the model goes) and move the
         others to host memory (pinned for fast copies when pin), where the CPU runs them; called before
         the model moves to its device, so the host experts never occupy it. Each forward then reads its
-        routing on the host (ops.experts_placed; placed in static shapes)."""
+        routing on the host (ops.experts_placed; placed in static shapes). Quantized experts: the device's
+        stay in their blocks (QuantExperts), the host's are values, made by values(QuantExperts) ->
+        [E, rows, cols] (default: dequantized where they are); keep_blocks: the host also keeps their
+        blocks, for replace to move them onto the device."""
         stay = sorted(set(resident))
         away = sorted(set(range(self.experts)) - set(stay))
         if not away:
             return
-        if self.quantized:
-            raise ValueError("quantized experts stay whole on the device; dequantize_experts before placing them")
         slot = [0] * self.experts
         for i, e in enumerate(stay):
             slot[e] = i
         for i, e in enumerate(away):
             slot[e] = -1 - i
-        gate_up, down = self.gate_up_proj.data, self.down_proj.data
-        host = [gate_up[:, away].cpu().contiguous(), down[away].cpu().contiguous()]
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.quantized:
+            values = values or (lambda q: q.dequantize())
+            parts = [QuantExperts(q.qtype, q.data[away], q.cols, q.dtype) for q in (gate_up, down)]
+            e, rows, cols = parts[0].shape
+            host = [values(parts[0]).view(e, 2, rows // 2, cols).transpose(0, 1).cpu().contiguous(),
+                    values(parts[1]).cpu().contiguous()]
+            self.host_blocks = [q.data.cpu() for q in parts] if keep_blocks else None
+            self.gate_up_proj, self.down_proj = (QuantExperts(q.qtype, q.data[stay].contiguous(), q.cols, q.dtype)
+                                                 for q in (gate_up, down))
+        else:
+            gate_up, down = gate_up.data, down.data
+            host = [gate_up[:, away].cpu().contiguous(), down[away].cpu().contiguous()]
+            self.gate_up_proj = nn.Parameter(gate_up[:, stay].contiguous(), requires_grad=False)
+            self.down_proj = nn.Parameter(down[stay].contiguous(), requires_grad=False)
         self.host_gate_up, self.host_down = [t.pin_memory() for t in host] if pin else host
-        self.gate_up_proj = nn.Parameter(gate_up[:, stay].contiguous(), requires_grad=False)
-        self.down_proj = nn.Parameter(down[stay].contiguous(), requires_grad=False)
         self.slot = slot
         self.register_buffer("stand_in", torch.tensor([max(i, 0) for i in slot]), persistent=False)
         self.counts = torch.zeros(self.experts, dtype=torch.long)  # rows routed to each expert (eager forwards)
@@ -233,17 +256,27 @@ class SparseMoE(nn.Module):
 
     def replace(self, resident: list[int]) -> int:
         """Make `resident` (as many experts as the device holds) the experts on the device: each one moving
-        on swaps weights with one moving off, in place, so captured steps keep their addresses. Returns how
-        many moved on."""
+        on swaps weights with one moving off, in place, so captured steps keep their addresses (quantized
+        experts: blocks move on from the host's copy of them, the leaving expert's values are made where
+        it was). Returns how many moved on."""
         want = set(resident)
-        if len(want) != self.gate_up_proj.shape[1]:
-            raise ValueError(f"{len(want)} experts for {self.gate_up_proj.shape[1]} device slots")
+        if len(want) != self.device_experts:
+            raise ValueError(f"{len(want)} experts for {self.device_experts} device slots")
+        if self.quantized and getattr(self, "host_blocks", None) is None:
+            raise ValueError("quantized experts move onto the device from their blocks: place(keep_blocks=True)")
         off = [e for e in range(self.experts) if self.slot[e] >= 0 and e not in want]
         on = [e for e in sorted(want) if self.slot[e] < 0]
         for a, b in zip(off, on):
             i, j = self.slot[a], -1 - self.slot[b]
-            for dev, host in ((self.gate_up_proj.data[:, i], self.host_gate_up[:, j]),
-                              (self.down_proj.data[i], self.host_down[j])):
+            if self.quantized:
+                gate_up, down = self.gate_up_proj, self.down_proj
+                self.host_gate_up[:, j].copy_(gate_up.values(i).view(self.host_gate_up[:, j].shape))
+                self.host_down[j].copy_(down.values(i))
+                pairs = ((gate_up.data[i], self.host_blocks[0][j]), (down.data[i], self.host_blocks[1][j]))
+            else:
+                pairs = ((self.gate_up_proj.data[:, i], self.host_gate_up[:, j]),
+                         (self.down_proj.data[i], self.host_down[j]))
+            for dev, host in pairs:
                 leaving = dev.to("cpu", copy=True)
                 dev.copy_(host)
                 host.copy_(leaving)
@@ -275,7 +308,7 @@ class SparseMoE(nn.Module):
         host_y = torch.empty(*experts.shape, h.shape[-1], dtype=h.dtype, device=h.device)
         host = torch.empty(experts.shape, dtype=torch.bool, device=h.device)
         fill = HostExperts(self, h, experts, host_y, host)
-        if not self.gate_up_proj.shape[1]:
+        if not self.device_experts:
             graph_breaks.on_host(fill)
             return kernels.sum_slots(host_y, weights, h.dtype)
 

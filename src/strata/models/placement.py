@@ -6,7 +6,9 @@ once the other weights, the KV cache, a workspace and the drafter are counted. I
 the sparse layers (the earlier layers take the remainder). Which experts a layer keeps: its
 lowest-numbered ones (static, so a pinned budget always gives the same placement), or, placed by
 "prefill", those its rows chose most in the first prompt's prefill (a real router's choices are skewed,
-so more of a token's experts are then on the device). On the CPU the device is the CPU, so only an
+so more of a token's experts are then on the device). A GGUF file's quantized experts stay in their
+blocks on the device, so the budget holds as many as the file's bytes allow; those in host memory are
+dequantized there, as the CPU runs them with torch. On the CPU the device is the CPU, so only an
 explicit budget splits anything (the tests exercise the host path that way)."""
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class ExpertPlan:
     budget: int  # bytes the device may give the experts
     arithmetic: list[str] = field(default_factory=list)  # how the budget was reached
     by: str = "static"  # which experts stay: PLACEMENTS
-    quantized: bool = False  # the experts stay in their GGUF blocks (layers/quant.QuantExperts)
+    quantized: bool = False  # the device's experts stay in their GGUF blocks (layers/quant.QuantExperts)
+    host_expert_bytes: int = 0  # one expert as host memory keeps it (quantized: values, and blocks by "prefill")
     moved: int | None = None  # "prefill": experts the first prefill's routing moved onto the device (None: not yet)
 
     @property
@@ -52,9 +55,10 @@ class ExpertPlan:
         lines += [f"  {line}" for line in self.arithmetic]
         share = self.on_device / self.total if self.total else 1.0
         host = self.total - self.on_device
+        form = ", dequantized" if self.quantized else ""
         lines.append(f"  on the device ({self.device}): {self.on_device} ({share:.0%}, "
                      f"{self.on_device * self.expert_bytes / GIB:.2f} GiB); in host memory, run by the CPU with "
-                     f"{torch.get_num_threads()} threads: {host} ({host * self.expert_bytes / GIB:.2f} GiB)")
+                     f"{torch.get_num_threads()} threads: {host} ({host * self.host_expert_bytes / GIB:.2f} GiB{form})")
         if self.by == "prefill":
             lines.append("  which: those each layer's rows choose most in the first prompt's prefill" +
                          ("" if self.moved is None else f" ({self.moved} experts moved onto the device)"))
@@ -87,7 +91,9 @@ def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_byt
     count = min(total, max(0, budget) // expert_bytes)
     share, extra = divmod(count, len(moes))
     resident = [min(moe.experts, share + (i < extra)) for i in range(len(moes))]
-    return ExpertPlan(moe.experts, expert_bytes, resident, device.type, budget, arithmetic, by, moe.quantized)
+    host_bytes = max(m.host_expert_bytes for m in moes) + (expert_bytes if moe.quantized and by == "prefill" else 0)
+    return ExpertPlan(moe.experts, expert_bytes, resident, device.type, budget, arithmetic, by, moe.quantized,
+                      host_bytes)
 
 
 def auto_budget(model, moes, device, max_len: int, drafter_bytes: int) -> tuple[int, list[str]]:
@@ -108,21 +114,16 @@ def auto_budget(model, moes, device, max_len: int, drafter_bytes: int) -> tuple[
 def place_experts(model, device, cache_mib: int | None, max_len: int, drafter_bytes: int = 0,
                   by: str = "static") -> None:
     """Plan the placement (plan_experts) and apply it: each sparse layer keeps its planned experts, the rest
-    go to host memory (pinned when a GPU will copy from it); the plan stays as model.expert_plan. Placed
-    by "prefill", the lowest-numbered experts stay until place_by_routing moves them."""
+    go to host memory (pinned when a GPU will copy from it; quantized ones dequantized on the device on
+    their way); the plan stays as model.expert_plan. Placed by "prefill", the lowest-numbered experts stay
+    until place_by_routing moves them."""
     plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes, by)
-    if plan is not None and plan.on_device < plan.total and sparse_layers(model)[0].quantized:
-        in_blocks = plan.expert_bytes
-        where = torch.device(device)
-        for moe in sparse_layers(model):
-            moe.dequantize_experts(lambda q: q.to(where).dequantize().to(q.device))
-        plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes, by)
-        plan.arithmetic.insert(0, f"quantized experts of {in_blocks / MIB:.2f} MiB do not all fit: dequantized to "
-                                  f"{plan.expert_bytes / MIB:.2f} MiB each for the expert cache")
     model.expert_plan = plan
     if plan is not None:
+        where = torch.device(device)
         for moe, keep in zip(sparse_layers(model), plan.resident):
-            moe.place(list(range(keep)), pin=plan.device == "cuda")
+            moe.place(list(range(keep)), pin=plan.device == "cuda", keep_blocks=by == "prefill",
+                      values=lambda q: q.to(where).dequantize())
 
 
 def place_by_routing(model) -> None:
