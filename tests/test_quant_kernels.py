@@ -347,8 +347,9 @@ def test_expert_gemvs_over_quantized_experts(qtype):
 def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
     """A qwen3moe file's Q8_0 experts kept quantized (QuantExperts): an eager forward (each expert hit
     dequantized for its rows) chooses as the file dequantized at load does, and static decoding (one
-    quantized GEMV per assignment) gives its greedy tokens; an expert cache that holds every expert keeps
-    them so, one that cannot dequantizes them first and still chooses alike."""
+    quantized GEMV per assignment) gives its greedy tokens; under an expert cache the device's experts stay
+    in blocks and the host's are their values (placed statically or by the first prefill's routing), and
+    it still chooses alike, eagerly and in static shapes."""
     from strata.engine.decode import Engine
     from strata.layers.kernels import EAGER, Kernels
     from strata.layers.ops import experts_routed, route
@@ -409,13 +410,20 @@ def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
     target = load_target(path, quantized=True, place=lambda m: place_experts(m, "cpu", 1, 64, by="prefill"))
     Engine(target, max_len=64).runner.prefill(prompt.tolist())  # blocks move on, the leaving experts' values off
     assert target.expert_plan.moved > 0
+    assert Engine(target, max_len=64, static=True).generate(prompt.tolist(), 2).output_ids == tokens[:2]
     blocks = [(moe.gate_up_proj.data.clone(), moe.down_proj.data.clone()) for moe in sparse_layers(kept)]
+    assert all(moe.host_blocks is None for moe in sparse_layers(target))  # let go once the experts moved
+    import strata.models.loader as loader
+
+    real = loader.quantized_experts  # down experts of a type the kernels lack (a Q3_K_M file's gate/up): none kept
+    monkeypatch.setattr(loader, "quantized_experts", lambda src, *a: None if "down" in src[0][0] else real(src, *a))
+    for moe, ref in zip(sparse_layers(load_target(path, quantized=True)), sparse_layers(plain)):
+        assert not moe.quantized and moe.gate_up_proj.equal(ref.gate_up_proj) and moe.down_proj.equal(ref.down_proj)
     for moe, ref, (gate_up, down) in zip(sparse_layers(target), sparse_layers(plain), blocks):
         for e, s in enumerate(moe.slot):
             if s >= 0:
                 assert moe.gate_up_proj.data[s].equal(gate_up[e]) and moe.down_proj.data[s].equal(down[e])
             else:
-                assert moe.host_blocks[0][-1 - s].equal(gate_up[e]) and moe.host_blocks[1][-1 - s].equal(down[e])
                 assert moe.host_gate_up[:, -1 - s].equal(ref.gate_up_proj[:, e])
                 assert moe.host_down[-1 - s].equal(ref.down_proj[e])
 

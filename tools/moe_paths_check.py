@@ -71,15 +71,18 @@ def main() -> int:
             moe.dequantize_experts()
         report(f"{quant} experts kept quantized vs dequantized, static", tokens(kept, static=True),
                tokens(ref, static=True))
-    kept, ref = (random_target("tiny-moe", device=dev, quant="Q4_K_M", quantized=True, seed=3,
-                               **{**QUANT_SHAPE, "moe_intermediate_size": 1024}) for _ in range(2))
+    shape = {**QUANT_SHAPE, "moe_intermediate_size": 1024}  # experts of 0.42-0.49 MiB in Q4_K_M blocks
+    ref = random_target("tiny-moe", device=dev, quant="Q4_K_M", quantized=True, seed=3, **shape)
     for moe in sparse_layers(ref):
         moe.dequantize_experts()
-    place_experts(kept, dev, 2, 64)  # experts of 0.42-0.49 MiB in blocks: 4 of 8 on the device
-    plan = kept.expert_plan
-    report(f"Q4_K_M experts, --expert-cache 2 ({plan.on_device} of {plan.total} in blocks on the device, the rest "
-           "dequantized in host memory) vs all dequantized on the device, static", tokens(kept, static=True),
-           tokens(ref, static=True))
+    want = tokens(ref, static=True)
+    for by in ("static", "prefill"):
+        kept = random_target("tiny-moe", device=dev, quant="Q4_K_M", quantized=True, seed=3, **shape)
+        place_experts(kept, dev, 2, 64, by=by)  # 4 of 8 on the device
+        plan = kept.expert_plan
+        report(f"Q4_K_M experts, --expert-cache 2 --expert-placement {by} ({plan.on_device} of {plan.total} in "
+               "blocks on the device, the rest dequantized in host memory) vs all dequantized, static",
+               tokens(kept, static=True), want)
     return 1 if failed else 0
 
 

@@ -221,9 +221,10 @@ class SparseMoE(nn.Module):
         others to host memory (pinned for fast copies when pin), where the CPU runs them; called before
         the model moves to its device, so the host experts never occupy it. Each forward then reads its
         routing on the host (ops.experts_placed; placed in static shapes). Quantized experts: the device's
-        stay in their blocks (QuantExperts), the host's are values, made by values(QuantExperts) ->
-        [E, rows, cols] (default: dequantized where they are); keep_blocks: the host also keeps their
-        blocks, for replace to move them onto the device."""
+        stay in their blocks (QuantExperts), the host's are values, one expert at a time made by
+        values(QuantExperts, e) -> [rows, cols] (default: dequantized where they are) and written into
+        the host's stacks; keep_blocks: the host also keeps their blocks (when the device has slots), for
+        replace to move them onto the device."""
         stay = sorted(set(resident))
         away = sorted(set(range(self.experts)) - set(stay))
         if not away:
@@ -235,12 +236,15 @@ class SparseMoE(nn.Module):
             slot[e] = -1 - i
         gate_up, down = self.gate_up_proj, self.down_proj
         if self.quantized:
-            values = values or (lambda q: q.dequantize())
-            parts = [QuantExperts(q.qtype, q.data[away], q.cols, q.dtype) for q in (gate_up, down)]
-            e, rows, cols = parts[0].shape
-            host = [values(parts[0]).view(e, 2, rows // 2, cols).transpose(0, 1).cpu().contiguous(),
-                    values(parts[1]).cpu().contiguous()]
-            self.host_blocks = [q.data.cpu() for q in parts] if keep_blocks else None
+            values = values or (lambda q, e: q.values(e))
+            _, hidden, inter = down.shape
+            self.host_gate_up = torch.empty(2, len(away), inter, hidden, dtype=down.dtype, pin_memory=pin)
+            self.host_down = torch.empty(len(away), hidden, inter, dtype=down.dtype, pin_memory=pin)
+            for i, e in enumerate(away):
+                self.host_gate_up[:, i].copy_(values(gate_up, e).view(2, inter, hidden))
+                self.host_down[i].copy_(values(down, e))
+            blocks = [q.data[away].cpu() for q in (gate_up, down)] if keep_blocks and stay else None
+            self.host_blocks = [t.pin_memory() for t in blocks] if blocks and pin else blocks
             self.gate_up_proj, self.down_proj = (QuantExperts(q.qtype, q.data[stay].contiguous(), q.cols, q.dtype)
                                                  for q in (gate_up, down))
         else:
@@ -248,9 +252,10 @@ class SparseMoE(nn.Module):
             host = [gate_up[:, away].cpu().contiguous(), down[away].cpu().contiguous()]
             self.gate_up_proj = nn.Parameter(gate_up[:, stay].contiguous(), requires_grad=False)
             self.down_proj = nn.Parameter(down[stay].contiguous(), requires_grad=False)
-        self.host_gate_up, self.host_down = [t.pin_memory() for t in host] if pin else host
+            self.host_gate_up, self.host_down = [t.pin_memory() for t in host] if pin else host
         self.slot = slot
-        self.register_buffer("stand_in", torch.tensor([max(i, 0) for i in slot]), persistent=False)
+        self.register_buffer("stand_in", torch.tensor([max(i, 0) for i in slot], device=self.gate.weight.device),
+                             persistent=False)
         self.counts = torch.zeros(self.experts, dtype=torch.long)  # rows routed to each expert (eager forwards)
         self.timing: dict[str, float] = {}
 
@@ -258,7 +263,7 @@ class SparseMoE(nn.Module):
         """Make `resident` (as many experts as the device holds) the experts on the device: each one moving
         on swaps weights with one moving off, in place, so captured steps keep their addresses (quantized
         experts: blocks move on from the host's copy of them, the leaving expert's values are made where
-        it was). Returns how many moved on."""
+        it was). Returns how many moved on; quantized experts' host blocks are let go after it."""
         want = set(resident)
         if len(want) != self.device_experts:
             raise ValueError(f"{len(want)} experts for {self.device_experts} device slots")
@@ -282,6 +287,7 @@ class SparseMoE(nn.Module):
                 host.copy_(leaving)
             self.slot[a], self.slot[b] = -1 - j, i
         self.stand_in.copy_(torch.tensor([max(i, 0) for i in self.slot]))
+        self.host_blocks = None
         return len(on)
 
     def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:

@@ -173,7 +173,7 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
     from .. import gguf_file
     from ..errors import ArtifactError
     from ..gguf_names import ROPE_FACTORS
-    from ..layers.quant import QuantWeight
+    from ..layers.quant import QuantExperts, QuantWeight
 
     try:
         fam, cfg, _, tensors = gguf_model(path)
@@ -185,6 +185,14 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
                               f"(a {fam.gguf_arch} file with parts Strata does not implement)")
         heads = {"unpermute_q": cfg.num_heads, "unpermute_k": cfg.num_kv_heads}
         state, quant = {}, {}
+
+        def values(sources):
+            parts = []
+            for name, shape, transform in sources:
+                t = gguf_file.values(tensors[name], shape, str(path)).to(dtype)
+                parts.append(unpermute(t, heads[transform]) if transform else t)
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
         for param, sources in layout.items():
             missing = [name for name, *_ in sources if name not in tensors]
             if missing:
@@ -203,11 +211,13 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
                 state[param] = torch.empty(sum(s[0] for _, s, _ in sources), sources[0][1][1], device="meta",
                                            dtype=dtype)
                 continue
-            parts = []
-            for name, shape, transform in sources:
-                t = gguf_file.values(tensors[name], shape, str(path)).to(dtype)
-                parts.append(unpermute(t, heads[transform]) if transform else t)
-            state[param] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            state[param] = values(sources)
+        for param in [name for name, q in quant.items() if isinstance(q, QuantExperts)]:
+            pair = {"gate_up_proj": "down_proj", "down_proj": "gate_up_proj"}
+            head, _, tail = param.rpartition(".")
+            if not isinstance(quant.get(f"{head}.{pair[tail]}"), QuantExperts):  # a layer's experts run one way
+                del quant[param]
+                state[param] = values(layout[param])
     except ArtifactError as e:
         raise StrataError(str(e)) from None
     return instantiate(fam, cfg, state, device, quant, place)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..layers.modules import SparseMoE
+from ..layers.quant import QuantExperts
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -35,7 +36,7 @@ class ExpertPlan:
     arithmetic: list[str] = field(default_factory=list)  # how the budget was reached
     by: str = "static"  # which experts stay: PLACEMENTS
     quantized: bool = False  # the device's experts stay in their GGUF blocks (layers/quant.QuantExperts)
-    host_expert_bytes: int = 0  # one expert as host memory keeps it (quantized: values, and blocks by "prefill")
+    host_expert_bytes: int = 0  # one expert as host memory keeps it (quantized ones: dequantized)
     moved: int | None = None  # "prefill": experts the first prefill's routing moved onto the device (None: not yet)
 
     @property
@@ -91,9 +92,8 @@ def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_byt
     count = min(total, max(0, budget) // expert_bytes)
     share, extra = divmod(count, len(moes))
     resident = [min(moe.experts, share + (i < extra)) for i in range(len(moes))]
-    host_bytes = max(m.host_expert_bytes for m in moes) + (expert_bytes if moe.quantized and by == "prefill" else 0)
     return ExpertPlan(moe.experts, expert_bytes, resident, device.type, budget, arithmetic, by, moe.quantized,
-                      host_bytes)
+                      max(m.host_expert_bytes for m in moes))
 
 
 def auto_budget(model, moes, device, max_len: int, drafter_bytes: int) -> tuple[int, list[str]]:
@@ -123,7 +123,7 @@ def place_experts(model, device, cache_mib: int | None, max_len: int, drafter_by
         where = torch.device(device)
         for moe, keep in zip(sparse_layers(model), plan.resident):
             moe.place(list(range(keep)), pin=plan.device == "cuda", keep_blocks=by == "prefill",
-                      values=lambda q: q.to(where).dequantize())
+                      values=lambda q, e: QuantExperts(q.qtype, q.data[e:e + 1].to(where), q.cols, q.dtype).values(0))
 
 
 def place_by_routing(model) -> None:
