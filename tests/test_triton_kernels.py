@@ -229,8 +229,7 @@ def test_expert_gemvs_match_the_routed_experts(dtype):
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_route_kernel_matches_the_routing(renormalize):
     """The one-launch routing against ops.route: the same experts in ascending order, weights to rounding;
-    128 experts (a 30B-A3B layer's) and 6 (a tiny checkpoint's, the block padded). One row's routing inside
-    the router's GEMV gives the two launches' exactly."""
+    128 experts (a 30B-A3B layer's) and 6 (a tiny checkpoint's, the block padded)."""
     from strata.layers.ops import route
 
     gen = torch.Generator().manual_seed(9)
@@ -241,12 +240,6 @@ def test_route_kernel_matches_the_routing(renormalize):
         got_w, got_e = tk.route_topk(F.linear(h, router), k, renormalize)
         assert got_e.equal(want_e) and bool((got_e.diff(dim=-1) > 0).all())
         close(got_w, want_w, torch.float32)
-        for row in h[:2].split(1):  # one row: routed by the router GEMV's last program, as the two launches do
-            for _ in range(2):
-                fused = tk.gemv_route(row, router, k, renormalize)
-                two = tk.route_topk(tk.gemv(row, router), k, renormalize)
-                assert fused[0].equal(two[0]) and fused[1].equal(two[1])
-        assert not tk._slot_counters(h.device).any()
 
 
 def test_a_moe_step_runs_the_expert_gemvs(monkeypatch):

@@ -161,8 +161,6 @@ class TritonKernels(Kernels):
         slow = lambda: ops.route(h, router, top_k, renormalize)  # noqa: E731
         if isinstance(router, QuantWeight):
             return slow()
-        if self._tk.projection_kernel(h, router) == "gemv":  # one row: the router's GEMV routes its logits
-            return self._either("route", lambda: self._tk.gemv_route(h, router, top_k, renormalize), slow)
         return self._either("route", lambda: self._tk.route_topk(self.linear(h, router), top_k, renormalize), slow)
 
     def delta_rule(self, q, k, v, g, beta, state, rows=None):

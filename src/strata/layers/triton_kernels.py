@@ -61,15 +61,12 @@ def _build():
     def gemv_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
                     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, SHARE: tl.constexpr = 1, PDL: tl.constexpr = False,
-                    sum_ptr=None, slot_w_ptr=None, cnt_ptr=None, SLOTS: tl.constexpr = 0, route_e_ptr=None,
-                    TOP_K: tl.constexpr = 0, KP: tl.constexpr = 2, BLOCK_E: tl.constexpr = 16,
-                    RENORM: tl.constexpr = False):
+                    sum_ptr=None, slot_w_ptr=None, cnt_ptr=None, SLOTS: tl.constexpr = 0):
         """y = W x for output row a = program_id(1) (one row unless EXPERTS), from input row a // SHARE; with
         EXPERTS row a has its own matrix, expert e[a]'s at w + e[a] * stride_e. GLU: the up rows sit up_offset
-        after the gate rows. The program that finishes last (counted in cnt, reset by it) then goes on:
-        SLOTS, output rows r SLOTS .. are the slots of a row r of sum (ops.sum_slots, weights slot_w
-        [R, SLOTS]), summed by the last of their block of columns; TOP_K, y is a router's logits, routed by
-        the last of the row (route_kernel's work: weights into slot_w, experts into route_e)."""
+        after the gate rows. SLOTS: output rows r SLOTS .. are the slots of a row r of sum (ops.sum_slots,
+        weights slot_w [R, SLOTS]), which the program of their block of columns that finishes last (counted
+        in cnt, reset by it) computes."""
         settle(PDL)
         a = tl.program_id(1).to(tl.int64)
         if EXPERTS:
@@ -105,11 +102,6 @@ def _build():
         tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
         if SLOTS > 0:
             _sum_slots_last(y_rows, sum_ptr, slot_w_ptr, cnt_ptr, a // SLOTS, rows, rmask, N, stride_y, SLOTS)
-        if TOP_K > 0:
-            tl.debug_barrier()  # every thread's logits stored before the count is released
-            if tl.atomic_add(cnt_ptr + a, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-                _route_row(y_ptr, slot_w_ptr, route_e_ptr, a, N, TOP_K, KP, BLOCK_E, RENORM, ".cg")
-                tl.atomic_xchg(cnt_ptr + a, 0)  # ready for the next product
 
     @triton.jit
     def _sum_slots_last(y_ptr, sum_ptr, w_ptr, cnt_ptr, r, rows, rmask, N, stride_y, SLOTS: tl.constexpr):
@@ -184,20 +176,13 @@ def _build():
     @triton.jit
     def route_kernel(logits_ptr, w_ptr, e_ptr, E, stride_l, K: tl.constexpr, KP: tl.constexpr,
                      BLOCK_E: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
-        """A row of logits a program, routed (_route_row)."""
+        """One row's routing: softmax over the experts in float32, the top K by repeated maximum (the lower
+        expert id first among equals), renormalised when asked, written in ascending expert order."""
         settle(PDL)
         row = tl.program_id(0)
-        _route_row(logits_ptr + row * stride_l, w_ptr, e_ptr, row, E, K, KP, BLOCK_E, RENORM, "")
-
-    @triton.jit
-    def _route_row(logits_ptr, w_ptr, e_ptr, row, E, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
-                   RENORM: tl.constexpr, CACHE: tl.constexpr):
-        """One row's routing from its E logits: softmax over the experts in float32, the top K by repeated
-        maximum (the lower expert id first among equals), renormalised when asked, written in ascending
-        expert order to row `row` of w and e."""
         cols = tl.arange(0, BLOCK_E)
         valid = cols < E
-        x = tl.load(logits_ptr + cols, mask=valid, other=float("-inf"), cache_modifier=CACHE).to(tl.float32)
+        x = tl.load(logits_ptr + row * stride_l + cols, mask=valid, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
         p = tl.where(valid, p / tl.sum(p, axis=0), -1.0)
         slots = tl.arange(0, KP)
@@ -215,8 +200,6 @@ def _build():
         live = slots < K
         tl.store(w_ptr + row * K + rank, vals.to(w_ptr.dtype.element_ty), mask=live)
         tl.store(e_ptr + row * K + rank, idx.to(tl.int64), mask=live)
-
-    globals()["_route_row"] = _route_row
 
     @triton.jit
     def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
@@ -492,22 +475,6 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool):
     _build()["route"][(n,)](logits, weights, experts, e, logits.stride(0), K=top_k,
                             KP=max(2, pow2(top_k)), BLOCK_E=max(16, pow2(e)),
                             RENORM=renormalize, num_warps=1, **pdl.options(logits.device))
-    return weights, experts
-
-
-def gemv_route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool):
-    """ops.route of one row x [1, H] in one launch: the router's GEMV (gemv's, the same logits), whose
-    program that finishes last routes them as route_topk does."""
-    e, k = router.shape
-    logits = torch.empty(1, e, device=x.device, dtype=x.dtype)
-    weights = torch.empty(1, top_k, device=x.device, dtype=x.dtype)
-    experts = torch.empty(1, top_k, device=x.device, dtype=torch.long)
-    block_n, block_k, warps = GEMV_CONFIG
-    _build()["gemv"][(cdiv(e, block_n), 1)](
-        x, router, router, router, logits, e, k, 0, 0, router.stride(0), 0, 0, HAS_BIAS=False, GLU=False,
-        EXPERTS=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, slot_w_ptr=weights,
-        cnt_ptr=_slot_counters(x.device), route_e_ptr=experts, TOP_K=top_k, KP=max(2, pow2(top_k)),
-        BLOCK_E=max(16, pow2(e)), RENORM=renormalize, **pdl.options(x.device))
     return weights, experts
 
 
