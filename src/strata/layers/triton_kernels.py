@@ -386,6 +386,10 @@ EXPERT_GLU_CONFIG = (1, 512, 2)
 EXPERT_DOWN_CONFIG = (4, 128, 1)
 #: arrival counts for the expert sums: rows x blocks of the down GEMV's columns (16 rows of hidden 4096)
 SLOT_COUNTERS = 1 << 14
+#: each row's weighted sum of its experts' outputs in the down GEMV's last programs (else sum_slots' own
+#: launch). Not yet measured: the same last-program pattern for the routing after the router's GEMV was
+#: measured slower than its own launch (README); A/B with tools/pdl_ab.py --knob.
+EXPERT_SUM_IN_GEMV = True
 
 
 def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -415,14 +419,16 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     y = torch.empty(n * k, hidden, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = EXPERT_DOWN_CONFIG
     fused = {}
-    if reduce is None:
+    if reduce is None and EXPERT_SUM_IN_GEMV:
         out = torch.empty(n, hidden, device=h.device, dtype=h.dtype)
         fused = dict(sum_ptr=out, slot_w_ptr=weights.contiguous(), cnt_ptr=_slot_counters(h.device), SLOTS=k)
     kernels["gemv"][(cdiv(hidden, block_n), n * k)](
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         **fused, **pdl.options(h.device))
-    return out if reduce is None else reduce(y.view(n, k, hidden), weights, h.dtype)
+    if fused:
+        return out
+    return (reduce or sum_slots or ops.sum_slots)(y.view(n, k, hidden), weights, h.dtype)
 
 
 _SLOT_COUNTERS: dict = {}
