@@ -60,6 +60,12 @@ def test_outputs_are_checked_before_the_work(qwen3_dir, tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "missing").exists()
     r = run_cli("bench", "--shape", "tiny", "--out", tmp_path / "missing" / "b.json")
     assert r.returncode == 2 and "--out" in r.stderr and not (tmp_path / "missing").exists()
+    r = run_cli("bench", "--shape", "tiny", "--out", tmp_path / "b.png")  # the JSON's name, not its plot's
+    assert r.returncode == 2 and "expected the JSON's file name" in r.stderr and not list(tmp_path.glob("b.*"))
+    (tmp_path / "c.png").mkdir()
+    r = run_cli("bench", "--shape", "tiny", "--out", tmp_path / "c.json")
+    assert r.returncode == 2 and "--out's plot" in r.stderr and "is a folder" in r.stderr
+    assert not (tmp_path / "c.json").exists()
     r = run_cli("init-random", tmp_path / "missing" / "m")
     assert r.returncode == 2 and not (tmp_path / "missing").exists()
 

@@ -82,6 +82,13 @@ def test_llama_cpp_layout_decodes_like_its_folder(tmp_path, matrix_type):
         placed = [load_pair(PairSpec(model=str(tmp_path / "t.gguf"), expert_cache=mib), drafter=False).target
                   for mib in (0, 1)]
         assert [t.host_experts for t in placed] == [8, 7]
+        import json
+
+        cfg = json.loads((hf / "config.json").read_text())  # llama.cpp's key for top-k beyond its expert count
+        (hf / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 5}))
+        write_gguf_target(tmp_path / "bad.gguf", hf, "qwen3moe", matrix_type)
+        with pytest.raises(StrataError, match="'qwen3moe.expert_used_count' 5 exceeds qwen3moe.expert_count 4"):
+            load_target(tmp_path / "bad.gguf")
     for prompt in PROMPTS[:2]:
         want = Engine(ref, max_len=128).generate(prompt, 32).output_ids
         for target in [gguf_target, *placed]:
@@ -95,7 +102,9 @@ def test_bad_moe_configs_are_one_line_errors(checkpoints, tmp_path):
     path, _ = checkpoints["b"]
     for field, value, needle in (("num_experts_per_tok", 7, "exceeds num_experts 6"),
                                  ("moe_intermediate_size", None, "missing field 'moe_intermediate_size'"),
-                                 ("decoder_sparse_step", 0, "'decoder_sparse_step' must be a positive integer")):
+                                 ("decoder_sparse_step", 0, "'decoder_sparse_step' must be a positive integer"),
+                                 ("mlp_only_layers", "1", "'mlp_only_layers' must be a list of layer indices"),
+                                 ("norm_topk_prob", "yes", "'norm_topk_prob' must be true or false")):
         bad = tmp_path / field
         shutil.copytree(path, bad)
         cfg = json.loads((bad / "config.json").read_text())
@@ -125,6 +134,11 @@ def test_bench_moe_shape_counts_the_experts_a_token_reads(tmp_path):
             total - experts * (1 - moe.top_k / moe.experts) - table + table // cfg.vocab_size + kv
     result = bench_tiny_shape(tmp_path, "tiny-moe")
     assert result["hf"]["eager"]["identical_to_strata"] and result["dflash_oracle"]["identical_to_target_only"]
+    from strata.bench.run import hf_generate
+    from strata.models.placement import place_experts
+
+    place_experts(target, "cpu", 0, 64)  # transformers' model would lack the experts in host memory
+    assert "experts in host memory" in hf_generate(target, [1, 2], 2, ["eager"], 1)["skipped"]
 
 
 def test_expert_cache_never_changes_the_output(tmp_path, capsys):
@@ -154,7 +168,7 @@ def test_expert_cache_never_changes_the_output(tmp_path, capsys):
                  "--ids"]) == 0
     out, err = capsys.readouterr()
     assert "2 sparse layers x 4 experts x 1.50 MiB" in err and "on the device (cpu): 2 (25%" in err
-    assert "in host memory, run by the CPU" in err and ": 6 (0.01 GiB)" in err
+    assert "in host memory, run by the CPU" in err and "(25%, 3.0 MiB)" in err and ": 6 (9.0 MiB)" in err
     assert main(["generate", "--model", str(path), "--expert-cache", "-1", "--prompt-ids", "3", "--ids"]) == 2
     assert "--expert-cache must be >= 0 MiB, got -1" in capsys.readouterr().err
 

@@ -314,7 +314,12 @@ def cmd_bench(args) -> int:
                       prompt_len=args.prompt_len, prompt=args.prompt, new_tokens=args.new_tokens, runs=args.runs,
                       hf=args.hf, profile=args.profile, quant=args.quant, trees=tuple(args.tree or ()),
                       prompts=args.prompts, windows=tuple(args.verify_windows or ()))
-    out = check_output(args.out, what="--out") if args.out else None
+    out = None
+    if args.out is not None:  # both files checked before any timing
+        out = check_output(args.out, what="--out")
+        if out.suffix == ".png" or not out.name:
+            raise StrataError(f"--out {args.out!r}: expected the JSON's file name (its plot goes beside it as .png)")
+        check_output(out.with_suffix(".png"), what="--out's plot")
     result = run_command(pair_spec(args), engine_config(args, args.spec), bench, "strata " + " ".join(sys.argv[1:]))
     for line in summary(result):
         print(line, file=sys.stderr)

@@ -17,8 +17,13 @@ DEFAULT_PROMPTS = [
 
 
 def parse_ids(text: str, what: str) -> list[int]:
+    parts = text.replace(" ", "").split(",")
+    if parts[-1] == "":  # a trailing comma
+        parts.pop()
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        if "" in parts:
+            raise ValueError
+        return [int(x) for x in parts]
     except ValueError:
         raise StrataError(f"{what}: expected comma-separated integers, got {text!r}") from None
 

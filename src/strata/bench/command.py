@@ -108,9 +108,9 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
 
 
 def write(result: dict, out: Path) -> None:
-    """The JSON (atomically) and its plot beside it."""
-    write_json_atomic(out, result)
+    """The plot, then the JSON (atomically) beside it: a failing plot leaves no JSON that lacks it."""
     plot(result, out.with_suffix(".png"))
+    write_json_atomic(out, result)
 
 
 def profile_lines(label: str, steps: dict | None) -> list[str]:
@@ -125,7 +125,8 @@ def summary(result: dict) -> list[str]:
     t = result["target_only"]
     lines = [f"floor {result['floor_tok_s']:.1f} tok/s ({result['copy_bandwidth_GBps']:.1f} GB/s copy, "
              f"{result['bytes_per_token'] / 1e6:.1f} MB read per token of {result['weight_bytes'] / 1e6:.1f} MB "
-             f"weights)",
+             + (f"weights on the device, {result['host_weight_bytes'] / 1e6:.1f} MB in host memory)"
+                if "host_weight_bytes" in result else "weights)"),
              f"target-only {t['tok_s']:.1f} tok/s ({result['ratios']['target_only_vs_floor']:.2f} of floor)"]
     if "target_only_without_triton" in result:
         lines.append(f"target-only without Strata's Triton kernels {result['target_only_without_triton']['tok_s']:.1f} "

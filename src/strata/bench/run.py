@@ -118,6 +118,9 @@ def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], ru
         import transformers
     except ImportError:
         return {"skipped": "transformers is not installed"}
+    if target.host_experts:
+        return {"skipped": "experts in host memory (an expert cache): transformers' model is built from the "
+                           "device's weights"}
     cfg = target.cfg
     fam = family(cfg.family)
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -245,7 +248,8 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
     result["startup_s"]["capture_s"] = base_engine.runner.graphs.capture_s
     base["ms_per_round"] = 1e3 / base["tok_s"] if base["tok_s"] else 0.0
     result["target_only"] = base
-    if target.host_experts:
+    if target.host_experts:  # weight_bytes and the floors count the device's weights
+        result["host_weight_bytes"] = sum(m.host_gate_up.nbytes + m.host_down.nbytes for m in sparse_layers(target))
         result["expert_cache"] = {"placement": target.expert_plan.report(),
                                   "split": expert_split(base_engine, prompt, new_tokens)}
     reference = base

@@ -153,6 +153,8 @@ def moe_from_hf(hf: dict, path, num_layers: int, renormalize: bool, shared: bool
     if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
         raise StrataError(f"{path}: field 'num_experts' must be a positive integer, got {experts!r}")
     top_k = require(hf, "num_experts_per_tok", path)
+    if not isinstance(hf.get("norm_topk_prob", False), bool):
+        raise StrataError(f"{path}: field 'norm_topk_prob' must be true or false, got {hf['norm_topk_prob']!r}")
     if top_k > experts:
         raise StrataError(f"{path}: num_experts_per_tok {top_k} exceeds num_experts {experts}")
     layers = list(range(num_layers))
@@ -160,7 +162,10 @@ def moe_from_hf(hf: dict, path, num_layers: int, renormalize: bool, shared: bool
         step = hf.get("decoder_sparse_step", 1)
         if not isinstance(step, int) or step <= 0:
             raise StrataError(f"{path}: field 'decoder_sparse_step' must be a positive integer, got {step!r}")
-        dense = set(hf.get("mlp_only_layers") or [])
+        dense = hf.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in dense):
+            raise StrataError(f"{path}: field 'mlp_only_layers' must be a list of layer indices, got {dense!r}")
+        dense = set(dense)
         layers = [n for n in layers if n not in dense and (n + 1) % step == 0]
     return MoeConfig(experts, top_k, require(hf, "moe_intermediate_size", path), renormalize, layers,
                      require(hf, "shared_expert_intermediate_size", path) if shared else 0)

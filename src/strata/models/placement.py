@@ -51,21 +51,28 @@ class ExpertPlan:
         """The placement and its budget arithmetic, a few lines for stderr."""
         all_bytes = self.total * self.expert_bytes
         lines = [f"experts: {len(self.resident)} sparse layers x {self.experts} experts x "
-                 f"{self.expert_bytes / MIB:.2f} MiB = {all_bytes / GIB:.2f} GiB"
+                 f"{self.expert_bytes / MIB:.2f} MiB = {size(all_bytes)}"
                  + (" (in their GGUF blocks)" if self.quantized else "")]
         lines += [f"  {line}" for line in self.arithmetic]
-        share = self.on_device / self.total if self.total else 1.0
         host = self.total - self.on_device
+        share = 100 * self.on_device / self.total if self.total else 100.0
+        share = min(max(share, 1), 99) if 0 < self.on_device < self.total else share  # never 0% or 100% of a split
         form = ", dequantized" if self.quantized else ""
-        lines.append(f"  on the device ({self.device}): {self.on_device} ({share:.0%}, "
-                     f"{self.on_device * self.expert_bytes / GIB:.2f} GiB); in host memory, run by the CPU with "
-                     f"{torch.get_num_threads()} threads: {host} ({host * self.host_expert_bytes / GIB:.2f} GiB{form})")
-        if self.by == "prefill":
+        threads = torch.get_num_threads()
+        lines.append(f"  on the device ({self.device}): {self.on_device} ({share:.0f}%, "
+                     f"{size(self.on_device * self.expert_bytes)}); in host memory, run by the CPU with "
+                     f"{threads} thread{'s' if threads != 1 else ''}: {host} "
+                     f"({size(host * self.host_expert_bytes)}{form})")
+        if self.by == "prefill" and host and self.on_device:
             lines.append("  which: those each layer's rows choose most in the first prompt's prefill" +
                          ("" if self.moved is None else f" ({self.moved} experts moved onto the device)"))
         elif host and self.on_device:
             lines.append("  which: each layer's lowest-numbered experts (static)")
         return "\n".join(lines)
+
+
+def size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
 
 
 def sparse_layers(model) -> list[SparseMoE]:

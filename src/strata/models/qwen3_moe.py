@@ -64,6 +64,9 @@ class Qwen3Moe(DenseFamily):
                        (f"{a}.expert_feed_forward_length", inter)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise StrataError(f"{where}: metadata key '{key}' must be a positive integer, got {v!r}")
+        if top_k > experts:
+            raise StrataError(f"{where}: metadata key '{a}.expert_used_count' {top_k} exceeds {a}.expert_count "
+                              f"{experts}")
         scale = kv.get(f"{a}.expert_weights_scale", 0.0)
         if scale not in (0, 0.0, 1, 1.0):
             raise StrataError(f"{where}: metadata key '{a}.expert_weights_scale' = {scale!r} scales the experts' "
