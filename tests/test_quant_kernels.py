@@ -327,7 +327,9 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_expert_gemvs_over_quantized_experts(qtype):
     """expert_matmul: each (row, expert) assignment a GEMV over its own expert's blocks (repeats included),
-    the gate/up variant with a row shared by its k assignments, against torch on gguf's dequantization."""
+    the gate/up variant with a row shared by its k assignments, against torch on gguf's dequantization;
+    the types with a word GEMV (Q4_K, Q5_K, Q8_0 here; Q6_K's takes 2048 | K) run it on each row's int8 x,
+    exactly as on the x that int8 x stands for."""
     e, n, k = 3, 24, 512
     raw = np.stack([blocks(qtype, 2 * n, k, qtype.value + i) for i in range(e)])
     values = torch.from_numpy(np.stack([quants.dequantize(r, qtype) for r in raw]).astype(np.float64))
@@ -335,13 +337,27 @@ def test_expert_gemvs_over_quantized_experts(qtype):
     ids = torch.tensor([2, 0, 2, 2])
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, k, generator=gen)
-    want = torch.stack([x[a // 2].double() @ values[i].T for a, i in enumerate(ids.tolist())])
-    wide = (16, 4, 1)  # few programs for the interpreter (the result does not depend on the block shape)
+    assert qk.int8_x(int(qtype), 1, k) == (qtype in (T.Q4_K, T.Q5_K, T.Q8_0))
+    computed = [as_computed(row[None], qtype, k)[0] for row in x]
+    want = torch.stack([computed[a // 2] @ values[i].T for a, i in enumerate(ids.tolist())])
+    # few programs for the interpreter (the result does not depend on the block shape)
+    wide = (2, 4, 1) if qk.int8_x(int(qtype), 1, k) else (16, 4, 1)
+    if qtype == T.Q8_0:
+        wide = (8, 4, 1)
     assert rel(qk.expert_matmul(x, data, int(qtype), n, ids, share=2, glu=True, config=wide).double(),
-               silu_mul(want)) <= 1e-5
+               silu_mul(want)) <= 1e-6
     h = torch.randn(4, k, generator=gen)
-    want = torch.stack([h[a].double() @ values[i].T for a, i in enumerate(ids.tolist())])
-    assert rel(qk.expert_matmul(h, data, int(qtype), 2 * n, ids, config=wide).double(), want) <= 1e-5
+    want = torch.stack([as_computed(h[a][None], qtype, k)[0] @ values[i].T for a, i in enumerate(ids.tolist())])
+    assert rel(qk.expert_matmul(h, data, int(qtype), 2 * n, ids, config=wide).double(), want) <= 1e-6
+    if qtype == T.Q6_K:  # its word GEMV: 2048 columns, superblocks at every offset from a 16-byte boundary
+        raw = np.stack([blocks(qtype, 6, 2048, 60 + i) for i in range(2)])
+        values = torch.from_numpy(np.stack([quants.dequantize(r, qtype) for r in raw]).astype(np.float64))
+        x = torch.randn(2, 2048, generator=gen)
+        computed = [as_computed(row[None], qtype, 2048)[0] for row in x]
+        want = torch.stack([computed[a // 2] @ values[i].T for a, i in enumerate([1, 0, 1, 1])])
+        got = qk.expert_matmul(x, torch.from_numpy(raw.copy()), int(qtype), 3, torch.tensor([1, 0, 1, 1]), share=2,
+                               glu=True, config=(1, 2, 4))
+        assert qk.int8_x(int(qtype), 1, 2048) and rel(got.double(), silu_mul(want)) <= 1e-6
 
 
 def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
@@ -380,8 +396,17 @@ def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
     ours, theirs = sparse_layers(kept)[1], sparse_layers(plain)[1]
     weights, experts = route(h, theirs.gate.weight, 2, True)
     want = experts_routed(h, theirs.gate_up_proj, theirs.down_proj, weights, experts)
-    for kernels in (EAGER, Kernels(static=True)):  # each expert dequantized for its rows; a GEMV per assignment
-        assert rel(kernels.experts(h, ours.gate_up_proj, ours.down_proj, weights, experts), want) <= 1e-5
+    # eager: each expert dequantized for its rows
+    assert rel(EAGER.experts(h, ours.gate_up_proj, ours.down_proj, weights, experts), want) <= 1e-5
+
+    def int8_expert(x, e):  # static: Q8_0's word GEMV per assignment, on int8 x (each row, and its activations)
+        gate_up = as_computed(x[None], T.Q8_0, 256) @ theirs.gate_up_proj[:, e].reshape(512, 256).double().T
+        return as_computed(silu_mul(gate_up).float(), T.Q8_0, 256) @ theirs.down_proj[e].double().T
+
+    want = torch.stack([sum(w * int8_expert(x, e)[0] for w, e in zip(ws.double(), es.tolist()))
+                        for x, ws, es in zip(h, weights, experts)])
+    assert rel(Kernels(static=True).experts(h, ours.gate_up_proj, ours.down_proj, weights, experts).double(),
+               want) <= 1e-5
     prompt = torch.tensor([5, 17, 200, 31, 7, 99])
 
     def choices(target):

@@ -351,6 +351,17 @@ def _build():
                      mask=ok[:, None])
 
     @triton.jit
+    def _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr, expert_bytes, K, stride_y, SHARE: tl.constexpr):
+        """The word GEMVs over stacked experts (EXPERTS): program_id(1) is a window's (row, expert) assignment
+        a, over expert ids[a]'s matrix (expert_bytes apart), with row a // SHARE of an x that quantize_x made
+        of the rows laid end to end (each row's blocks, scales and sums K, K / 32 and K / 16 apart), into
+        row a of y (stride_y apart). Returns those pointers."""
+        a = tl.program_id(1).to(tl.int64)
+        xr = a // SHARE
+        return (w_ptr + tl.load(ids_ptr + a) * expert_bytes, q_ptr + xr * K, xd_ptr + xr * (K // 32),
+                xs_ptr + xr * (K // 16), y_ptr + a * stride_y)
+
+    @triton.jit
     def _lane_rows(N, row_stride, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr):
         """The lanes-along-K GEMVs' rows: a program's first, and per warp its RT rows' zeroed partial sums
         [WARPS, 32] and offsets (in row_stride units; 0 past N), with GLU the gate rows' then their up rows'."""
@@ -389,7 +400,8 @@ def _build():
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
-                          QTYPE: tl.constexpr, PDL: tl.constexpr = False):
+                          QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
+                          stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -397,7 +409,11 @@ def _build():
         bits). So each instruction reads 512 consecutive bytes of qs, where a thread per (row, superblock)
         touched 32 lines (its L1 and L2 requests were the GEMV's bound); each warp's x serves RT rows, KU
         steps of 4 superblocks are loaded before any is used, and the lanes' partial sums add up at the
-        end. A program takes RT * WARPS rows (with GLU: as many gate rows and their up rows)."""
+        end. A program takes RT * WARPS rows (with GLU: as many gate rows and their up rows). EXPERTS: see
+        _assignment."""
+        if EXPERTS:
+            w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
+                                                               expert_bytes, K, stride_y, SHARE)
         FIVE: tl.constexpr = QTYPE == 13
         SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
         QS: tl.constexpr = 12 if FIVE else 4
@@ -500,14 +516,18 @@ def _build():
     @triton.jit
     def gemv_q6k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
-                          QTYPE: tl.constexpr, PDL: tl.constexpr = False):
+                          QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
+                          stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
         the 16 qh bytes with their high 2 bits. Superblocks are 210 bytes, so those 16 bytes start at any
         even byte: each lane loads the two aligned 16-byte chunks around them (the warp's loads are runs of
         consecutive chunks) and picks its words (_window16). Then per 16 weights an integer dot product with
-        x (4 dp4a) and d * sc * (xd * dot - 32 * sum of x)."""
+        x (4 dp4a) and d * sc * (xd * dot - 32 * sum of x). EXPERTS: see _assignment."""
+        if EXPERTS:
+            w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
+                                                               expert_bytes, K, stride_y, SHARE)
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
         i8 = w_ptr.to(tl.pointer_type(tl.int8))
         f16 = w_ptr.to(tl.pointer_type(tl.float16))
@@ -559,10 +579,15 @@ def _build():
     @triton.jit
     def gemv_q8_0_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                          BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
-                         QTYPE: tl.constexpr, PDL: tl.constexpr = False):
+                         QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
+                         stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1):
         """Q8_0 times an int8 x (quantize_x_kernel; xs unused): per block of 32 a signed dp4a sum of bytes
         times bytes, then d * xd * sum. A trip takes 4 blocks (136 bytes, 8-byte aligned as rows are 16-byte
-        aligned) of two rows; blocks 0 and 2 start 2 bytes into a word, their bytes joined from two."""
+        aligned) of two rows; blocks 0 and 2 start 2 bytes into a word, their bytes joined from two. EXPERTS:
+        see _assignment."""
+        if EXPERTS:
+            w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
+                                                               expert_bytes, K, stride_y, SHARE)
         NT: tl.constexpr = BLOCK_N * S
         settle(PDL)
         off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
@@ -820,9 +845,9 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _pair_rows, _store_pair, _lane_rows, _lane_superblocks, _store_lane_rows, _f, _words,
-                   _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block, _words_from,
-                   _six_bit_tile, _k_range, _finish, quantize_blocks):  # called by name, as _halves is
+    for helper in (_dp4a, _pair_rows, _store_pair, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
+                   _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
+                   _words_from, _six_bit_tile, _k_range, _finish, quantize_blocks):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
@@ -840,11 +865,11 @@ def _build():
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
         kernels["gemv_q8_0_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
-            key=["N", "K", "GLU", "QTYPE"])(gemv_q8_0_kernel)
+            key=["N", "K", "GLU", "QTYPE", "EXPERTS"])(gemv_q8_0_kernel)
         for name in LANE_K_GEMVS:
             kernels[f"{name}_tuned"] = triton.autotune(
                 [triton.Config({"RT": rt, "WARPS": w, "KU": ku}, num_warps=w) for rt, w, ku in LANE_K_CONFIGS],
-                key=["N", "K", "GLU", "QTYPE"])(kernels[name])
+                key=["N", "K", "GLU", "QTYPE", "EXPERTS"])(kernels[name])
         kernels["skinny_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -1058,23 +1083,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     word = _word_kernel(qtype, rows, k, data.numel())
     tuned = config is None and f"{word}_tuned" in kernels
     if word and rows == 1:
-        lanes = word in LANE_K_GEMVS
-
-        def covered(meta) -> int:  # rows of W a program takes (with GLU: gate rows, each with its up row)
-            return meta["RT"] * meta["WARPS"] if lanes else (1 if glu else 2) * meta["BLOCK_N"]
-
-        args = (*(x8 or quantize_x(x)), data, y, n, k, data.stride(0) // 4)
-        extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **pdl.options(x.device)}
-        if tuned:
-            kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)),)](*args, **extra)
-        else:
-            if lanes:
-                rt, warps, ku = config or LANE_K_CONFIGS[0]
-                meta = {"RT": rt, "WARPS": warps, "KU": ku}
-            else:
-                block_n, slices, warps = config or WORD_GEMV_CONFIGS[0]
-                meta = {"BLOCK_N": block_n, "S": slices}
-            kernels[word][(cdiv(n, covered(meta)),)](*args, **meta, num_warps=warps, **extra)
+        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0) // 4, glu, config)
         return y
     if word:
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
@@ -1106,6 +1115,31 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     return y
 
 
+def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype: int, n: int, k: int,
+               row_words: int, glu: bool, config: tuple[int, ...] | None, programs: int = 1, **experts) -> None:
+    """The 1-row word GEMV `word` (INT8_GEMVS) on x8 (quantize_x's): its tuned variant where the device has
+    it and no config is given, else at config (or the first of its list). programs along axis 1 with
+    experts (the kernels' EXPERTS arguments: _assignment)."""
+    kernels = _build()
+    lanes = word in LANE_K_GEMVS
+
+    def covered(meta) -> int:  # rows of W a program takes (with GLU: gate rows, each with its up row)
+        return meta["RT"] * meta["WARPS"] if lanes else (1 if glu else 2) * meta["BLOCK_N"]
+
+    args = (*x8, data, y, n, k, row_words)
+    extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **experts, **pdl.options(y.device)}
+    if config is None and f"{word}_tuned" in kernels:
+        kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
+        return
+    if lanes:
+        rt, warps, ku = config or LANE_K_CONFIGS[0]
+        meta = {"RT": rt, "WARPS": warps, "KU": ku}
+    else:
+        block_n, slices, warps = config or WORD_GEMV_CONFIGS[0]
+        meta = {"BLOCK_N": block_n, "S": slices}
+    kernels[word][(cdiv(n, covered(meta)), programs)](*args, **meta, num_warps=warps, **extra)
+
+
 def _byte_kernel(name: str, n: int, programs: int, args: tuple, config: tuple[int, ...], tune: bool,
                  **extra) -> None:
     """The byte kernel `name` (gemv or skinny) over n rows of W, `programs` along axis 1: where tune and the
@@ -1123,12 +1157,21 @@ def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: 
     """A window's (row, expert) assignments over stacked quantized experts, one GEMV each: data [E, rows,
     row_bytes] (each expert's n rows, with glu its n gate rows then its n up rows), ids [A] the experts,
     x [A / share, K] (assignment a reads row a // share). Returns [A, n] (with glu silu(gate) * up).
-    Only the experts named are read; the ids stay on the device (CUDA-graph safe)."""
+    Only the experts named are read; the ids stay on the device (CUDA-graph safe). Where the type has a
+    1-row word GEMV for these experts, that kernel runs it (EXPERTS) on x quantized row by row (int8_x),
+    as a dense product of one row would; else the generic byte kernel on float x. config: the chosen
+    kernel's block shape (configs())."""
     rows, k = x.shape
     _check(data[0], qtype, k)
     assert ids.numel() == rows * share and data.is_contiguous(), (ids.shape, rows, share)
     x = x.contiguous()
     y = torch.empty(ids.numel(), n, device=x.device, dtype=x.dtype)
+    word = _word_kernel(qtype, 1, k, data[0].numel())
+    if word:  # the rows laid end to end: each quantized as one row is (its blocks never straddle rows)
+        _word_gemv(word, quantize_x(x.view(1, -1)), data, y, qtype, n, k, data.stride(1) // 4, glu, config,
+                   ids.numel(), ids_ptr=ids.contiguous(), expert_bytes=data.stride(0), stride_y=y.stride(0),
+                   EXPERTS=True, SHARE=share)
+        return y
     args = (x, data, _table(x.device), y, n, k, data.stride(1), ids.contiguous(), data.stride(0), x.stride(0),
             y.stride(0))
     _byte_kernel("gemv", n, ids.numel(), args, config or GEMV_CONFIGS[0], config is None, QTYPE=qtype, GLU=glu,
