@@ -283,10 +283,12 @@ def test_attention_quantizes_its_one_row_for_the_product_after_it_bit_for_bit(dt
     assert qk.recall_x8(two) is None
 
 
-def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
+@pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
+def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, shape):
     """A Q4_K_M layer's 1-row and 4-row static steps through the Triton set: with the norms quantizing the
-    rows that go into q/k/v and gate/up (Q4_K: int8 x), and attention its one row for o, quantize_x's
-    kernel runs that many times less, and every logit is the same as with it run for every product."""
+    rows that go into q/k/v and gate/up (Q4_K: int8 x; a MoE layer's experts: one row), and attention its
+    one row for o, quantize_x's kernel runs that many times less, and every logit is the same as with it
+    run for every product."""
     from strata.layers import triton_kernels as tk
     from strata.layers.kernels import TritonKernels
     from strata.models.random_init import random_target
@@ -296,8 +298,9 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
     for name, shapes in (("GEMV_CONFIGS", [(128, 4, 4)]), ("SKINNY_CONFIGS", [(128, 4, 4)]),
                          ("LANE_K_CONFIGS", [(1, 256, 4)]), ("WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])):
         monkeypatch.setattr(qk, name, shapes)  # wide blocks: few interpreted programs
-    target = random_target("tiny", quant="Q4_K_M", quantized=True, hidden_size=256, intermediate_size=256,
-                           head_dim=64, vocab_size=256, num_hidden_layers=1)
+    moe = dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2) if shape == "tiny-moe" else {}
+    target = random_target(shape, quant="Q4_K_M", quantized=True, hidden_size=256, intermediate_size=256,
+                           head_dim=64, vocab_size=256, num_hidden_layers=1, **moe)
     launches, recalled = [], []
 
     class Counted:
@@ -320,7 +323,7 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch):
                                    kernels=TritonKernels(compiled=False)).logits)
             counts.append((len(launches), sum(recalled)))
         assert outs[1].equal(outs[0])
-        fewer = 3 if len(tokens) == 1 else 2  # attention quantizes only one row
+        fewer = 3 if len(tokens) == 1 else 1 if moe else 2  # attention (and for experts the norm): one row
         assert counts[0][1] == 0 and counts[1][1] == fewer and counts[1][0] == counts[0][0] - fewer, counts
 
 

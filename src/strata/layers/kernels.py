@@ -199,7 +199,8 @@ class TritonKernels(Kernels):
 
     def _int8_into(self, into, rows: int) -> bool:
         """Whether a kernel quantizes its `rows` rows of output for `into` (a quantized matrix taking int8 x)."""
-        return rows <= self._tk.QUANTIZE_ROWS and isinstance(into, QuantWeight) and into.takes_int8(rows)
+        return rows <= self._tk.QUANTIZE_ROWS and isinstance(into, (QuantWeight, QuantExperts)) and \
+            into.takes_int8(rows)
 
     def norm_rotate_store(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells):
         args = (qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)

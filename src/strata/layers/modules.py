@@ -397,7 +397,11 @@ class DecoderLayer(nn.Module):
             a = step.probed(i, "attn", self.self_attn(h, step, kv, step.masks[self.window]))
             mixed = self.self_attn.o_proj(a, kernels)
         norm = self.post_attention_layernorm
-        into = self.mlp.gate_up_proj.weight if step.probe is None and isinstance(self.mlp, MLP) else None
+        into = None
+        if step.probe is None and isinstance(self.mlp, MLP):
+            into = self.mlp.gate_up_proj.weight
+        elif step.probe is None and isinstance(self.mlp, SparseMoE) and self.mlp.quantized:
+            into = self.mlp.gate_up_proj
         x, h = kernels.add_rms_norm(x, mixed, norm.weight, norm.eps, into)
         if step.probe is not None:
             x = step.probed(i, "o_residual", x)
