@@ -428,6 +428,7 @@ def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
             report = target.expert_plan.report()
             assert target.expert_plan.on_device == device and "(in their GGUF blocks)" in report
             assert f"{8 - device} ({(8 - device) * 0.75:.1f} MiB, dequantized)" in report
+        assert all(moe.gate_up_proj.takes_int8(1) == (moe.device_experts > 0) for moe in moes)  # Q8_0: int8 x
         if mib == 1:  # layer 0 keeps experts 0-2 in blocks, its expert 3 is values in host memory
             assert [moe.device_experts for moe in moes] == [3, 2]
             assert torch.equal(moes[0].host_down[0], sparse_layers(plain)[0].down_proj[3])

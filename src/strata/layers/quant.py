@@ -147,7 +147,8 @@ class QuantExperts:
     def takes_int8(self, rows: int) -> bool:
         """Whether the assignments of a window of `rows` rows take x as a 1-row norm leaves it quantized (one
         row: expert_matmul's word GEMVs quantize the rows as that)."""
-        return rows == 1 and qk.int8_x(self.qtype, 1, self.cols, self.data[0].numel())
+        return rows == 1 and self.data.shape[0] > 0 and \
+            qk.int8_x(self.qtype, 1, self.cols, self.data.shape[1] * self.data.shape[2])
 
     def assignments(self, x: torch.Tensor, ids: torch.Tensor, share: int = 1, glu: bool = False) -> torch.Tensor:
         """Assignment a's product with x row a // share over expert ids[a]: [A, rows] (glu: [A, rows / 2],

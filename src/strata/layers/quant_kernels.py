@@ -355,10 +355,10 @@ def _build():
         """The word GEMVs over stacked experts (EXPERTS): program_id(1) is a window's (row, expert) assignment
         a, over expert ids[a]'s matrix (expert_bytes apart), with row a // SHARE of an x that quantize_x made
         of the rows laid end to end (each row's blocks, scales and sums K, K / 32 and K / 16 apart), into
-        row a of y (stride_y apart). Returns those pointers."""
+        row a of y (stride_y apart). Returns those pointers; call it after settle (the ids are the routing's)."""
         a = tl.program_id(1).to(tl.int64)
         xr = a // SHARE
-        return (w_ptr + tl.load(ids_ptr + a) * expert_bytes, q_ptr + xr * K, xd_ptr + xr * (K // 32),
+        return (w_ptr + tl.load(ids_ptr + a).to(tl.int64) * expert_bytes, q_ptr + xr * K, xd_ptr + xr * (K // 32),
                 xs_ptr + xr * (K // 16), y_ptr + a * stride_y)
 
     @triton.jit
@@ -411,7 +411,8 @@ def _build():
         steps of 4 superblocks are loaded before any is used, and the lanes' partial sums add up at the
         end. A program takes RT * WARPS rows (with GLU: as many gate rows and their up rows). EXPERTS: see
         _assignment."""
-        if EXPERTS:
+        if EXPERTS:  # the ids come from the kernel before (the routing): wait for it before reading them
+            settle(PDL)
             w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
                                                                expert_bytes, K, stride_y, SHARE)
         FIVE: tl.constexpr = QTYPE == 13
@@ -525,7 +526,8 @@ def _build():
         even byte: each lane loads the two aligned 16-byte chunks around them (the warp's loads are runs of
         consecutive chunks) and picks its words (_window16). Then per 16 weights an integer dot product with
         x (4 dp4a) and d * sc * (xd * dot - 32 * sum of x). EXPERTS: see _assignment."""
-        if EXPERTS:
+        if EXPERTS:  # the ids come from the kernel before (the routing): wait for it before reading them
+            settle(PDL)
             w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
                                                                expert_bytes, K, stride_y, SHARE)
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
@@ -585,7 +587,8 @@ def _build():
         times bytes, then d * xd * sum. A trip takes 4 blocks (136 bytes, 8-byte aligned as rows are 16-byte
         aligned) of two rows; blocks 0 and 2 start 2 bytes into a word, their bytes joined from two. EXPERTS:
         see _assignment."""
-        if EXPERTS:
+        if EXPERTS:  # the ids come from the kernel before (the routing): wait for it before reading them
+            settle(PDL)
             w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
                                                                expert_bytes, K, stride_y, SHARE)
         NT: tl.constexpr = BLOCK_N * S
@@ -1160,7 +1163,7 @@ def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: 
     Only the experts named are read; the ids stay on the device (CUDA-graph safe). Where the type has a
     1-row word GEMV for these experts, that kernel runs it (EXPERTS) on x quantized row by row (int8_x),
     as a dense product of one row would; else the generic byte kernel on float x. config: the chosen
-    kernel's block shape (configs())."""
+    kernel's block shape (configs(qtype, 1, ...))."""
     rows, k = x.shape
     _check(data[0], qtype, k)
     assert ids.numel() == rows * share and data.is_contiguous(), (ids.shape, rows, share)
