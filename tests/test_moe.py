@@ -4,6 +4,8 @@ llama.cpp layout (stacked 3-D experts) decoding like the folder it came from."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -213,7 +215,9 @@ def test_placement_by_prefill_routing(tmp_path, capsys):
         assert Engine(target, pair.drafter, max_len=64, static=static, window=8).generate(prompt, 24).output_ids == want
     assert main(["generate", "--model", str(path), "--expert-cache", "3", "--expert-placement", "prefill",
                  "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "4", "--ids"]) == 0
-    assert "which: those each layer's rows choose most in the first prompt's prefill" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "which: those each layer's rows choose most in the first prompt's prefill" in err
+    assert re.search(r"experts: the prompt's prefill moved \d+ onto the device", err)
     with pytest.raises(StrataError, match="--expert-placement must be one of static, prefill, got 'often'"):
         PairSpec(model=str(path), expert_placement="often")
 

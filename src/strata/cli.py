@@ -124,6 +124,11 @@ def cmd_generate(args) -> int:
     if res.limit == "context":
         line += f"; stopped at the end of the context ({engine.max_len} tokens, --max-model-len)"
     print(line, file=sys.stderr)
+    plan = pair.target.expert_plan
+    if plan is not None and plan.moved is not None:
+        print(f"experts: the prompt's prefill moved {plan.moved} onto the device (--expert-placement prefill)",
+              file=sys.stderr)
+        stats["experts_moved"] = plan.moved
     if args.stats_json:
         import torch
 
