@@ -286,9 +286,9 @@ def test_attention_quantizes_its_one_row_for_the_product_after_it_bit_for_bit(dt
 @pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
 def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, shape):
     """A Q4_K_M layer's 1-row and 4-row static steps through the Triton set: with the norms quantizing the
-    rows that go into q/k/v and gate/up (Q4_K: int8 x; a MoE layer's experts: one row), and attention its
-    one row for o, quantize_x's kernel runs that many times less, and every logit is the same as with it
-    run for every product."""
+    rows that go into q/k/v, gate/up and the head (where those take int8 x; a MoE layer's experts: one
+    row), and attention its one row for o, quantize_x's kernel runs that many times less, and every logit
+    is the same as with it run for every product."""
     from strata.layers import triton_kernels as tk
     from strata.layers.kernels import TritonKernels
     from strata.models.random_init import random_target
@@ -323,7 +323,9 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
                                    kernels=TritonKernels(compiled=False)).logits)
             counts.append((len(launches), sum(recalled)))
         assert outs[1].equal(outs[0])
-        fewer = 3 if len(tokens) == 1 else 1 if moe else 2  # attention (and for experts the norm): one row
+        # one row: the norms' for q/k/v, gate/up (or the experts') and the head, attention's for o; four rows:
+        # the norms' for the few-row GEMMs that take int8 x (q/k/v, the dense gate/up)
+        fewer = 4 if len(tokens) == 1 else 1 if moe else 2
         assert counts[0][1] == 0 and counts[1][1] == fewer and counts[1][0] == counts[0][0] - fewer, counts
 
 
@@ -331,8 +333,9 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
 def test_expert_gemvs_over_quantized_experts(qtype):
     """expert_matmul: each (row, expert) assignment a GEMV over its own expert's blocks (repeats included),
     the gate/up variant with a row shared by its k assignments, against torch on gguf's dequantization;
-    the types with a word GEMV (Q4_K, Q5_K, Q8_0 here; Q6_K's takes 2048 | K) run it on each row's int8 x,
-    exactly as on the x that int8 x stands for."""
+    the types with a word GEMV (Q4_K, Q5_K, Q6_K, Q8_0) run it on each row's int8 x, exactly as on the x
+    that int8 x stands for; Q6_K's with its rows at 4-byte (512 columns), 16-byte (2048) and 2-byte (768,
+    dense) offsets."""
     e, n, k = 3, 24, 512
     raw = np.stack([blocks(qtype, 2 * n, k, qtype.value + i) for i in range(e)])
     values = torch.from_numpy(np.stack([quants.dequantize(r, qtype) for r in raw]).astype(np.float64))
@@ -340,7 +343,7 @@ def test_expert_gemvs_over_quantized_experts(qtype):
     ids = torch.tensor([2, 0, 2, 2])
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, k, generator=gen)
-    assert qk.int8_x(int(qtype), 1, k) == (qtype in (T.Q4_K, T.Q5_K, T.Q8_0))
+    assert qk.int8_x(int(qtype), 1, k) == (qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0))
     computed = [as_computed(row[None], qtype, k)[0] for row in x]
     want = torch.stack([computed[a // 2] @ values[i].T for a, i in enumerate(ids.tolist())])
     # few programs for the interpreter (the result does not depend on the block shape)
@@ -361,6 +364,11 @@ def test_expert_gemvs_over_quantized_experts(qtype):
         got = qk.expert_matmul(x, torch.from_numpy(raw.copy()), int(qtype), 3, torch.tensor([1, 0, 1, 1]), share=2,
                                glu=True, config=(1, 2, 4))
         assert qk.int8_x(int(qtype), 1, 2048) and rel(got.double(), silu_mul(want)) <= 1e-6
+        raw = blocks(qtype, 5, 768, 70)  # 630-byte rows
+        x = torch.randn(1, 768, generator=gen)
+        want = as_computed(x, qtype, 768) @ torch.from_numpy(quants.dequantize(raw, qtype)).double().T
+        got = qk.matmul(x, torch.from_numpy(raw.copy()), int(qtype), 5, config=(1, 2, 1)).double()
+        assert raw.shape == (5, 630) and rel(got, want) <= 1e-6
 
 
 def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):

@@ -87,8 +87,9 @@ def main() -> None:
     lane_sig = {k: v for k, v in int8_sig.items() if k not in ("BLOCK_N", "S")} | \
         {"RT": "constexpr", "WARPS": "constexpr", "KU": "constexpr"}
     for name, qtype in (("Q4_K", qk.Q4_K), ("Q5_K", qk.Q5_K), ("Q6_K", qk.Q6_K)):
+        sig = {("row_bytes" if k == "row_words" and qtype == qk.Q6_K else k): v for k, v in lane_sig.items()}
         for rt, warps, ku in qk.LANE_K_CONFIGS[:2]:
-            sass = compile_sass(kernels[qk.INT8_GEMVS[qtype]], lane_sig,
+            sass = compile_sass(kernels[qk.INT8_GEMVS[qtype]], sig,
                                 {"GLU": False, "RT": rt, "WARPS": warps, "KU": ku, "ASM": True, "QTYPE": qtype}, warps,
                                 (0, 1, 2, 3, 4, 7))
             # a trip: each lane's 32 weights of KU superblocks in RT rows

@@ -515,7 +515,7 @@ def _build():
                 _funnel(U[2], U[3], shift, ASM), _funnel(U[3], U[4], shift, ASM))
 
     @triton.jit
-    def gemv_q6k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
+    def gemv_q6k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_bytes, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1):
@@ -524,7 +524,8 @@ def _build():
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
         the 16 qh bytes with their high 2 bits. Superblocks are 210 bytes, so those 16 bytes start at any
         even byte: each lane loads the two aligned 16-byte chunks around them (the warp's loads are runs of
-        consecutive chunks) and picks its words (_window16). Then per 16 weights an integer dot product with
+        consecutive chunks) and picks its words (_window16); rows (row_bytes apart) may start at any even
+        byte too. Then per 16 weights an integer dot product with
         x (4 dp4a) and d * sc * (xd * dot - 32 * sum of x). EXPERTS: see _assignment."""
         if EXPERTS:  # the ids come from the kernel before (the routing): wait for it before reading them
             settle(PDL)
@@ -541,8 +542,8 @@ def _build():
         i = tl.arange(0, 4)[None, None, :]
         NR: tl.constexpr = 2 * RT if GLU else RT
         blocks = K // 256
-        total = (2 * N if GLU else N) * row_words * 4
-        first, acc, bases = _lane_rows(N, row_words * 4, GLU, RT, WARPS)
+        total = (2 * N if GLU else N) * row_bytes
+        first, acc, bases = _lane_rows(N, row_bytes, GLU, RT, WARPS)
         settle(PDL)
         for it in range(0, blocks, 4 * KU):
             xs = ()
@@ -986,10 +987,10 @@ X_ROWS = 16
 
 def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0) -> str | None:
     """The word kernel for this product over a matrix of nbytes, if any. Q6_K's 210-byte superblocks lie
-    anywhere in 16-byte chunks: its GEMV reads chunks from 16-byte boundaries of the row, so its rows must
-    start on one (2048 | cols), and its byte offsets are int32 (nbytes < 2 GiB); its GEMM takes superblocks
-    in pairs from 4-byte boundaries (512 | cols). Q8_0's GEMM takes blocks in fours (128 | cols)."""
-    if qtype == Q6_K and (cols % (2048 if rows == 1 else 512) or (rows == 1 and nbytes >= 2 ** 31)):
+    anywhere in 16-byte chunks: its GEMV reads the chunks around them from the matrix's start, its rows at
+    any even byte, with int32 byte offsets (nbytes < 2 GiB); its GEMM takes superblocks in pairs from
+    4-byte boundaries (512 | cols). Q8_0's GEMM takes blocks in fours (128 | cols)."""
+    if qtype == Q6_K and ((rows > 1 and cols % 512) or (rows == 1 and nbytes >= 2 ** 31)):
         return None
     if qtype == Q8_0 and rows > 1 and cols % 128:
         return None
@@ -1086,7 +1087,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     word = _word_kernel(qtype, rows, k, data.numel())
     tuned = config is None and f"{word}_tuned" in kernels
     if word and rows == 1:
-        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0) // 4, glu, config)
+        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config)
         return y
     if word:
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
@@ -1119,7 +1120,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
 
 
 def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype: int, n: int, k: int,
-               row_words: int, glu: bool, config: tuple[int, ...] | None, programs: int = 1, **experts) -> None:
+               row_bytes: int, glu: bool, config: tuple[int, ...] | None, programs: int = 1, **experts) -> None:
     """The 1-row word GEMV `word` (INT8_GEMVS) on x8 (quantize_x's): its tuned variant where the device has
     it and no config is given, else at config (or the first of its list). programs along axis 1 with
     experts (the kernels' EXPERTS arguments: _assignment)."""
@@ -1129,7 +1130,7 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
     def covered(meta) -> int:  # rows of W a program takes (with GLU: gate rows, each with its up row)
         return meta["RT"] * meta["WARPS"] if lanes else (1 if glu else 2) * meta["BLOCK_N"]
 
-    args = (*x8, data, y, n, k, row_words)
+    args = (*x8, data, y, n, k, row_bytes if word == "gemv_q6k8c" else row_bytes // 4)  # its rows: any even byte
     extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **experts, **pdl.options(y.device)}
     if config is None and f"{word}_tuned" in kernels:
         kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
@@ -1171,7 +1172,7 @@ def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: 
     y = torch.empty(ids.numel(), n, device=x.device, dtype=x.dtype)
     word = _word_kernel(qtype, 1, k, data[0].numel())
     if word:  # the rows laid end to end: each quantized as one row is (its blocks never straddle rows)
-        _word_gemv(word, quantize_x(x.view(1, -1)), data, y, qtype, n, k, data.stride(1) // 4, glu, config,
+        _word_gemv(word, quantize_x(x.view(1, -1)), data, y, qtype, n, k, data.stride(1), glu, config,
                    ids.numel(), ids_ptr=ids.contiguous(), expert_bytes=data.stride(0), stride_y=y.stride(0),
                    EXPERTS=True, SHARE=share)
         return y
