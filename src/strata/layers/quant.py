@@ -147,7 +147,7 @@ class QuantExperts:
     def takes_int8(self, rows: int) -> bool:
         """Whether the assignments of a window of `rows` rows take x as a 1-row norm leaves it quantized (one
         row: expert_matmul's word GEMVs quantize the rows as that)."""
-        return rows == 1 and self.data.shape[0] > 0 and \
+        return rows == 1 and self.data.shape[0] > 0 and qk.EXPERT_WORD_GEMVS and \
             qk.int8_x(self.qtype, 1, self.cols, self.data.shape[1] * self.data.shape[2])
 
     def assignments(self, x: torch.Tensor, ids: torch.Tensor, share: int = 1, glu: bool = False) -> torch.Tensor:

@@ -983,6 +983,9 @@ WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k", Q8_0: "skinny_q8_0"}
 #: the kernels that take x as quantize_x makes it; the few-row ones take X_ROWS rows of it
 INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8", "skinny_q8_0"}
 X_ROWS = 16
+#: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
+#: x); not yet measured on a GPU: A/B with tools/pdl_ab.py --knob strata.layers.quant_kernels.EXPERT_WORD_GEMVS
+EXPERT_WORD_GEMVS = True
 
 
 def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0) -> str | None:
@@ -1170,7 +1173,7 @@ def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: 
     assert ids.numel() == rows * share and data.is_contiguous(), (ids.shape, rows, share)
     x = x.contiguous()
     y = torch.empty(ids.numel(), n, device=x.device, dtype=x.dtype)
-    word = _word_kernel(qtype, 1, k, data[0].numel())
+    word = _word_kernel(qtype, 1, k, data[0].numel()) if EXPERT_WORD_GEMVS else None
     if word:  # the rows laid end to end: each quantized as one row is (its blocks never straddle rows)
         _word_gemv(word, quantize_x(x.view(1, -1)), data, y, qtype, n, k, data.stride(1), glu, config,
                    ids.numel(), ids_ptr=ids.contiguous(), expert_bytes=data.stride(0), stride_y=y.stride(0),
