@@ -371,12 +371,34 @@ def test_expert_gemvs_over_quantized_experts(qtype):
         assert raw.shape == (5, 630) and rel(got, want) <= 1e-6
 
 
-def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def q8_moe_file(tmp_path_factory):
+    """A qwen3moe GGUF file of Q8_0 experts (2 layers of 4, experts of 0.2 MiB in blocks, 0.75 as values)."""
+    from conftest import write_hf_model
+    from test_gguf_target import qwen2_tokenizer, write_gguf_target
+
+    d = tmp_path_factory.mktemp("q8-moe")
+    hf, _ = write_hf_model(d / "hf", "qwen3_moe", seed=7, vocab=320, hidden_size=256, intermediate_size=256,
+                           head_dim=64, layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                           norm_topk_prob=True)
+    qwen2_tokenizer(hf, 320)
+    write_gguf_target(d / "t.gguf", hf, "qwen3moe", T.Q8_0)
+    return d / "t.gguf"
+
+
+def wide_blocks(monkeypatch) -> None:
+    """Few programs for the interpreter (the results do not depend on the block shapes)."""
+    monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
+    monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
+    monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
+    monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
+
+
+def test_quantized_experts_stay_in_their_blocks(q8_moe_file, monkeypatch):
     """A qwen3moe file's Q8_0 experts kept quantized (QuantExperts): an eager forward (each expert hit
     dequantized for its rows) chooses as the file dequantized at load does, and static decoding (one
     quantized GEMV per assignment) gives its greedy tokens; under an expert cache the device's experts stay
-    in blocks and the host's are their values (placed statically or by the first prefill's routing), and
-    it still chooses alike, eagerly and in static shapes."""
+    in blocks and the host's are their values, and it still chooses alike, eagerly and in static shapes."""
     from strata.engine.decode import Engine
     from strata.layers.kernels import EAGER, Kernels
     from strata.layers.ops import experts_routed, route
@@ -384,19 +406,10 @@ def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
     from strata.models.loader import load_target
     from strata.models.placement import place_experts, sparse_layers
 
-    from conftest import forward_at, write_hf_model
-    from test_gguf_target import qwen2_tokenizer, write_gguf_target
+    from conftest import forward_at
 
-    monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
-    monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
-    monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
-    monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
-    hf, _ = write_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, vocab=320, hidden_size=256, intermediate_size=256,
-                           head_dim=64, layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
-                           norm_topk_prob=True)
-    qwen2_tokenizer(hf, 320)
-    path = tmp_path / "t.gguf"
-    write_gguf_target(path, hf, "qwen3moe", T.Q8_0)
+    wide_blocks(monkeypatch)
+    path = q8_moe_file
     plain = load_target(path)
     kept = load_target(path, quantized=True)
     for moe in sparse_layers(kept):
@@ -444,14 +457,28 @@ def test_quantized_experts_stay_in_their_blocks(tmp_path, monkeypatch):
         if mib != 2:
             got, got_logits = choices(target)
             assert got.equal(want) and rel(got_logits, logits) <= 0.05
+
+
+def test_quantized_experts_move_by_prefill_and_a_mixed_layer_stays_values(q8_moe_file, monkeypatch):
+    """--expert-placement prefill over quantized experts: the first prefill moves blocks onto the device
+    and the leaving experts' values off (both equal the file's), the host's blocks are let go, and static
+    decoding keeps the tokens; a layer whose down experts the kernels cannot take keeps none in blocks."""
+    import strata.models.loader as loader
+    from strata.engine.decode import Engine
+    from strata.models.loader import load_target
+    from strata.models.placement import place_experts, sparse_layers
+
+    wide_blocks(monkeypatch)
+    path = q8_moe_file
+    plain, kept = load_target(path), load_target(path, quantized=True)
+    prompt = [5, 17, 200, 31, 7, 99]
+    tokens = Engine(plain, max_len=64).generate(prompt, 2).output_ids
     target = load_target(path, quantized=True, place=lambda m: place_experts(m, "cpu", 1, 64, by="prefill"))
-    Engine(target, max_len=64).runner.prefill(prompt.tolist())  # blocks move on, the leaving experts' values off
+    Engine(target, max_len=64).runner.prefill(prompt)  # blocks move on, the leaving experts' values off
     assert target.expert_plan.moved > 0
-    assert Engine(target, max_len=64, static=True).generate(prompt.tolist(), 2).output_ids == tokens[:2]
+    assert Engine(target, max_len=64, static=True).generate(prompt, 2).output_ids == tokens
     blocks = [(moe.gate_up_proj.data.clone(), moe.down_proj.data.clone()) for moe in sparse_layers(kept)]
     assert all(moe.host_blocks is None for moe in sparse_layers(target))  # let go once the experts moved
-    import strata.models.loader as loader
-
     real = loader.quantized_experts  # down experts of a type the kernels lack (a Q3_K_M file's gate/up): none kept
     monkeypatch.setattr(loader, "quantized_experts", lambda src, *a: None if "down" in src[0][0] else real(src, *a))
     for moe, ref in zip(sparse_layers(load_target(path, quantized=True)), sparse_layers(plain)):
