@@ -223,7 +223,7 @@ def test_expert_gemvs_match_the_routed_experts(dtype):
                               reduce=lambda y, w, t: slots.append(y) or sum_slots(y, w, t))
         for _ in range(2):  # summed by the down GEMV's last programs as sum_slots sums; their counts reset
             assert tk.experts(h, gate_up, down, weights, experts, grouped=False).equal(unsummed)
-        assert slots[0].shape == (rows, 2, hidden) and not tk._slot_counters(h.device).any()
+        assert slots[0].shape == (rows, 2, hidden) and not tk.counters(h.device, tk.SLOT_COUNTERS).any()
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

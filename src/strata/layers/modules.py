@@ -215,16 +215,14 @@ class SparseMoE(nn.Module):
         """Experts kept in host memory and run by the CPU (place)."""
         return self.host_down.shape[0] if hasattr(self, "host_down") else 0
 
-    def place(self, resident: list[int], pin: bool = False, values: Callable | None = None,
-              keep_blocks: bool = False) -> None:
+    def place(self, resident: list[int], pin: bool = False, dequantize_on=None, keep_blocks: bool = False) -> None:
         """Keep the experts `resident` in the parameters (they go wherever the model goes) and move the
         others to host memory (pinned for fast copies when pin), where the CPU runs them; called before
         the model moves to its device, so the host experts never occupy it. Each forward then reads its
         routing on the host (ops.experts_placed; placed in static shapes). Quantized experts: the device's
-        stay in their blocks (QuantExperts), the host's are values, one expert at a time made by
-        values(QuantExperts, e) -> [rows, cols] (default: dequantized where they are) and written into
-        the host's stacks; keep_blocks: the host also keeps their blocks (when the device has slots), for
-        replace to move them onto the device."""
+        stay in their blocks (QuantExperts), the host's are values, dequantized one expert at a time on
+        dequantize_on (default: where they are) into the host's stacks; keep_blocks: the host also keeps
+        their blocks (when the device has slots), for replace to move them onto the device."""
         stay = sorted(set(resident))
         away = sorted(set(range(self.experts)) - set(stay))
         if not away:
@@ -236,13 +234,12 @@ class SparseMoE(nn.Module):
             slot[e] = -1 - i
         gate_up, down = self.gate_up_proj, self.down_proj
         if self.quantized:
-            values = values or (lambda q, e: q.values(e))
             _, hidden, inter = down.shape
             self.host_gate_up = torch.empty(2, len(away), inter, hidden, dtype=down.dtype, pin_memory=pin)
             self.host_down = torch.empty(len(away), hidden, inter, dtype=down.dtype, pin_memory=pin)
             for i, e in enumerate(away):
-                self.host_gate_up[:, i].copy_(values(gate_up, e).view(2, inter, hidden))
-                self.host_down[i].copy_(values(down, e))
+                self.host_gate_up[:, i].copy_(gate_up.values(e, dequantize_on).view(2, inter, hidden))
+                self.host_down[i].copy_(down.values(e, dequantize_on))
             blocks = [q.data[away].cpu() for q in (gate_up, down)] if keep_blocks and stay else None
             self.host_blocks = [t.pin_memory() for t in blocks] if blocks and pin else blocks
             self.gate_up_proj, self.down_proj = (QuantExperts(q.qtype, q.data[stay].contiguous(), q.cols, q.dtype)

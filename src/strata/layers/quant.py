@@ -137,9 +137,10 @@ class QuantExperts:
     def to(self, device) -> "QuantExperts":
         return QuantExperts(self.qtype, self.data.to(device), self.cols, self.dtype)
 
-    def values(self, e: int) -> torch.Tensor:
-        """Expert e's matrix [rows, cols] in the activations' dtype."""
-        return qk.dequantize(self.data[e], self.qtype, self.cols).to(self.dtype)
+    def values(self, e: int, device=None) -> torch.Tensor:
+        """Expert e's matrix [rows, cols] in the activations' dtype, dequantized on `device` (default: where
+        the blocks are)."""
+        return qk.dequantize(self.data[e].to(device or self.device), self.qtype, self.cols).to(self.dtype)
 
     def dequantize(self) -> torch.Tensor:
         return torch.stack([self.values(e) for e in range(self.data.shape[0])])

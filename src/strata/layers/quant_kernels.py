@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from . import pdl
-from .triton_kernels import cdiv, pow2, precision
+from .triton_kernels import cdiv, counters, pow2, precision
 
 # GGML type ids and their (weights per block, bytes per block)
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
@@ -959,16 +959,6 @@ def _prune_split(name: str, configs, named_args, **kwargs):
                                               named_args["K"])]
 
 
-_COUNTERS: dict = {}
-
-
-def _counters(device) -> torch.Tensor:
-    """The split GEMMs' arrival counts, one per block of rows: zero between products (the last slice resets
-    its own), so one buffer serves every product on the device's stream."""
-    key = str(device)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
@@ -1096,7 +1086,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
         partials = max([2 * 16 * sp * cdiv(n, b) * b for b, _, _, sp in shapes
                         if sp > 1 and _split_fits(word, b, sp, n, k)] or [1])  # the workspace the slices need
-        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
+        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), counters(x.device, SPLIT_PROGRAMS), rows, n, k,
                   data.stride(0) // 4)
         if word in INT8_KERNELS:
             args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))

@@ -405,8 +405,9 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
 
     n, k = experts.shape
     flat = experts.reshape(-1).contiguous()
+    sum_slots = sum_slots or ops.sum_slots
     if grouped if grouped is not None else n > EXPERT_GROUP_MIN_ROWS:
-        return (reduce or sum_slots or ops.sum_slots)(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
+        return (reduce or sum_slots)(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
     _, _, inter, hidden = gate_up.shape
     kernels = _build()
     h = h.contiguous()  # each row read in place by its k assignments
@@ -421,27 +422,29 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     fused = {}
     if reduce is None and EXPERT_SUM_IN_GEMV and n * cdiv(hidden, block_n) <= SLOT_COUNTERS:
         out = torch.empty(n, hidden, device=h.device, dtype=h.dtype)
-        fused = dict(sum_ptr=out, slot_w_ptr=weights.contiguous(), cnt_ptr=_slot_counters(h.device), SLOTS=k)
+        fused = dict(sum_ptr=out, slot_w_ptr=weights.contiguous(), cnt_ptr=counters(h.device, SLOT_COUNTERS),
+                     SLOTS=k)
     kernels["gemv"][(cdiv(hidden, block_n), n * k)](
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         **fused, **pdl.options(h.device))
     if fused:
         return out
-    return (reduce or sum_slots or ops.sum_slots)(y.view(n, k, hidden), weights, h.dtype)
+    return (reduce or sum_slots)(y.view(n, k, hidden), weights, h.dtype)
 
 
-_SLOT_COUNTERS: dict = {}
+_COUNTERS: dict = {}
 
 
-def _slot_counters(device) -> torch.Tensor:
-    """The per-(row, block of columns) arrival counts of the expert sums: zero between products (the last
-    program of each resets its own), so one buffer serves every layer on the device, whose steps run on
-    one stream; made at the first (uncaptured) step."""
-    key = str(device)
-    if key not in _SLOT_COUNTERS:
-        _SLOT_COUNTERS[key] = torch.zeros(SLOT_COUNTERS, dtype=torch.int32, device=device)
-    return _SLOT_COUNTERS[key]
+def counters(device, count: int) -> torch.Tensor:
+    """`count` arrival counts (a split GEMM's per block of rows, the expert sums' per row and block of
+    columns): zero between products (the program that arrives last resets its own), so one buffer of a
+    size serves every product on the device, whose steps run on one stream; made at the first
+    (uncaptured) call."""
+    key = (str(device), count)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(count, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def _experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, flat: torch.Tensor,

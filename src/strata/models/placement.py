@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..layers.modules import SparseMoE
-from ..layers.quant import QuantExperts
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -127,10 +126,9 @@ def place_experts(model, device, cache_mib: int | None, max_len: int, drafter_by
     plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes, by)
     model.expert_plan = plan
     if plan is not None:
-        where = torch.device(device)
         for moe, keep in zip(sparse_layers(model), plan.resident):
-            moe.place(list(range(keep)), pin=plan.device == "cuda", keep_blocks=by == "prefill",
-                      values=lambda q, e: QuantExperts(q.qtype, q.data[e:e + 1].to(where), q.cols, q.dtype).values(0))
+            moe.place(list(range(keep)), pin=plan.device == "cuda", dequantize_on=torch.device(device),
+                      keep_blocks=by == "prefill")
 
 
 def place_by_routing(model) -> None:
