@@ -251,10 +251,13 @@ class SparseMoE(nn.Module):
             self.down_proj = nn.Parameter(down[stay].contiguous(), requires_grad=False)
             self.host_gate_up, self.host_down = [t.pin_memory() for t in host] if pin else host
         self.slot = slot
-        self.register_buffer("stand_in", torch.tensor([max(i, 0) for i in slot], device=self.gate.weight.device),
-                             persistent=False)
+        self.register_buffer("stand_in", self._stand_ins(), persistent=False)
         self.counts = torch.zeros(self.experts, dtype=torch.long)  # rows routed to each expert (eager forwards)
         self.timing: dict[str, float] = {}
+
+    def _stand_ins(self) -> torch.Tensor:
+        """Each expert's device slot, a host expert's being slot 0 (its output is replaced afterwards)."""
+        return torch.tensor([max(i, 0) for i in self.slot], device=self.gate.weight.device)
 
     def replace(self, resident: list[int]) -> int:
         """Make `resident` (as many experts as the device holds) the experts on the device: each one moving
@@ -283,7 +286,7 @@ class SparseMoE(nn.Module):
                 dev.copy_(host)
                 host.copy_(leaving)
             self.slot[a], self.slot[b] = -1 - j, i
-        self.stand_in.copy_(torch.tensor([max(i, 0) for i in self.slot]))
+        self.stand_in.copy_(self._stand_ins())
         self.host_blocks = None
         return len(on)
 
