@@ -60,19 +60,15 @@ def _build():
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
                     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SHARE: tl.constexpr = 1, PDL: tl.constexpr = False,
-                    sum_ptr=None, slot_w_ptr=None, cnt_ptr=None, SLOTS: tl.constexpr = 0):
+                    BLOCK_K: tl.constexpr, SHARE: tl.constexpr = 1, PDL: tl.constexpr = False):
         """y = W x for output row a = program_id(1) (one row unless EXPERTS), from input row a // SHARE; with
         EXPERTS row a has its own matrix, expert e[a]'s at w + e[a] * stride_e. GLU: the up rows sit up_offset
-        after the gate rows. SLOTS: output rows r SLOTS .. are the slots of a row r of sum (ops.sum_slots,
-        weights slot_w [R, SLOTS]), which the program of their block of columns that finishes last (counted
-        in cnt, reset by it) computes."""
+        after the gate rows."""
         settle(PDL)
         a = tl.program_id(1).to(tl.int64)
         if EXPERTS:
             w_ptr += tl.load(e_ptr + a) * stride_e
         x_ptr += (a // SHARE) * stride_x
-        y_rows = y_ptr
         y_ptr += a * stride_y
         rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rmask = rows < N
@@ -100,26 +96,6 @@ def _build():
             up = tl.sum(acc_up, axis=1).to(out_ty).to(tl.float32)
             y = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
         tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
-        if SLOTS > 0:
-            _sum_slots_last(y_rows, sum_ptr, slot_w_ptr, cnt_ptr, a // SLOTS, rows, rmask, N, stride_y, SLOTS)
-
-    @triton.jit
-    def _sum_slots_last(y_ptr, sum_ptr, w_ptr, cnt_ptr, r, rows, rmask, N, stride_y, SLOTS: tl.constexpr):
-        """Row r of ops.sum_slots over y's rows r SLOTS .. (its columns `rows`), once the last of their
-        programs has stored them: each product and partial sum rounded to y's type, as the reference does."""
-        tl.debug_barrier()  # every thread's stores made before the count is released
-        cnt = cnt_ptr + r * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SLOTS - 1:
-            out_ty = y_ptr.dtype.element_ty
-            out = tl.zeros(rows.shape, dtype=tl.float32)
-            for j in tl.static_range(SLOTS):
-                y = tl.load(y_ptr + (r * SLOTS + j) * stride_y + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-                w = tl.load(w_ptr + r * SLOTS + j).to(tl.float32)
-                out = (out + (y.to(tl.float32) * w).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
-            tl.store(sum_ptr + r * N + rows, out.to(out_ty), mask=rmask)
-            tl.atomic_xchg(cnt, 0)  # ready for the next product
-
-    globals()["_sum_slots_last"] = _sum_slots_last  # called by name from gemv_kernel, as settle is
 
     @triton.jit
     def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, se_ptr, perm_ptr, M, N, K, stride_x, stride_w, stride_y, stride_e,
@@ -384,20 +360,14 @@ EXPERT_GEMV_MAX = 256
 #: former (2, 512, 4) / (2, 512, 2), against 51.7 and 51.8 with both at those)
 EXPERT_GLU_CONFIG = (1, 512, 2)
 EXPERT_DOWN_CONFIG = (4, 128, 1)
-#: arrival counts for the expert sums: rows x blocks of the down GEMV's columns (16 rows of hidden 4096)
-SLOT_COUNTERS = 1 << 14
-#: each row's weighted sum of its experts' outputs in the down GEMV's last programs (else sum_slots' own
-#: launch). Not yet measured: the same last-program pattern for the routing after the router's GEMV was
-#: measured slower than its own launch (README); A/B with tools/pdl_ab.py --knob.
-EXPERT_SUM_IN_GEMV = True
 
 
 def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
             experts: torch.Tensor, reduce=None, grouped: bool | None = None, sum_slots=None) -> torch.Tensor:
     """ops.experts_routed's contract in two launches, for a few rows: every (row, expert) assignment a GEMV
     over its expert's gate/up (silu(gate) * up written directly), then over its down matrix, reading only
-    the experts hit; each row's outputs summed in ascending expert order as ops.sum_slots does, by the
-    down GEMV's programs that finish last, or by `reduce` (its contract: the host's outputs merged first).
+    the experts hit; each row's outputs summed in ascending expert order by sum_slots, or by `reduce` (its
+    contract: the host's outputs merged first).
     grouped (the default past EXPERT_GROUP_MIN_ROWS rows): each expert hit once for all its rows
     (_experts_grouped), then summed by reduce or sum_slots (default ops.sum_slots; the compiled set passes
     its fused one)."""
@@ -419,17 +389,10 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
         SHARE=k, num_warps=warps, **pdl.options(h.device))
     y = torch.empty(n * k, hidden, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = EXPERT_DOWN_CONFIG
-    fused = {}
-    if reduce is None and EXPERT_SUM_IN_GEMV and n * cdiv(hidden, block_n) <= SLOT_COUNTERS:
-        out = torch.empty(n, hidden, device=h.device, dtype=h.dtype)
-        fused = dict(sum_ptr=out, slot_w_ptr=weights.contiguous(), cnt_ptr=counters(h.device, SLOT_COUNTERS),
-                     SLOTS=k)
     kernels["gemv"][(cdiv(hidden, block_n), n * k)](
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        **fused, **pdl.options(h.device))
-    if fused:
-        return out
+        **pdl.options(h.device))
     return (reduce or sum_slots)(y.view(n, k, hidden), weights, h.dtype)
 
 
@@ -437,10 +400,9 @@ _COUNTERS: dict = {}
 
 
 def counters(device, count: int) -> torch.Tensor:
-    """`count` arrival counts (a split GEMM's per block of rows, the expert sums' per row and block of
-    columns): zero between products (the program that arrives last resets its own), so one buffer of a
-    size serves every product on the device, whose steps run on one stream; made at the first
-    (uncaptured) call."""
+    """`count` arrival counts (a split GEMM's, per block of rows): zero between products (the program that
+    arrives last resets its own), so one buffer of a size serves every product on the device, whose steps
+    run on one stream; made at the first (uncaptured) call."""
     key = (str(device), count)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(count, dtype=torch.int32, device=device)
