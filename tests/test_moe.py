@@ -225,7 +225,8 @@ def test_placement_by_prefill_routing(tmp_path, capsys):
 def test_a_step_with_host_work_is_captured_in_segments(monkeypatch):
     """CudaGraphs' bookkeeping, the GPU's capture replaced by fakes that record: a step handing two pieces of
     host work to graph_breaks runs them at once in its warm-up, is captured as three graphs in one pool with
-    none of the host work run meanwhile, and each replay runs graph, work, graph, work, graph in order."""
+    none of the host work run meanwhile, and each replay runs graph, work, graph, work, graph in order, its
+    host work in inference mode whoever replays it."""
     import contextlib
 
     from strata.engine.runner import CudaGraphs
@@ -273,3 +274,8 @@ def test_a_step_with_host_work_is_captured_in_segments(monkeypatch):
                    ("begin", 3, "pool"), ("end", 3), *replay]
     log.clear()
     assert graphs.run("step", step) == "out" and log == replay
+    with torch.inference_mode():  # as the engine captures: host work writes into tensors made then
+        made = torch.zeros(1)
+    graphs.graphs["write"] = ([lambda: made.add_(1)], None)
+    graphs.replay("write")  # from outside inference mode too (bench's --profile replays each step)
+    assert made.item() == 1

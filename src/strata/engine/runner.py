@@ -65,10 +65,12 @@ class CudaGraphs:
         return self.replay(key)
 
     def replay(self, key: Hashable):
-        """The step captured under key, run again: its graphs and the host work between them."""
+        """The step captured under key, run again: its graphs and the host work between them (in inference
+        mode, as captured: the host work writes into tensors made then, whoever replays it)."""
         parts, out = self.graphs[key]
-        for part in parts:
-            part()
+        with torch.inference_mode():
+            for part in parts:
+                part()
         return out
 
     def capture(self, fn: Callable[[], object]) -> tuple[list[Callable[[], None]], object]:
