@@ -177,6 +177,23 @@ def test_compiled_triton_set_keeps_its_own_kernels():
     assert kernels.groups["add_rms_norm"] is not EAGER.groups["add_rms_norm"]
 
 
+def test_float32_few_row_products_pipeline_only_what_shared_memory_holds(monkeypatch):
+    """The few-row GEMM's stages: float32 (full-precision dots buffer both tiles) at most what fits an H200
+    block, whose limit the default 4 passed (compiled offline for sm_90: 245760 bytes, 442368 with gate/up,
+    so a float32 model's windows fell back to cuBLAS on the H200); 16-bit products keep the configured 4."""
+    stages = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: stages.append(kw["num_stages"])
+
+    monkeypatch.setattr(tk, "_build", lambda: {"skinny": Launcher()})
+    for dtype in (torch.float32, torch.bfloat16):
+        for glu in (False, True):
+            tk.skinny(torch.zeros(8, 256, dtype=dtype), torch.zeros(128, 256, dtype=dtype), glu=glu)
+    assert stages == [3, 2, tk.SKINNY_CONFIG[3], tk.SKINNY_CONFIG[3]]
+
+
 def test_a_failing_triton_kernel_leaves_the_torch_path_with_one_warning(monkeypatch):
     def broken(*args, **kw):
         raise RuntimeError("no kernel for this GPU")

@@ -472,12 +472,27 @@ def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu:
     n = n_total // 2 if glu else n_total
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     block_n, block_k, warps, stages = config or SKINNY_CONFIG
+    block_m = max(16, pow2(rows))
+    if x.element_size() == 4:
+        stages = fitting_stages(stages, (block_n * (2 if glu else 1) + block_m) * block_k * 4)
     _build()["skinny"][(cdiv(n, block_n), 1)](
         x, w, b if b is not None else w, y, w, w, rows, n, k, x.stride(0), w.stride(0), y.stride(0), 0,
         n * w.stride(0), HAS_BIAS=b is not None, GLU=glu, EXPERTS=False, KROW=1,
-        BLOCK_M=max(16, pow2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(x),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(x),
         num_warps=warps, num_stages=stages, **pdl.options(x.device))
     return y
+
+
+#: shared memory a program's pipelined tiles may take (an H200 block can have 227 KiB)
+SHARED_BYTES = 200 << 10
+
+
+def fitting_stages(stages: int, stage_bytes: int) -> int:
+    """Pipeline stages whose tiles fit SHARED_BYTES, Triton buffering stages - 1 of them: float32 dots (full
+    precision) stage both operands, stage_bytes a step (compiled for sm_90, the default skinny tiles
+    took 245760 bytes at 4 stages, 442368 with gate/up: past the limit, so a float32 model's few-row
+    products left for cuBLAS; 163840 at 3 and 147456 at 2); 16-bit ones far less, so they keep theirs."""
+    return max(2, min(stages, 1 + SHARED_BYTES // stage_bytes))
 
 
 def precision(x: torch.Tensor) -> str:
