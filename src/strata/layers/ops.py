@@ -226,11 +226,21 @@ def host_expert_outputs(hx: torch.Tensor, routed: torch.Tensor, host_gate_up: to
     [N, k] (bool)."""
     y = torch.zeros(*routed.shape, hx.shape[-1], dtype=hx.dtype)
     host = torch.zeros(routed.shape, dtype=torch.bool)
-    for e in torch.unique(routed).tolist():
-        if slot[e] < 0:
-            rows, slots = torch.where(routed == e)
+    pairs: dict[int, tuple[list[int], list[int]]] = {}  # grouped in Python: a decode's few pairs, no torch op each
+    for r, row in enumerate(routed.tolist()):
+        for j, e in enumerate(row):
+            if slot[e] < 0:
+                rows, slots = pairs.setdefault(e, ([], []))
+                rows.append(r)
+                slots.append(j)
+    for e in sorted(pairs):
+        rows, slots = pairs[e]
+        if len(rows) == 1:  # plain indexing: no index tensors made
+            y[rows[0], slots[0]] = expert(hx[rows[0]][None], host_gate_up, host_down, -1 - slot[e])[0]
+        else:
             y[rows, slots] = expert(hx[rows], host_gate_up, host_down, -1 - slot[e])
-            host[rows, slots] = True
+    if pairs:
+        host[[r for rows, _ in pairs.values() for r in rows], [j for _, slots in pairs.values() for j in slots]] = True
     return y, host
 
 
