@@ -114,7 +114,7 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
-    assert not qk.counters(x.device, qk.SPLIT_PROGRAMS).any()  # the split products left their counts at zero
+    assert not qk._counters(x.device).any()  # the split products left their counts at zero
     # half-precision x, the output (and the GEMM's dequantized tiles) rounded to it; the interpreter's dot
     # multiplies bfloat16 operands as their raw bits, so the GEMM takes float16 here
     half = x.bfloat16() if rows == 1 else x.half()

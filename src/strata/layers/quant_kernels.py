@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from . import pdl
-from .triton_kernels import cdiv, counters, pow2, precision
+from .triton_kernels import cdiv, pow2, precision
 
 # GGML type ids and their (weights per block, bytes per block)
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
@@ -959,6 +959,16 @@ def _prune_split(name: str, configs, named_args, **kwargs):
                                               named_args["K"])]
 
 
+_COUNTERS: dict = {}
+
+
+def _counters(device) -> torch.Tensor:
+    """The split GEMMs' arrival counts, one per block of rows: zero between products (the last slice resets
+    its own), so one buffer serves every product on the device's stream."""
+    key = str(device)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
@@ -974,7 +984,8 @@ WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k", Q8_0: "skinny_q8_0"}
 INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8", "skinny_q8_0"}
 X_ROWS = 16
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
-#: x); not yet measured on a GPU: A/B with tools/pdl_ab.py --knob strata.layers.quant_kernels.EXPERT_WORD_GEMVS
+#: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
+#: (bench/results/moe-30b-Q4_K_M-word-gemvs-h200.json; tools/pdl_ab.py --knob ...EXPERT_WORD_GEMVS)
 EXPERT_WORD_GEMVS = True
 
 
@@ -1086,7 +1097,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
         partials = max([2 * 16 * sp * cdiv(n, b) * b for b, _, _, sp in shapes
                         if sp > 1 and _split_fits(word, b, sp, n, k)] or [1])  # the workspace the slices need
-        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), counters(x.device, SPLIT_PROGRAMS), rows, n, k,
+        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
                   data.stride(0) // 4)
         if word in INT8_KERNELS:
             args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))

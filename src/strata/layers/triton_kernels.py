@@ -363,19 +363,16 @@ EXPERT_DOWN_CONFIG = (4, 128, 1)
 
 
 def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-            experts: torch.Tensor, reduce=None, grouped: bool | None = None, sum_slots=None) -> torch.Tensor:
-    """ops.experts_routed's contract in two launches, for a few rows: every (row, expert) assignment a GEMV
-    over its expert's gate/up (silu(gate) * up written directly), then over its down matrix, reading only
-    the experts hit; each row's outputs summed in ascending expert order by sum_slots, or by `reduce` (its
-    contract: the host's outputs merged first).
-    grouped (the default past EXPERT_GROUP_MIN_ROWS rows): each expert hit once for all its rows
-    (_experts_grouped), then summed by reduce or sum_slots (default ops.sum_slots; the compiled set passes
-    its fused one)."""
-    from . import ops
+            experts: torch.Tensor, reduce=None, grouped: bool | None = None) -> torch.Tensor:
+    """ops.experts_routed's contract in two launches plus the sum, for a few rows: every (row, expert)
+    assignment a GEMV over its expert's gate/up (silu(gate) * up written directly), then over its down
+    matrix, reading only the experts hit; each row's outputs summed in ascending expert order by
+    `reduce` (ops.sum_slots's contract; the compiled set passes its fused one). grouped (the default past
+    EXPERT_GROUP_MIN_ROWS rows): each expert hit once for all its rows (_experts_grouped)."""
+    from .ops import sum_slots
 
     n, k = experts.shape
     flat = experts.reshape(-1).contiguous()
-    sum_slots = sum_slots or ops.sum_slots
     if grouped if grouped is not None else n > EXPERT_GROUP_MIN_ROWS:
         return (reduce or sum_slots)(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
     _, _, inter, hidden = gate_up.shape
@@ -394,19 +391,6 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         **pdl.options(h.device))
     return (reduce or sum_slots)(y.view(n, k, hidden), weights, h.dtype)
-
-
-_COUNTERS: dict = {}
-
-
-def counters(device, count: int) -> torch.Tensor:
-    """`count` arrival counts (a split GEMM's, per block of rows): zero between products (the program that
-    arrives last resets its own), so one buffer of a size serves every product on the device, whose steps
-    run on one stream; made at the first (uncaptured) call."""
-    key = (str(device), count)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(count, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def _experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, flat: torch.Tensor,
