@@ -351,11 +351,14 @@ def _build():
                      mask=ok[:, None])
 
     @triton.jit
-    def _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr, expert_bytes, K, stride_y, SHARE: tl.constexpr):
+    def _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr, expert_bytes, K, stride_y, SHARE: tl.constexpr,
+                    PDL: tl.constexpr):
         """The word GEMVs over stacked experts (EXPERTS): program_id(1) is a window's (row, expert) assignment
         a, over expert ids[a]'s matrix (expert_bytes apart), with row a // SHARE of an x that quantize_x made
         of the rows laid end to end (each row's blocks, scales and sums K, K / 32 and K / 16 apart), into
-        row a of y (stride_y apart). Returns those pointers; call it after settle (the ids are the routing's)."""
+        row a of y (stride_y apart). Returns those pointers, having waited for the kernel before (settle:
+        the ids are the routing's)."""
+        settle(PDL)
         a = tl.program_id(1).to(tl.int64)
         xr = a // SHARE
         return (w_ptr + tl.load(ids_ptr + a).to(tl.int64) * expert_bytes, q_ptr + xr * K, xd_ptr + xr * (K // 32),
@@ -411,10 +414,9 @@ def _build():
         steps of 4 superblocks are loaded before any is used, and the lanes' partial sums add up at the
         end. A program takes RT * WARPS rows (with GLU: as many gate rows and their up rows). EXPERTS: see
         _assignment."""
-        if EXPERTS:  # the ids come from the kernel before (the routing): wait for it before reading them
-            settle(PDL)
+        if EXPERTS:
             w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
-                                                               expert_bytes, K, stride_y, SHARE)
+                                                               expert_bytes, K, stride_y, SHARE, PDL)
         FIVE: tl.constexpr = QTYPE == 13
         SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
         QS: tl.constexpr = 12 if FIVE else 4
@@ -527,10 +529,9 @@ def _build():
         consecutive chunks) and picks its words (_window16); rows (row_bytes apart) may start at any even
         byte too. Then per 16 weights an integer dot product with
         x (4 dp4a) and d * sc * (xd * dot - 32 * sum of x). EXPERTS: see _assignment."""
-        if EXPERTS:  # the ids come from the kernel before (the routing): wait for it before reading them
-            settle(PDL)
+        if EXPERTS:
             w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
-                                                               expert_bytes, K, stride_y, SHARE)
+                                                               expert_bytes, K, stride_y, SHARE, PDL)
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
         i8 = w_ptr.to(tl.pointer_type(tl.int8))
         f16 = w_ptr.to(tl.pointer_type(tl.float16))
@@ -588,10 +589,9 @@ def _build():
         times bytes, then d * xd * sum. A trip takes 4 blocks (136 bytes, 8-byte aligned as rows are 16-byte
         aligned) of two rows; blocks 0 and 2 start 2 bytes into a word, their bytes joined from two. EXPERTS:
         see _assignment."""
-        if EXPERTS:  # the ids come from the kernel before (the routing): wait for it before reading them
-            settle(PDL)
+        if EXPERTS:
             w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
-                                                               expert_bytes, K, stride_y, SHARE)
+                                                               expert_bytes, K, stride_y, SHARE, PDL)
         NT: tl.constexpr = BLOCK_N * S
         settle(PDL)
         off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
