@@ -220,20 +220,27 @@ def test_a_failing_triton_kernel_leaves_the_torch_path_with_one_warning(monkeypa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter rounds bfloat16 to zero
 def test_expert_gemvs_match_the_routed_experts(dtype):
     """The per-assignment expert GEMVs (decode, a verify window) against ops.experts_routed: ragged blocks
-    (24 intermediate, 72 hidden: no block divides them), experts repeated across rows."""
-    from strata.layers.ops import experts_routed, route
+    (24 intermediate, 72 hidden: no block divides them), experts repeated across rows; a row's outputs summed
+    by the down GEMVs exactly as ops.sum_slots sums them after the unsummed GEMVs, at top-k 2 and 3 (slots
+    padded to a power of two)."""
+    from strata.layers.ops import experts_routed, route, sum_slots
 
     gen = torch.Generator().manual_seed(8)
     e, inter, hidden = 5, 24, 72
     gate_up = (torch.randn(2, e, inter, hidden, generator=gen) * 0.1).to(dtype)
     down = (torch.randn(e, hidden, inter, generator=gen) * 0.1).to(dtype)
     router = torch.randn(e, hidden, generator=gen).to(dtype)
-    for rows in (1, 3):
+    for rows, top_k in ((1, 2), (3, 2), (2, 3)):
         h = torch.randn(rows, hidden, generator=gen).to(dtype)
-        weights, experts = route(h, router, 2, True)
+        weights, experts = route(h, router, top_k, True)
         want = experts_routed(h, gate_up, down, weights, experts)
         for grouped in (False, True):  # per assignment, and each expert once for all its rows
             close(tk.experts(h, gate_up, down, weights, experts, grouped=grouped), want, dtype)
+        slots = []
+        unsummed = tk.experts(h, gate_up, down, weights, experts, grouped=False,
+                              reduce=lambda y, w, t: slots.append(y) or sum_slots(y, w, t))
+        assert slots[0].shape == (rows, top_k, hidden)
+        assert tk.experts(h, gate_up, down, weights, experts, grouped=False).equal(unsummed)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

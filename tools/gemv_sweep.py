@@ -1,10 +1,12 @@
 """The 1-row GEMV's configurations on a GPU: every projection of the dense 8B, hybrid 9B and MoE 30B-A3B
-shapes, and the MoE layer's per-expert gate/up and down GEMVs (8 experts of 128, a different set each call),
+shapes, and the MoE layer's per-expert gate/up and down GEMVs (8 experts of 128, a different set each call;
+the down GEMVs summing the slots themselves, and not, then summed by torch.compile's sum_slots),
 timed in CUDA graphs (skinny_sweep.timed) over enough weight copies that nothing is served from L2. Prints
 and writes, per configuration, microseconds per shape and the effective bandwidth; every configuration is
 first checked against F.linear (the experts against ops.experts_routed).
 
-    PYTHONPATH=src python3 tools/gemv_sweep.py --out bench/results/gemv-sweep-h200.json"""
+    PYTHONPATH=src python3 tools/gemv_sweep.py --out bench/results/gemv-sweep-h200.json [--shapes 30b-a3b]
+        [--experts-only]"""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from strata.layers import ops
+from strata.layers import ops, pdl
 from strata.layers import triton_kernels as tk
 from skinny_sweep import timed  # tools/, the script's own directory
 
@@ -40,6 +42,9 @@ def per_call(fn, calls: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", nargs="+", choices=list(DENSE), help="only these shapes' projections")
+    ap.add_argument("--experts-only", action="store_true", help="only the experts, the GEMVs without the sum at "
+                                                                 "their configurations")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -47,7 +52,9 @@ def main() -> None:
                if 64 * c[2] <= c[0] * c[1] <= 4096]
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "configs": configs,
               "dense": {}, "experts": {}}
-    for shape, projections in DENSE.items():
+    for shape, projections in ({} if args.experts_only else DENSE).items():
+        if args.shapes and shape not in args.shapes:
+            continue
         for name, (n, k) in projections.items():
             copies = max(2, BYTES // (n * k * 2))
             ws = [torch.randn(n, k, device=dev, dtype=dt, generator=gen) * 0.02 for _ in range(copies)]
@@ -76,21 +83,32 @@ def main() -> None:
             for _ in range(32)]
     weights = torch.full((1, TOP_K), 1.0 / TOP_K, device=dev, dtype=dt)
     want = ops.experts_routed(h, gate_up, down, weights, sets[0])
-    saved = tk.EXPERT_GLU_CONFIG, tk.EXPERT_DOWN_CONFIG
-    for part in ("glu", "down"):
+    saved = tk.EXPERT_GLU_CONFIG, tk.EXPERT_DOWN_CONFIG, tk.EXPERT_DOWN_SUM_CONFIG
+    pdl.compiled(dev)
+    compiled_sum = torch.compile(ops.sum_slots, dynamic=False, fullgraph=True)
+    sum_configs = [c for c in itertools.product((1, 2, 4, 8, 16), (64, 128, 256), (1, 2, 4, 8))
+                   if 8 <= TOP_K * c[0] * c[1] // (32 * c[2]) <= 64]
+    for part in ("glu", "down", "down_sum"):
         row = {}
-        for c in configs:
-            tk.EXPERT_GLU_CONFIG, tk.EXPERT_DOWN_CONFIG = (c, saved[1]) if part == "glu" else (saved[0], c)
-            got = tk.experts(h, gate_up, down, weights, sets[0])
+        now = saved[0] if part == "glu" else saved[1] if part == "down" else saved[2]
+        for c in sum_configs if part == "down_sum" else [now] if args.experts_only else configs:
+            tk.EXPERT_GLU_CONFIG, tk.EXPERT_DOWN_CONFIG, tk.EXPERT_DOWN_SUM_CONFIG = (
+                (c, saved[1], saved[2]) if part == "glu" else (saved[0], c, saved[2]) if part == "down"
+                else (saved[0], saved[1], c))
+            tk.EXPERT_DOWN_SUMS = part == "down_sum"
+            reduce = None if part == "down_sum" else compiled_sum
+            got = tk.experts(h, gate_up, down, weights, sets[0], reduce=reduce)
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             if err > 2e-2:
                 row[str(c)] = {"error": err}
                 continue
-            row[str(c)] = {"us_layer": per_call(lambda i: tk.experts(h, gate_up, down, weights, sets[i % 32]), 32)}
-        tk.EXPERT_GLU_CONFIG, tk.EXPERT_DOWN_CONFIG = saved
+            row[str(c)] = {"us_layer": per_call(lambda i: tk.experts(h, gate_up, down, weights, sets[i % 32],
+                                                                     reduce=reduce), 32)}
+        tk.EXPERT_GLU_CONFIG, tk.EXPERT_DOWN_CONFIG, tk.EXPERT_DOWN_SUM_CONFIG = saved
         result["experts"][part] = row
         best = min((v["us_layer"], c) for c, v in row.items() if "us_layer" in v)
-        print("experts", part, "best", best, "now", row.get(str(saved[0] if part == "glu" else saved[1])), flush=True)
+        print("experts", part, "best", best, "now", row.get(str(now)), flush=True)
+    tk.EXPERT_DOWN_SUMS = True
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", args.out)

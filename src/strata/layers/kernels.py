@@ -154,8 +154,8 @@ class TritonKernels(Kernels):
         if isinstance(gate_up, QuantExperts) or not self._tk.experts_fit(gate_up, down, experts):
             return slow()
         grouped = False if repeats else None  # the grouped kernel serves an expert at most once a row
-        return self._either("experts", lambda: self._tk.experts(*args, reduce=reduce or self.sum_slots,
-                                                                 grouped=grouped), slow)
+        return self._either("experts", lambda: self._tk.experts(*args, reduce=reduce, grouped=grouped,
+                                                                 sum_slots=self.sum_slots), slow)
 
     def route(self, h, router, top_k, renormalize):
         slow = lambda: ops.route(h, router, top_k, renormalize)  # noqa: E731

@@ -98,6 +98,42 @@ def _build():
         tl.store(y_ptr + rows, y.to(out_ty), mask=rmask)
 
     @triton.jit
+    def expert_down_sum_kernel(a_ptr, w_ptr, e_ptr, sw_ptr, out_ptr, N, K, stride_a, stride_e, stride_w, stride_out,
+                               SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+        """Row r = program_id(1) of the experts' weighted sum, for a block of output columns: its SLOTS
+        assignments' down GEMVs (assignment r * SLOTS + j: expert e[.]'s matrix over input row a[.]) side by
+        side in one tile, each rounded as the GEMV stores it, then weighted by sw and summed slot by slot in
+        order, rounding as ops.sum_slots does: the sum needs no launch or pass over memory of its own."""
+        settle(PDL)
+        r = tl.program_id(1).to(tl.int64)
+        j = tl.arange(0, SLOTS_P2)
+        jmask = j < SLOTS
+        a = r * SLOTS + j
+        e = tl.load(e_ptr + a, mask=jmask, other=0)
+        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rmask = rows < N
+        cols = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + e[:, None, None] * stride_e + rows[None, :, None] * stride_w
+        wmask = jmask[:, None, None] & rmask[None, :, None]
+        acc = tl.zeros([SLOTS_P2, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + cols
+            kmask = kk < K
+            x = tl.load(a_ptr + a[:, None] * stride_a + kk[None, :], mask=jmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            w = tl.load(w_rows + kk[None, None, :], mask=wmask & kmask[None, None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc += w.to(tl.float32) * x[:, None, :]
+        out_ty = out_ptr.dtype.element_ty
+        y = tl.sum(acc, axis=2).to(out_ty).to(tl.float32)
+        p = (y * tl.load(sw_ptr + a, mask=jmask, other=0.0).to(tl.float32)[:, None]).to(out_ty).to(tl.float32)
+        out = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(SLOTS):
+            out = (out + tl.sum(tl.where(j[:, None] == s, p, 0.0), axis=0)).to(out_ty).to(tl.float32)
+        tl.store(out_ptr + r * stride_out + rows, out.to(out_ty), mask=rmask)
+
+    @triton.jit
     def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, se_ptr, perm_ptr, M, N, K, stride_x, stride_w, stride_y, stride_e,
                       up_offset, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, EXPERTS: tl.constexpr, KROW: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -315,7 +351,7 @@ def _build():
             tl.store(v_cache_ptr + cell + i, tl.load(vsrc + i))
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
-    return {"gemv": gemv_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
+    return {"gemv": gemv_kernel, "expert_down_sum": expert_down_sum_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
             "attention_combine": attention_combine_kernel, "route": route_kernel,
             "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
 
@@ -336,6 +372,11 @@ def projection_kernel(x: torch.Tensor, w: torch.Tensor) -> str | None:
 #: against 52.1 for the former (2, 512, 2)) and of the 8B gate/up (48.2 us against 51.3 for (2, 512, 4)).
 GEMV_CONFIG = (2, 1024, 1)
 GEMV_GLU_CONFIG = (1, 1024, 4)
+#: (rows, columns, glu) of a matrix -> its own configuration, where the sweep's best for that shape beat the
+#: defaults above: the 30B-A3B shape's q/k/v, o and router GEMVs (7.03 / 6.25 / 2.45 us against 7.31 / 6.74 /
+#: 2.76 in the sweep); its step 2.523 -> 2.472 ms on the H200 (tools/pdl_ab.py --knob, one process)
+GEMV_SHAPE_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int]] = {
+    (5120, 2048, False): (2, 512, 2), (2048, 4096, False): (2, 1024, 4), (128, 2048, False): (2, 1024, 4)}
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False,
@@ -345,7 +386,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: b
     n_total, k = w.shape
     n = n_total // 2 if glu else n_total
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    block_n, block_k, warps = config or (GEMV_GLU_CONFIG if glu else GEMV_CONFIG)
+    block_n, block_k, warps = config or GEMV_SHAPE_CONFIGS.get((n_total, k, glu)) or \
+        (GEMV_GLU_CONFIG if glu else GEMV_CONFIG)
     _build()["gemv"][(cdiv(n, block_n), 1)](
         x, w, w, b if b is not None else w, y, n, k, 0, 0, w.stride(0), 0, n * w.stride(0), HAS_BIAS=b is not None,
         GLU=glu, EXPERTS=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
@@ -363,18 +405,20 @@ EXPERT_DOWN_CONFIG = (4, 128, 1)
 
 
 def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-            experts: torch.Tensor, reduce=None, grouped: bool | None = None) -> torch.Tensor:
-    """ops.experts_routed's contract in two launches plus the sum, for a few rows: every (row, expert)
-    assignment a GEMV over its expert's gate/up (silu(gate) * up written directly), then over its down
-    matrix, reading only the experts hit; each row's outputs summed in ascending expert order by
-    `reduce` (ops.sum_slots's contract; the compiled set passes its fused one). grouped (the default past
-    EXPERT_GROUP_MIN_ROWS rows): each expert hit once for all its rows (_experts_grouped)."""
-    from .ops import sum_slots
+            experts: torch.Tensor, reduce=None, grouped: bool | None = None, sum_slots=None) -> torch.Tensor:
+    """ops.experts_routed's contract, for a few rows: every (row, expert) assignment a GEMV over its expert's
+    gate/up (silu(gate) * up written directly), then over its down matrix, reading only the experts hit; each
+    row's outputs summed in ascending expert order as ops.sum_slots sums them, by the down GEMVs themselves
+    (EXPERT_DOWN_SUMS: two launches in all), or after them by `reduce` (its contract: the host's outputs
+    merged first). grouped (the default past EXPERT_GROUP_MIN_ROWS rows): each expert hit once for all its
+    rows (_experts_grouped), then summed by reduce or sum_slots (default ops.sum_slots; the compiled set
+    passes its fused one)."""
+    from .ops import sum_slots as reference_sum
 
     n, k = experts.shape
     flat = experts.reshape(-1).contiguous()
     if grouped if grouped is not None else n > EXPERT_GROUP_MIN_ROWS:
-        return (reduce or sum_slots)(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
+        return (reduce or sum_slots or reference_sum)(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
     _, _, inter, hidden = gate_up.shape
     kernels = _build()
     h = h.contiguous()  # each row read in place by its k assignments
@@ -384,13 +428,31 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
         h, gate_up, flat, gate_up, act, inter, hidden, h.stride(0), gate_up.stride(1), gate_up.stride(2),
         act.stride(0), gate_up.stride(0), HAS_BIAS=False, GLU=True, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k,
         SHARE=k, num_warps=warps, **pdl.options(h.device))
+    if reduce is None and EXPERT_DOWN_SUMS:
+        out = torch.empty(n, hidden, device=h.device, dtype=h.dtype)
+        block_n, block_k, warps = EXPERT_DOWN_SUM_CONFIG
+        kernels["expert_down_sum"][(cdiv(hidden, block_n), n)](
+            act, down, flat, weights.contiguous(), out, hidden, inter, act.stride(0), down.stride(0),
+            down.stride(1), out.stride(0), SLOTS=k, SLOTS_P2=pow2(k), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, **pdl.options(h.device))
+        return out
     y = torch.empty(n * k, hidden, device=h.device, dtype=h.dtype)
     block_n, block_k, warps = EXPERT_DOWN_CONFIG
     kernels["gemv"][(cdiv(hidden, block_n), n * k)](
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         **pdl.options(h.device))
-    return (reduce or sum_slots)(y.view(n, k, hidden), weights, h.dtype)
+    return (reduce or sum_slots or reference_sum)(y.view(n, k, hidden), weights, h.dtype)
+
+
+#: whether a row's experts are summed by their down GEMVs (expert_down_sum_kernel) rather than by a launch
+#: of its own after them: a 30B-A3B step on the H200 2.507 / 2.508 -> 2.473 ms, W=8 8.621 / 8.630 -> 8.545
+#: (tools/pdl_ab.py --knob, one process)
+EXPERT_DOWN_SUMS = True
+#: (BLOCK_N, BLOCK_K, num_warps) of expert_down_sum_kernel, a program holding all of a row's slots: the
+#: sweep's best for a 30B-A3B layer's experts at one row, 21.9 us with the gate/up GEMV against 22.4 for the
+#: GEMVs and a compiled sum (bench/results/expert-down-sum-sweep-h200.json)
+EXPERT_DOWN_SUM_CONFIG = (1, 128, 1)
 
 
 def _experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, flat: torch.Tensor,
