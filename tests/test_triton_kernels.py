@@ -218,11 +218,11 @@ def test_a_failing_triton_kernel_leaves_the_torch_path_with_one_warning(monkeypa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter rounds bfloat16 to zero
-def test_expert_gemvs_match_the_routed_experts(dtype):
+def test_expert_gemvs_match_the_routed_experts(dtype, monkeypatch):
     """The per-assignment expert GEMVs (decode, a verify window) against ops.experts_routed: ragged blocks
     (24 intermediate, 72 hidden: no block divides them), experts repeated across rows; a row's outputs summed
     by the down GEMVs exactly as ops.sum_slots sums them after the unsummed GEMVs, at top-k 2 and 3 (slots
-    padded to a power of two)."""
+    padded to a power of two), in whole and ragged blocks."""
     from strata.layers.ops import experts_routed, route, sum_slots
 
     gen = torch.Generator().manual_seed(8)
@@ -236,11 +236,14 @@ def test_expert_gemvs_match_the_routed_experts(dtype):
         want = experts_routed(h, gate_up, down, weights, experts)
         for grouped in (False, True):  # per assignment, and each expert once for all its rows
             close(tk.experts(h, gate_up, down, weights, experts, grouped=grouped), want, dtype)
-        slots = []
-        unsummed = tk.experts(h, gate_up, down, weights, experts, grouped=False,
-                              reduce=lambda y, w, t: slots.append(y) or sum_slots(y, w, t))
-        assert slots[0].shape == (rows, top_k, hidden)
-        assert tk.experts(h, gate_up, down, weights, experts, grouped=False).equal(unsummed)
+        for block_n, block_k, warps in ((8, 128, 1), (16, 16, 2)) if top_k == 3 else ():
+            monkeypatch.setattr(tk, "EXPERT_DOWN_SUM_CONFIG", (block_n, block_k, warps))
+            monkeypatch.setattr(tk, "EXPERT_DOWN_CONFIG", (4, block_k, 1))  # the same K steps, unsummed
+            slots = []
+            unsummed = tk.experts(h, gate_up, down, weights, experts, grouped=False,
+                                  reduce=lambda y, w, t: slots.append(y) or sum_slots(y, w, t))
+            assert slots[0].shape == (rows, top_k, hidden)
+            assert tk.experts(h, gate_up, down, weights, experts, grouped=False).equal(unsummed)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

@@ -101,9 +101,9 @@ def _build():
     def expert_down_sum_kernel(a_ptr, w_ptr, e_ptr, sw_ptr, out_ptr, N, K, stride_a, stride_e, stride_w, stride_out,
                                SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-        """Row r = program_id(1) of the experts' weighted sum, for a block of output columns: its SLOTS
-        assignments' down GEMVs (assignment r * SLOTS + j: expert e[.]'s matrix over input row a[.]) side by
-        side in one tile, each rounded as the GEMV stores it, then weighted by sw and summed slot by slot in
+        """Row r = program_id(1) of the experts' weighted sum, for a block of output columns: the down GEMVs
+        of its SLOTS assignments a = r * SLOTS + j (expert e[a]'s matrix over activation row a) side by side
+        in one tile, each rounded as the GEMV stores it, then weighted by sw[a] and summed slot by slot in
         order, rounding as ops.sum_slots does: the sum needs no launch or pass over memory of its own."""
         settle(PDL)
         r = tl.program_id(1).to(tl.int64)
@@ -351,8 +351,9 @@ def _build():
             tl.store(v_cache_ptr + cell + i, tl.load(vsrc + i))
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
-    return {"gemv": gemv_kernel, "expert_down_sum": expert_down_sum_kernel, "skinny": skinny_kernel, "attention_partial": attention_partial_kernel,
-            "attention_combine": attention_combine_kernel, "route": route_kernel,
+    return {"gemv": gemv_kernel, "expert_down_sum": expert_down_sum_kernel, "skinny": skinny_kernel,
+            "attention_partial": attention_partial_kernel, "attention_combine": attention_combine_kernel,
+            "route": route_kernel,
             "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
 
 
