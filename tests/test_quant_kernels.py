@@ -479,10 +479,13 @@ def test_quantized_experts_move_by_prefill_and_a_mixed_layer_stays_values(q8_moe
     assert Engine(target, max_len=64, static=True).generate(prompt, 2).output_ids == tokens
     blocks = [(moe.gate_up_proj.data.clone(), moe.down_proj.data.clone()) for moe in sparse_layers(kept)]
     assert all(moe.host_blocks is None for moe in sparse_layers(target))  # let go once the experts moved
-    real = loader.quantized_experts  # down experts of a type the kernels lack (a Q3_K_M file's gate/up): none kept
-    monkeypatch.setattr(loader, "quantized_experts", lambda src, *a: None if "down" in src[0][0] else real(src, *a))
+    real = loader.experts_in_blocks  # down experts of a type the kernels lack (a Q3_K_M file's gate/up): none kept
+    monkeypatch.setattr(loader, "experts_in_blocks", lambda src, *a: "down" not in src[0][0] and real(src, *a))
+    built = []  # and none built only to be let go
+    monkeypatch.setattr(loader, "quantized_experts", lambda *a: built.append(a) or None)
     for moe, ref in zip(sparse_layers(load_target(path, quantized=True)), sparse_layers(plain)):
         assert not moe.quantized and moe.gate_up_proj.equal(ref.gate_up_proj) and moe.down_proj.equal(ref.down_proj)
+    assert not built
     for moe, ref, (gate_up, down) in zip(sparse_layers(target), sparse_layers(plain), blocks):
         for e, s in enumerate(moe.slot):
             if s >= 0:

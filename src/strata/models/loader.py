@@ -173,7 +173,7 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
     from .. import gguf_file
     from ..errors import ArtifactError
     from ..gguf_names import ROPE_FACTORS
-    from ..layers.quant import QuantExperts, QuantWeight
+    from ..layers.quant import QuantWeight
 
     try:
         fam, cfg, _, tensors = gguf_model(path)
@@ -198,9 +198,8 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
             if missing:
                 shape = next(s for n, s, _ in sources if n == missing[0])
                 raise StrataError(f"{path}: missing tensor '{missing[0]}' (expected shape {list(shape)})")
-            experts = quantized and quantized_experts(sources, tensors, dtype)
-            if experts:
-                quant[param] = experts
+            if quantized and layer_experts_in_blocks(param, layout, tensors):
+                quant[param] = experts = quantized_experts(sources, tensors, dtype)
                 state[param] = torch.empty(experts.shape, device="meta", dtype=dtype)
                 continue
             if quantized and all(QuantWeight.fits(tensors[n].type, s) and tuple(reversed(tensors[n].shape)) == s
@@ -212,29 +211,44 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
                                            dtype=dtype)
                 continue
             state[param] = values(sources)
-        for param in [name for name, q in quant.items() if isinstance(q, QuantExperts)]:
-            pair = {"gate_up_proj": "down_proj", "down_proj": "gate_up_proj"}
-            head, _, tail = param.rpartition(".")
-            if not isinstance(quant.get(f"{head}.{pair[tail]}"), QuantExperts):  # a layer's experts run one way
-                del quant[param]
-                state[param] = values(layout[param])
     except ArtifactError as e:
         raise StrataError(str(e)) from None
     return instantiate(fam, cfg, state, device, quant, place)
 
 
+#: a sparse layer's two expert parameters, each the other's pair
+EXPERT_PAIRS = {"gate_up_proj": "down_proj", "down_proj": "gate_up_proj"}
+
+
+def layer_experts_in_blocks(param: str, layout: dict, tensors: dict) -> bool:
+    """Whether `param` is a sparse layer's experts kept in their blocks (quantized_experts): only when both
+    of the layer's expert parameters can be, since a layer's experts run one way."""
+    head, _, tail = param.rpartition(".")
+    pair = f"{head}.{EXPERT_PAIRS[tail]}" if tail in EXPERT_PAIRS else None
+    return pair in layout and all(experts_in_blocks(layout[p], tensors) for p in (param, pair))
+
+
+def experts_in_blocks(sources: list[tuple], tensors: dict) -> bool:
+    """Whether an expert parameter's sources are 3-D tensors of one type the kernels take, in the file."""
+    from ..layers.quant import QuantExperts
+
+    if any(name not in tensors for name, *_ in sources):
+        return False
+    infos = [tensors[name] for name, *_ in sources]
+    shapes = [shape for _, shape, _ in sources]
+    return all(len(s) == 3 and tuple(reversed(i.shape)) == s for i, s in zip(infos, shapes)) and \
+        len({int(i.type) for i in infos}) == 1 and QuantExperts.fits(int(infos[0].type), shapes[0][2])
+
+
 def quantized_experts(sources: list[tuple], tensors: dict, dtype):
     """A sparse layer's 3-D expert tensors ([E, rows, cols] each; gate and up stacked per expert) as
-    QuantExperts in host memory, where one type the kernels take holds them all; else None (dequantized at
-    load). They move to the device once the expert cache has placed them (instantiate)."""
+    QuantExperts in host memory (where experts_in_blocks). They move to the device once the expert cache
+    has placed them (instantiate)."""
     from .. import gguf_file
     from ..layers.quant import QuantExperts
 
     infos = [tensors[name] for name, *_ in sources]
     shapes = [shape for _, shape, _ in sources]
-    if any(len(s) != 3 or tuple(reversed(i.shape)) != s for i, s in zip(infos, shapes)) or \
-            len({int(i.type) for i in infos}) != 1 or not QuantExperts.fits(int(infos[0].type), shapes[0][2]):
-        return None
     e = shapes[0][0]
     blocks = [gguf_file.rows_of_blocks(i, (e * s[1], s[2])).view(e, s[1], -1) for i, s in zip(infos, shapes)]
     return QuantExperts(int(infos[0].type), torch.cat(blocks, dim=1), shapes[0][2], dtype)
