@@ -209,6 +209,7 @@ def test_placement_by_prefill_routing(tmp_path, capsys):
         assert moe.stand_in.tolist() == [max(s, 0) for s in moe.slot]
     Engine(target, max_len=64).runner.prefill(prompt[::-1])
     assert [[e for e in range(4) if moe.slot[e] >= 0] for moe in sparse_layers(target)] == kept
+    assert all(moe.counts.equal(c) for moe, c in zip(sparse_layers(target), counts))  # counted once, then not
     want = hf_greedy(hf, prompt, 24)
     for static in (False, True):
         assert Engine(target, max_len=64, static=static).generate(prompt, 24).output_ids == want

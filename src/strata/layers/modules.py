@@ -215,14 +215,17 @@ class SparseMoE(nn.Module):
         """Experts kept in host memory and run by the CPU (place)."""
         return self.host_down.shape[0] if hasattr(self, "host_down") else 0
 
-    def place(self, resident: list[int], pin: bool = False, dequantize_on=None, keep_blocks: bool = False) -> None:
+    def place(self, resident: list[int], pin: bool = False, dequantize_on=None, keep_blocks: bool = False,
+              count: bool = False) -> None:
         """Keep the experts `resident` in the parameters (they go wherever the model goes) and move the
         others to host memory (pinned for fast copies when pin), where the CPU runs them; called before
         the model moves to its device, so the host experts never occupy it. Each forward then reads its
         routing on the host (ops.experts_placed; placed in static shapes). Quantized experts: the device's
         stay in their blocks (QuantExperts), the host's are values, dequantized one expert at a time on
         dequantize_on (default: where they are) into the host's stacks; keep_blocks: the host also keeps
-        their blocks (when the device has slots), for replace to move them onto the device."""
+        their blocks (when the device has slots), for replace to move them onto the device. count: eager
+        forwards count the rows routed to each expert (counts), until placement.place_by_routing has used
+        them."""
         stay = sorted(set(resident))
         away = sorted(set(range(self.experts)) - set(stay))
         if not away:
@@ -253,6 +256,7 @@ class SparseMoE(nn.Module):
         self.slot = slot
         self.register_buffer("stand_in", self._stand_ins(), persistent=False)
         self.counts = torch.zeros(self.experts, dtype=torch.long)  # rows routed to each expert (eager forwards)
+        self.counting = count
         self.timing: dict[str, float] = {}
 
     def _stand_ins(self) -> torch.Tensor:
@@ -297,7 +301,8 @@ class SparseMoE(nn.Module):
             out = self.placed(flat, weights, experts, kernels)
         elif self.host_experts:
             out = ops.experts_placed(flat, self.gate_up_proj, self.down_proj, self.host_gate_up, self.host_down,
-                                     self.slot, weights, experts, self.timing, self.counts)
+                                     self.slot, weights, experts, self.timing,
+                                     self.counts if self.counting else None)
         else:
             out = kernels.experts(flat, self.gate_up_proj, self.down_proj, weights, experts)
         out = out.view(h.shape)

@@ -128,7 +128,7 @@ def place_experts(model, device, cache_mib: int | None, max_len: int, drafter_by
     if plan is not None:
         for moe, keep in zip(sparse_layers(model), plan.resident):
             moe.place(list(range(keep)), pin=plan.device == "cuda", dequantize_on=torch.device(device),
-                      keep_blocks=by == "prefill")
+                      keep_blocks=by == "prefill", count=by == "prefill")
 
 
 def place_by_routing(model) -> None:
@@ -144,4 +144,5 @@ def place_by_routing(model) -> None:
         if moe.host_experts and keep:
             rank = sorted(range(moe.experts), key=lambda e: (-int(moe.counts[e]), moe.slot[e] < 0, e))
             moved += moe.replace(rank[:keep])
+        moe.counting = False
     plan.moved = moved
