@@ -6,7 +6,8 @@ all or some of them on the device, against the same blocks dequantized. Prints o
 on any difference, or if a Triton kernel failed and left its torch path (then named). On the CPU the same
 cases run without graphs (the tests' twin), the quantized ones only in Triton's interpreter
 (TRITON_INTERPRET=1: Q8_0 in about 15 minutes on 2 cores, Q4_K_M longer). On the H200 the cache cases and Q8_0
-took 150 s (each engine compiles and captures anew).
+took 150 s in one run, and Q8_0 alone up to 250 s in another (each engine autotunes, compiles and captures
+anew), so give --only quantized far more for its Q4_K_M cases.
 
     python tools/moe_paths_check.py [--device cuda] [--only cache|quantized]"""
 

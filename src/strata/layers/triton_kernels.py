@@ -353,8 +353,7 @@ def _build():
 
     return {"gemv": gemv_kernel, "expert_down_sum": expert_down_sum_kernel, "skinny": skinny_kernel,
             "attention_partial": attention_partial_kernel, "attention_combine": attention_combine_kernel,
-            "route": route_kernel,
-            "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
+            "route": route_kernel, "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
 
 
 def projection_kernel(x: torch.Tensor, w: torch.Tensor) -> str | None:
@@ -414,12 +413,13 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     merged first). grouped (the default past EXPERT_GROUP_MIN_ROWS rows): each expert hit once for all its
     rows (_experts_grouped), then summed by reduce or sum_slots (default ops.sum_slots; the compiled set
     passes its fused one)."""
-    from .ops import sum_slots as reference_sum
+    from . import ops
 
     n, k = experts.shape
     flat = experts.reshape(-1).contiguous()
+    summed = reduce or sum_slots or ops.sum_slots
     if grouped if grouped is not None else n > EXPERT_GROUP_MIN_ROWS:
-        return (reduce or sum_slots or reference_sum)(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
+        return summed(_experts_grouped(h, gate_up, down, flat, k), weights, h.dtype)
     _, _, inter, hidden = gate_up.shape
     kernels = _build()
     h = h.contiguous()  # each row read in place by its k assignments
@@ -443,7 +443,7 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
         act, down, flat, down, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1), y.stride(0), 0,
         HAS_BIAS=False, GLU=False, EXPERTS=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         **pdl.options(h.device))
-    return (reduce or sum_slots or reference_sum)(y.view(n, k, hidden), weights, h.dtype)
+    return summed(y.view(n, k, hidden), weights, h.dtype)
 
 
 #: whether a row's experts are summed by their down GEMVs (expert_down_sum_kernel) rather than by a launch
