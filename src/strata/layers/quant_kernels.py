@@ -909,7 +909,7 @@ def dequantize(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     rows = data.shape[0]
     _check(data, qtype, cols)
     out = torch.empty(rows, cols, dtype=torch.float32, device=data.device)
-    block_n = 8
+    block_n = 128 if _interpreting() else 8  # the interpreter's cost is per program, not per element
     _build()["dequant"][(cdiv(rows, block_n), cols // TILE)](data, _table(data.device), out, rows, cols,
                                                              data.stride(0), QTYPE=qtype, BLOCK_N=block_n)
     return out
@@ -1042,7 +1042,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if done is not None:
         return done
     buffers, mp, sums = x8_buffers(rows, k, x.device)
-    block = 32
+    block = 256 if _interpreting() else 32  # as in dequantize
     nb = mp * k // 32
     _build()["quantize_x"][(cdiv(nb, block),)](x.contiguous(), *buffers, rows, k // 32, mp, nb, BLOCK=block,
                                                 SUMS=sums, **pdl.options(x.device))
