@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from strata.engine.decode import Engine
+from strata.errors import StrataError
 from strata.models.loader import load_target
 from strata.tokenizer import Tokenizer as StrataTokenizer
 
@@ -231,24 +232,169 @@ def test_dflash_on_a_quantized_target_equals_target_only(checkpoints):
         assert res.generate(prompt, 40).output_ids == base
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (lambda w: w.add_string("general.architecture", "mamba"), "general.architecture 'mamba' is not supported"),
-    (lambda w: w.add_uint32("qwen3.expert_count", 8), "'qwen3.expert_count' = 8 asks for mixture-of-experts"),
-    (lambda w: w.add_uint32("qwen3.rope.dimension_count", 32), "asks for partial RoPE"),
-])
-def test_gguf_targets_strata_cannot_run_are_refused_in_one_line(checkpoints, edit, needle, monkeypatch):
-    d, hf = checkpoints
-    path = d / "refused.gguf"
+def edited_target(path, hf_dir, edit, monkeypatch) -> None:
+    """write_gguf_target with edit(writer) applied to its metadata before the header is written."""
     real = gguf.GGUFWriter.write_header_to_file
 
     def with_edit(self, *a, **k):
-        if needle.startswith("general"):
-            self.kv_data[0].pop("general.architecture", None)
         edit(self)
         return real(self, *a, **k)
 
     monkeypatch.setattr(gguf.GGUFWriter, "write_header_to_file", with_edit)
-    write_gguf_target(path, hf["qwen3"], "qwen3")
+    write_gguf_target(path, hf_dir, "qwen3")
     monkeypatch.undo()
-    r = run_cli("generate", "--model", path, "--prompt-ids", "1,2")
-    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def put(key: str, value, vtype=gguf.GGUFValueType.UINT32, sub=None):
+    """An edit that sets (or with value None drops) a metadata key."""
+    def edit(w):
+        w.kv_data[0].pop(key, None)
+        if value is not None:
+            w.add_key_value(key, value, vtype, sub_type=sub)
+    return edit
+
+
+V = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (put("general.architecture", "mamba", V.STRING), "general.architecture 'mamba' is not supported"),
+    (put("qwen3.expert_count", 8), "'qwen3.expert_count' = 8 asks for mixture-of-experts"),
+    (put("qwen3.rope.dimension_count", 32), "asks for partial RoPE"),
+    (put("qwen3.attention.causal", False, V.BOOL), "'qwen3.attention.causal' = False asks for non-causal attention"),
+    (put("qwen3.block_count", 10 ** 7), "'qwen3.block_count' = 10000000, but the file's tensors are of 2 layers"),
+    (put("qwen3.context_length", None), "'qwen3.context_length' is missing (expected a positive 32-bit integer)"),
+    (put("qwen3.context_length", 2 ** 32 - 1), "'qwen3.context_length' must be a positive 32-bit integer, got 4294967295"),
+    (put("qwen3.attention.head_count_kv", 0), "'qwen3.attention.head_count_kv' must be a positive 32-bit integer"),
+    (put("qwen3.attention.layer_norm_rms_epsilon", "abc", V.STRING), "must be a positive finite number, got 'abc'"),
+    (put("qwen3.rope.freq_base", float("inf"), V.FLOAT32), "'qwen3.rope.freq_base' must be a positive finite number"),
+    (put("x", [[1], [2]], V.ARRAY, V.ARRAY), "metadata 'x' is an array of arrays"),
+    (put("tokenizer.ggml.token_type", [1] * 10, V.ARRAY, V.INT32), "'tokenizer.ggml.token_type' holds 10 entries for 320"),
+    (put("tokenizer.ggml.eos_token_id", "0", V.STRING), "'tokenizer.ggml.eos_token_id' must be a token id below 320"),
+    (put("tokenizer.ggml.merges", None), "'tokenizer.ggml.merges' is missing"),
+    (put("tokenizer.chat_template", 7), "'tokenizer.chat_template' must be a string"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_gguf_targets_strata_cannot_run_are_refused_by_key(checkpoints, edit, needle, monkeypatch):
+    """What the loader reads before the weights (the hyper-parameters and the vocabulary), each wrong value
+    refused naming its key, as llama.cpp refuses the file."""
+    from strata.engine.loader import tokenizer_of
+    from strata.models.loader import load_model_config
+
+    d, hf = checkpoints
+    path = d / "refused.gguf"
+    edited_target(path, hf["qwen3"], edit, monkeypatch)
+    with pytest.raises(StrataError) as e:
+        load_model_config(path)
+        tokenizer_of(path)
+    assert str(e.value).startswith(str(path)) and needle in str(e.value), str(e.value)
+
+
+def test_gguf_target_errors_reach_the_cli_in_one_line(checkpoints, monkeypatch, tmp_path):
+    """A vocabulary of a kind Strata cannot rebuild leaves the model running on ids, and text is refused
+    saying why; a cache that cannot fit is refused before it is allocated: exit 2, one line."""
+    d, hf = checkpoints
+    path = tmp_path / "bert.gguf"
+    edited_target(path, hf["qwen3"], put("tokenizer.ggml.model", "bert", V.STRING), monkeypatch)
+    r = run_cli("generate", "--model", path, "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("generate", "--model", path, "--prompt", "hello")
+    assert r.returncode == 2 and "'bert' is not supported" in r.stderr and "use --prompt-ids" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    huge = tmp_path / "huge.gguf"
+    edited_target(huge, hf["qwen3"], put("qwen3.context_length", 2 * 10 ** 8), monkeypatch)
+    r = run_cli("generate", "--model", huge, "--prompt-ids", "1,2")
+    assert r.returncode == 2 and "a KV cache of 200000000 positions" in r.stderr and "--max-model-len" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def spm_vocab_file(path, add_space_prefix=None, user=()) -> tuple[list[str], list[float]]:
+    """A SentencePiece-style (llama) vocabulary in a GGUF file, laid out as llama.cpp's converter lays out a
+    SentencePiece model: <unk>, <s>, </s>, the 256 byte tokens, user tokens, then pieces scored by merge
+    order (a BPE that tokenizers trains on U+2581-joined text)."""
+    from tokenizers import normalizers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    bpe.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+    bpe.train_from_iterator(TEXTS * 50, trainers.BpeTrainer(vocab_size=300))
+    pieces = sorted(bpe.get_vocab(), key=bpe.get_vocab().get)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(user)
+    types = [2, 3, 3] + [6] * 256 + [4] * len(user)
+    tokens += [p for p in pieces if p not in tokens]
+    scores = [0.0] * len(types) + [-float(i) for i in range(len(tokens) - len(types))]
+    types += [1] * (len(tokens) - len(types))
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return tokens, scores
+
+
+def spm_reference(text: str, tokens: list[str], scores: list[float], space_prefix: bool, whole: list[str]) -> list[int]:
+    """llama.cpp's SentencePiece tokenizer (llama-vocab.cpp), spelled out: the text split at whole tokens
+    (control, unknown, user-defined); each other fragment gets a space before it where it starts the text
+    or follows a whole token, spaces become U+2581, and from single characters the adjacent pair whose
+    concatenation is the best-scoring token merges (the leftmost among equals) until none is a token;
+    characters outside the vocabulary become their UTF-8 byte tokens."""
+    ids = {}
+    for i, t in enumerate(tokens):
+        ids.setdefault(t, i)
+    out, after_whole, rest = [], True, text
+    while rest:
+        at = min(((rest.find(w), -len(w), w) for w in whole if w in rest), default=None)
+        fragment = rest if at is None else rest[:at[0]]
+        if fragment:
+            syms = list(("\u2581" if space_prefix and after_whole else "") + fragment.replace(" ", "\u2581"))
+            while True:
+                best = None
+                for k in range(len(syms) - 1):
+                    merged = syms[k] + syms[k + 1]
+                    if merged in ids and (best is None or scores[ids[merged]] > best[0]):
+                        best = (scores[ids[merged]], k)
+                if best is None:
+                    break
+                syms[best[1]:best[1] + 2] = [syms[best[1]] + syms[best[1] + 1]]
+            for s in syms:
+                out += [ids[s]] if s in ids else [ids[f"<0x{b:02X}>"] for b in s.encode()]
+            after_whole = False
+        if at is None:
+            break
+        out.append(ids[at[2]])
+        after_whole, rest = True, rest[at[0] + len(at[2]):]
+    return out
+
+
+SPM_TEXTS = TEXTS + ["Hello world, the quick fox", " leading", "  two spaces", "trailing ", "x", "\n", "   ",
+                     "<s>hello</s> world", "hello<s>world", "<unk> token", "Ω≈ç√∫ unseen €", "the the thethe", "a\u2581b",
+                     "tool<tool>call ZZ end"]
+
+
+@pytest.mark.parametrize("space_prefix,user", [(None, ()), (False, ()), (None, ("<tool>", "ZZ"))])
+def test_sentencepiece_vocabularies_tokenize_as_llama_cpp_does(tmp_path, space_prefix, user):
+    """A llama-model (SentencePiece BPE) vocabulary: encodes every text as llama.cpp's tokenizer does
+    (spm_reference; the same texts checked against llama.cpp's llama-tokenize with
+    tools/llamacpp_tokenize_check.py), merging pieces, falling back to bytes, keeping whole tokens whole,
+    and decodes back to the text."""
+    from strata.gguf_file import read
+
+    path = tmp_path / "spm.gguf"
+    tokens, scores = spm_vocab_file(path, space_prefix, user)
+    tok = StrataTokenizer.from_gguf(read(path)[0], path)
+    whole = ["<unk>", "<s>", "</s>", *user]
+    merged = 0
+    for text in SPM_TEXTS:
+        want = spm_reference(text, tokens, scores, space_prefix is not False, whole)
+        assert tok.encode(text) == want, text
+        merged += len(want) < len(text)
+        if not any(w in text for w in whole + ["\u2581"]):  # text after a whole token gains a space, and a
+            assert tok.decode(want) == text, text  # U+2581 in the text decodes as one
+    assert merged > len(SPM_TEXTS) // 2  # the pieces did merge

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import StrataError
 from .layers.modules import LayerKV
 
 CELL_ALIGN = 64
@@ -21,6 +22,15 @@ def aligned_cells(n: int) -> int:
     return -(-n // CELL_ALIGN) * CELL_ALIGN
 
 
+def memory(device: torch.device) -> int:
+    """Bytes a device has: a GPU's free memory, the host's physical memory."""
+    import os
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class KVCache:
     def __init__(self, num_layers: int, cells: int, kv_heads: int, head_dim: int, device, dtype,
                  batch: int | None = None):
@@ -28,7 +38,17 @@ class KVCache:
         #: every layer's K and V in one tensor [2 * layers, ..., cells, kv_heads, head_dim], so moving cells
         #: (a tree's accepted path) is one gather and one scatter for the whole model. The layers' views are
         #: detached: each is its own autograd leaf, as training writes rows that carry gradients.
-        self.kv = torch.zeros(2 * num_layers, *shape, device=device, dtype=dtype)
+        size = 2 * num_layers * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        too_big = StrataError(f"a KV cache of {cells} positions ({size / 2 ** 30:.1f} GiB) does not fit in "
+                              f"{torch.device(device).type} memory; give a smaller --max-model-len")
+        if size > memory(torch.device(device)):  # refused, not attempted: an overcommitting host would let
+            raise too_big  # the allocation through and kill the process while zeroing it
+        try:
+            self.kv = torch.zeros(2 * num_layers, *shape, device=device, dtype=dtype)
+        except (RuntimeError, MemoryError) as e:  # allocation failures; anything else is not the user's
+            if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(e):
+                raise
+            raise too_big from None
         self.layers = [LayerKV(self.kv[2 * i].detach(), self.kv[2 * i + 1].detach()) for i in range(num_layers)]
         self.cells = cells
         self.length = 0

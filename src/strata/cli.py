@@ -88,8 +88,7 @@ def cmd_generate(args) -> int:
     pair, config = load(args, window=args.spec)
     tokenizer = pair.tokenizer
     if text is not None:
-        if tokenizer is None:
-            raise StrataError(f"{pair.model_dir}: no tokenizer.json; use --prompt-ids")
+        tokenizer = pair.text_tokenizer()
         if args.chat:
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
         prompt_ids = tokenizer.encode(text)
@@ -263,8 +262,7 @@ def cmd_train_drafter(args) -> int:
 
     check_output(args.out, folder=True, what="--out")
     pair = load_pair(PairSpec(model=args.target, device=args.device, dtype=args.dtype), drafter=False)
-    if pair.tokenizer is None:
-        raise StrataError(f"{args.target}: no tokenizer.json (needed to read --data)")
+    pair.text_tokenizer("needed to read --data")
     tc = TrainConfig(layers=args.layers, block_size=args.block_size,
                      taps=parse_ids(args.taps, "--taps") if args.taps else None, steps=args.steps,
                      batch_size=args.batch_size, lr=args.lr, prompt_len=args.prompt_len, gen_len=args.gen_len,
@@ -345,6 +343,11 @@ def set_threads(args) -> None:
     torch.set_num_threads(threads or ((os.cpu_count() or 1) if getattr(args, "device", "cpu") == "cuda" else 1))
 
 
+def one_line(e: Exception) -> str:
+    """An error's message on one line (a library's may span several)."""
+    return " ".join(str(e).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(sys.modules[__name__])
     args = parser.parse_args(argv)
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args)
         return args.func(args)
     except StrataError as e:
-        print(f"strata: error: {e}", file=sys.stderr)
+        print(f"strata: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("strata: interrupted", file=sys.stderr)
@@ -362,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the last line of defence: one line, exit 1
         if os.environ.get("STRATA_DEBUG"):
             raise
-        print(f"strata: internal error: {type(e).__name__}: {e} (set STRATA_DEBUG=1 for a traceback)",
+        print(f"strata: internal error: {type(e).__name__}: {one_line(e)} (set STRATA_DEBUG=1 for a traceback)",
               file=sys.stderr)
         return 1
 

@@ -68,12 +68,14 @@ def check_counts(path: Path) -> None:
                 take(u64(what + " length"), what)
             elif vtype == T.ARRAY:
                 item = value_type(u32(what + " item type"), what)
+                if item == T.ARRAY:  # as llama.cpp, which refuses the file
+                    raise ArtifactError(f"{where}: {what} is an array of arrays, which GGUF readers do not take")
                 count = u64(what + " count")
                 if count * sizes[item] > size - f.tell():
                     raise ArtifactError(f"{where}: {what} claims {count} items, more than the file holds")
-                if item in (T.STRING, T.ARRAY):
+                if item == T.STRING:
                     for _ in range(count):
-                        value(item, what)
+                        take(u64(what + " length"), what)
                 else:
                     take(count * sizes[item], what)
             else:
@@ -120,8 +122,11 @@ def read(path: Path) -> tuple[dict, list[TensorInfo]]:
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: no such file")
-    stat = path.stat()
-    return _read(path, stat.st_size, stat.st_mtime_ns)
+    try:
+        stat = path.stat()
+        return _read(path, stat.st_size, stat.st_mtime_ns)
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot read the file ({e.strerror or e})") from None
 
 
 @functools.lru_cache(maxsize=2)
@@ -136,12 +141,27 @@ def _read(path: Path, size: int, mtime: int) -> tuple[dict, list[TensorInfo]]:
         infos = [TensorInfo(t.name, t.tensor_type, [int(x) for x in t.shape], t.data) for t in reader.tensors]
     except ArtifactError:
         raise
+    except OSError:
+        raise
     except Exception as e:  # noqa: BLE001 - any parse failure of a corrupt file is the file's fault
         raise ArtifactError(f"{where}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise ArtifactError(f"{where}: duplicate tensor names")
+    check_layout(reader, where)
     return kv, infos
+
+
+def check_layout(reader, where: str) -> None:
+    """Tensor data as llama.cpp requires it: each tensor where the ones before it end, padded to the file's
+    alignment, so that no two overlap and every one is aligned (gguf's reader takes any offset)."""
+    end = 0
+    for t in reader.tensors:
+        offset = int(t.data_offset) - int(reader.data_offset)
+        if offset != end:
+            raise ArtifactError(f"{where}: tensor '{t.name}' data is at offset {offset}, expected {end} (tensors "
+                                f"follow each other, each padded to {reader.alignment} bytes)")
+        end += -(-int(t.n_bytes) // reader.alignment) * reader.alignment
 
 
 def dequantizable() -> set:
@@ -189,8 +209,9 @@ def reference_values(blocks: np.ndarray, qtype) -> torch.Tensor:
     import gguf
     from gguf import quants
 
-    return torch.from_numpy(quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)).astype(np.float32,
-                                                                                                copy=False))
+    with np.errstate(all="ignore"):  # blocks whose scales overflow give inf/nan values, as in llama.cpp, silently
+        values = quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(values.astype(np.float32, copy=False))
 
 
 def rows_of_blocks(info: TensorInfo, shape: tuple) -> torch.Tensor:

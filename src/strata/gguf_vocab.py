@@ -24,6 +24,7 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 #: a Split regex followed by a ByteLevel step without its own regex -> llama.cpp's pre-tokenizer name
 SPLIT_PRE = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
 SPECIAL_KEYS = ("bos", "eos", "unk", "sep", "pad", "mask")
+SPACE = "\u2581"  # SentencePiece's space
 
 
 @dataclass
@@ -37,22 +38,65 @@ class Vocab:
     add_special: dict[str, bool] = field(default_factory=dict)  # add_bos_token, ... -> flag
     chat_template: str | None = None
     scores: list[float] | None = None
+    add_space_prefix: bool | None = None  # SentencePiece: a space before the text (llama.cpp's default: yes)
 
     @classmethod
-    def from_metadata(cls, kv: dict) -> "Vocab | None":
-        """The vocabulary a GGUF file carries, or None when it has none."""
+    def from_metadata(cls, kv: dict, where="") -> "Vocab | None":
+        """The vocabulary a GGUF file carries, or None when it has none; a malformed one is refused naming
+        its key."""
         if "tokenizer.ggml.model" not in kv:
             return None
-        tokens = kv.get("tokenizer.ggml.tokens") or []
-        return cls(model=kv["tokenizer.ggml.model"], pre=kv.get("tokenizer.ggml.pre"), tokens=list(tokens),
-                   token_types=list(kv.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)),
-                   merges=list(kv.get("tokenizer.ggml.merges") or []),
-                   special={k: kv[f"tokenizer.ggml.{k}_token_id"] for k in SPECIAL_KEYS
-                            if f"tokenizer.ggml.{k}_token_id" in kv},
-                   add_special={k: bool(kv[f"tokenizer.ggml.add_{k}_token"]) for k in ("bos", "eos", "sep")
-                                if f"tokenizer.ggml.add_{k}_token" in kv},
-                   chat_template=kv.get("tokenizer.chat_template"),
-                   scores=kv.get("tokenizer.ggml.scores"))
+
+        def bad(key: str, what: str):
+            return StrataError(f"{where}: metadata key '{key}' {what}")
+
+        def listed(key: str, ok, what: str, count: int | None = None) -> list | None:
+            v = kv.get(key)
+            if v is None:
+                return None
+            if not isinstance(v, list) or not all(ok(x) for x in v):
+                raise bad(key, f"must be a list of {what}")
+            if count is not None and len(v) != count:
+                raise bad(key, f"holds {len(v)} entries for {count} tokens")
+            return v
+
+        model = kv["tokenizer.ggml.model"]
+        if not isinstance(model, str):
+            raise bad("tokenizer.ggml.model", f"must be a string, got {model!r}")
+        tokens = listed("tokenizer.ggml.tokens", lambda x: isinstance(x, str), "strings")
+        if not tokens:
+            raise bad("tokenizer.ggml.tokens", "is missing or empty (expected the tokens, by id)")
+        n = len(tokens)
+        number = (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool))
+        special = {}
+        for k in SPECIAL_KEYS:
+            key = f"tokenizer.ggml.{k}_token_id"
+            if key in kv:
+                tid = kv[key]
+                if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < n:
+                    raise bad(key, f"must be a token id below {n}, got {tid!r}")
+                special[k] = tid
+        flags = {}
+        for k in ("bos", "eos", "sep", "space_prefix"):
+            key = f"tokenizer.ggml.add_{k}" + ("" if k == "space_prefix" else "_token")
+            if key in kv:
+                if not isinstance(kv[key], bool):
+                    raise bad(key, f"must be true or false, got {kv[key]!r}")
+                flags[k] = kv[key]
+        template = kv.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise bad("tokenizer.chat_template", f"must be a string, got {type(template).__name__}")
+        pre = kv.get("tokenizer.ggml.pre")
+        if pre is not None and not isinstance(pre, str):
+            raise bad("tokenizer.ggml.pre", f"must be a string, got {pre!r}")
+        return cls(model=model, pre=pre, tokens=tokens,
+                   token_types=listed("tokenizer.ggml.token_type", lambda x: type(x) is int, "integers", n)
+                   or [NORMAL] * n,
+                   merges=listed("tokenizer.ggml.merges", lambda x: isinstance(x, str) and " " in x,
+                                 "strings 'left right'") or [],
+                   special=special, add_special={k: v for k, v in flags.items() if k != "space_prefix"},
+                   chat_template=template, scores=listed("tokenizer.ggml.scores", number, "numbers", n),
+                   add_space_prefix=flags.get("space_prefix"))
 
     def write(self, writer) -> None:
         writer.add_tokenizer_model(self.model)
@@ -69,37 +113,64 @@ class Vocab:
                 getattr(writer, f"add_{key}_token_id")(tid)
         for key, flag in self.add_special.items():
             getattr(writer, f"add_add_{key}_token")(flag)
+        if self.add_space_prefix is not None:
+            writer.add_add_space_prefix(self.add_space_prefix)
         if self.chat_template:
             writer.add_chat_template(self.chat_template)
 
     def to_tokenizers(self, where):
-        """The tokenizers-library tokenizer that encodes as llama.cpp does with this vocabulary: byte-level
-        BPE with the merges, the pre-tokenizer llama.cpp names, added tokens kept whole."""
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        """The tokenizers-library tokenizer that encodes as llama.cpp does with this vocabulary, added tokens
+        kept whole: byte-level BPE with the merges and the pre-tokenizer llama.cpp names (gpt2), or
+        SentencePiece BPE (llama): spaces as U+2581, one before the text, the adjacent pair whose piece
+        scores highest merged first (spm_merges), characters outside the vocabulary as byte tokens."""
+        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
-        if self.model != "gpt2":
-            raise StrataError(f"{where}: tokenizer.ggml.model {self.model!r} is not supported (supported: gpt2, "
-                              f"byte-level BPE); give prompts as --prompt-ids")
-        split = {name: regex for regex, name in SPLIT_PRE.items()}
-        if self.pre == "gpt-2":
-            pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        elif self.pre in split:
-            pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split[self.pre]), behavior="isolated"),
-                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        else:
-            raise StrataError(f"{where}: tokenizer.ggml.pre {self.pre!r} is not supported (supported: gpt-2, "
-                              f"{', '.join(split)})")
         vocab = {}
         for i, t in enumerate(self.tokens):
             vocab.setdefault(t, i)
-        merges = [tuple(m.split(" ", 1)) for m in self.merges]
-        tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=self.pre == "llama-bpe"))
-        tok.pre_tokenizer = pre
-        tok.decoder = decoders.ByteLevel()
-        kinds = list(zip(self.tokens, self.token_types))
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k == CONTROL])
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == USER_DEFINED])
+        try:
+            if self.model == "llama":
+                unk = self.tokens[self.special["unk"]] if "unk" in self.special else None
+                tok = HFTokenizer(models.BPE(vocab, spm_merges(self.tokens, self.scores, where), unk_token=unk,
+                                             fuse_unk=True, byte_fallback=True))
+                space = [normalizers.Replace(" ", SPACE)]
+                strip = [decoders.Strip(" ", 1, 0)] if self.add_space_prefix is not False else []
+                if self.add_space_prefix is not False:
+                    space.insert(0, normalizers.Prepend(SPACE))
+                tok.normalizer = normalizers.Sequence(space)
+                tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(),
+                                                 decoders.Fuse(), *strip])
+                special = (CONTROL, UNKNOWN)
+            elif self.model == "gpt2":
+                split = {name: regex for regex, name in SPLIT_PRE.items()}
+                if self.pre == "gpt-2":
+                    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+                elif self.pre in split:
+                    pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split[self.pre]), behavior="isolated"),
+                                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+                else:
+                    raise UnsupportedVocab(f"{where}: tokenizer.ggml.pre {self.pre!r} is not supported (supported: "
+                                           f"gpt-2, {', '.join(split)})")
+                if not self.merges:  # as llama.cpp, which refuses the file
+                    raise StrataError(f"{where}: metadata key 'tokenizer.ggml.merges' is missing (a byte-level BPE "
+                                      f"vocabulary needs its merges)")
+                merges = [tuple(m.split(" ", 1)) for m in self.merges]
+                tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=self.pre == "llama-bpe"))
+                tok.pre_tokenizer = pre
+                tok.decoder = decoders.ByteLevel()
+                special = (CONTROL,)
+            else:
+                raise UnsupportedVocab(f"{where}: tokenizer.ggml.model {self.model!r} is not supported (supported: "
+                                       f"gpt2, byte-level BPE; llama, SentencePiece BPE)")
+            kinds = list(zip(self.tokens, self.token_types))
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k in special])
+            tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == USER_DEFINED])
+        except StrataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+            raise StrataError(f"{where}: cannot build a tokenizer from its vocabulary "
+                              f"({' '.join(str(e).split())})") from None
         return tok
 
     def difference(self, other: "Vocab") -> str | None:
@@ -112,6 +183,29 @@ class Vocab:
         if self.merges != other.merges:
             return f"merges differ ({len(self.merges)} vs {len(other.merges)})"
         return None
+
+
+class UnsupportedVocab(StrataError):
+    """A vocabulary of a kind Strata cannot rebuild (the model still runs on token ids)."""
+
+
+def spm_merges(tokens: list[str], scores: list[float] | None, where) -> list[tuple[str, str]]:
+    """A SentencePiece BPE vocabulary's merge order as BPE merges: every split of a token into two tokens,
+    ranked by the merged token's score, highest first, as llama.cpp merges the adjacent pair whose
+    concatenation is the best-scoring token."""
+    if scores is None:
+        raise StrataError(f"{where}: metadata key 'tokenizer.ggml.scores' is missing (a SentencePiece vocabulary "
+                          f"ranks its merges by them)")
+    ids = {}
+    for i, t in enumerate(tokens):
+        ids.setdefault(t, i)
+    ranked = []
+    for t, i in ids.items():
+        for cut in range(1, len(t)):
+            if t[:cut] in ids and t[cut:] in ids:
+                ranked.append((-scores[i], i, cut, t))
+    ranked.sort()
+    return [(t[:cut], t[cut:]) for _, _, cut, t in ranked]
 
 
 def pre_tokenizer_name(spec: dict, where) -> str:
@@ -186,7 +280,7 @@ def for_target(target: Path, vocab_size: int | None = None, pre: str | None = No
         return from_tokenizer_folder(target, vocab_size, pre)
     from . import gguf_file
 
-    vocab = Vocab.from_metadata(gguf_file.read(target)[0])
+    vocab = Vocab.from_metadata(gguf_file.read(target)[0], target)
     if vocab is None:
         raise StrataError(f"{target}: the GGUF file carries no vocabulary (tokenizer.ggml.model)")
     return vocab

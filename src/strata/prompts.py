@@ -61,9 +61,8 @@ def prompt_set(pair, prompt_ids: list[str] | None, prompts_file: str | None) -> 
     if texts is None and pair.tokenizer is not None:
         texts = DEFAULT_PROMPTS
     if texts is not None:
-        if pair.tokenizer is None:
-            raise StrataError(f"{pair.model_dir}: no tokenizer.json; use --prompt-ids")
-        return [pair.tokenizer.encode(t) for t in texts]
+        tokenizer = pair.text_tokenizer()
+        return [tokenizer.encode(t) for t in texts]
     import torch
 
     gen = torch.Generator().manual_seed(0)

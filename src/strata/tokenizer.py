@@ -24,7 +24,7 @@ class Tokenizer:
         """The vocabulary of a GGUF file's tokenizer.ggml.* keys, or None when it carries none."""
         from .gguf_vocab import Vocab
 
-        vocab = Vocab.from_metadata(kv)
+        vocab = Vocab.from_metadata(kv, where)
         if vocab is None:
             return None
         special = {f"{k}_token": vocab.tokens[vocab.special[k]] for k in ("bos", "eos")

@@ -144,7 +144,7 @@ def config_from_gguf(kv: dict, where: str, fc_in: int | None) -> C.DFlashConfig:
             v = _CONVERT[key.field][1](v)
         if v is not None or not key.optional:
             values[key.field] = v
-    vocab = Vocab.from_metadata(kv)
+    vocab = Vocab.from_metadata(kv, where)
     if values.get("vocab_size") is None and vocab is not None:
         values["vocab_size"] = len(vocab.tokens)
     n = len(values["target_layer_ids"])
@@ -176,4 +176,4 @@ def read_gguf(path: Path):
         types[hf_name] = info.type.name
         if info.type.name not in ("F32", "F16", "BF16"):
             blocks[hf_name] = (int(info.type), gguf_file.rows_of_blocks(info, shape))
-    return Artifact(cfg, tensors, path, "gguf", types=types, vocab=Vocab.from_metadata(kv), blocks=blocks)
+    return Artifact(cfg, tensors, path, "gguf", types=types, vocab=Vocab.from_metadata(kv, where), blocks=blocks)

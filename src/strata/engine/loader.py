@@ -61,6 +61,13 @@ class Pair:
     model_dir: Path
     using_demo: bool = False
     stop_ids: set[int] = field(default_factory=set)
+    no_tokenizer: str = ""  # why tokenizer is None
+
+    def text_tokenizer(self, why: str = "use --prompt-ids") -> Tokenizer:
+        """The tokenizer, for text in or out; without one a one-line error that says why and what to do."""
+        if self.tokenizer is None:
+            raise StrataError(f"{self.no_tokenizer}; {why}")
+        return self.tokenizer
 
     @property
     def label(self) -> str:
@@ -88,12 +95,13 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     from ..models.placement import place_experts
 
     model_dir, dflash, using_demo = resolve(spec)
-    max_len = engine.context(load_model_config(model_dir)[1])  # a bad context length is refused before the weights load
+    max_len = engine.context(load_model_config(model_dir)[1])  # a bad context length or vocabulary is refused
+    tokenizer, no_tokenizer = tokenizer_of(model_dir)  # before the weights load
     device = spec.torch_device()
 
     target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=lambda model: place_experts(
         model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement))
-    pair = Pair(target, tokenizer_of(model_dir), None, model_dir, using_demo, declared_stop_ids(target, model_dir))
+    pair = Pair(target, tokenizer, None, model_dir, using_demo, declared_stop_ids(target, model_dir), no_tokenizer)
     if drafter:
         pair.drafter = load_drafter_for(spec, target, engine, dflash)
     return pair
@@ -120,13 +128,18 @@ def footprint(drafter: str | None) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def tokenizer_of(model: Path) -> Tokenizer | None:
-    """A folder's tokenizer.json, or the vocabulary a GGUF file carries."""
-    if model.is_file():
-        from .. import gguf_file
+def tokenizer_of(model: Path) -> tuple[Tokenizer | None, str]:
+    """A folder's tokenizer.json, or the vocabulary a GGUF file carries; without one (or with one of a kind
+    Strata cannot rebuild: the model still runs on token ids), None and why."""
+    if model.is_dir():
+        return Tokenizer.from_folder(model), f"{model}: no tokenizer.json"
+    from .. import gguf_file
+    from ..gguf_vocab import UnsupportedVocab
 
-        return Tokenizer.from_gguf(gguf_file.read(model)[0], model)
-    return Tokenizer.from_folder(model)
+    try:
+        return Tokenizer.from_gguf(gguf_file.read(model)[0], model), f"{model}: no vocabulary (tokenizer.ggml.*)"
+    except UnsupportedVocab as e:
+        return None, str(e)
 
 
 def declared_stop_ids(target, model_dir: Path) -> set[int]:

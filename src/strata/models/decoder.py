@@ -4,6 +4,7 @@ and training batches; the model runner decides shapes, cells and kernels (engine
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,10 +54,10 @@ class DecoderLM(nn.Module):
         """A cache of `cells` positions (and the rotary table to cover them); a linear-attention layer gets
         its state instead, keeping the states of a forward's last `rows` positions (its verify window)."""
         cfg = self.cfg
-        if self.rotary is None:
-            self.rotary = RotaryTable(cfg.head_dim, cfg.rope, self.device, self.dtype, cfg.max_position_embeddings)
-        self.rotary.ensure(cells)
         cache = KVCache(cfg.num_layers, cells, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype, batch)
+        if self.rotary is None:  # after the cache, the larger of the two: one that cannot fit is refused first
+            self.rotary = RotaryTable(cfg.head_dim, cfg.rope, self.device, self.dtype)
+        self.rotary.ensure(cells)
         for layer in self.layers:
             if hasattr(layer, "linear_attn"):
                 if batch is not None:
@@ -157,49 +158,84 @@ def build_dense(cfg: ModelConfig) -> DecoderLM:
 
 def dense_gguf_config(fam, kv: dict, tensors: dict, where: str) -> ModelConfig:
     """A dense decoder's hyper-parameters from llama.cpp's `{arch}.*` keys and its tensor table (vocabulary,
-    tied head, biases, RoPE factors). Keys that would change the computation in ways Strata does not
-    implement are refused by name."""
-    from ..errors import StrataError
+    tied head, biases, RoPE factors): the keys llama.cpp requires are required here, every value is
+    checked, and keys that would change the computation in ways Strata does not implement are refused by
+    name."""
     from ..gguf_names import ROPE_FACTORS
     from ..layers.rotary import RopeConfig
 
     a = fam.gguf_arch
 
-    def need(key: str) -> int:
-        v = kv.get(f"{a}.{key}")
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise StrataError(f"{where}: metadata key '{a}.{key}' must be a positive integer, got {v!r}")
+    def value(key: str, default, kind: str, ok) -> int | float:
+        v = kv.get(f"{a}.{key}", default)
+        if v is None:
+            raise StrataError(f"{where}: metadata key '{a}.{key}' is missing (expected {kind})")
+        if isinstance(v, bool) or not isinstance(v, int if kind.endswith("integer") else (int, float)) or not ok(v):
+            raise StrataError(f"{where}: metadata key '{a}.{key}' must be {kind}, got {v!r}")
         return v
 
-    for key, what in ((f"{a}.expert_count", "mixture-of-experts layers"), (f"{a}.attention.sliding_window",
-                      "sliding-window attention"), (f"{a}.rope.scaling.type", "RoPE scaling"),
-                      (f"{a}.attention.causal", "non-causal attention")):
-        if key in kv and kv[key] not in (None, "none", 0, True):
+    def count(key: str, default=None) -> int:
+        return value(key, default, "a positive 32-bit integer", lambda v: 0 < v < 2 ** 31)
+
+    def positive(key: str, default=None) -> float:
+        return float(value(key, default, "a positive finite number", lambda v: math.isfinite(v) and v > 0))
+
+    for key, what, plain in ((f"{a}.expert_count", "mixture-of-experts layers", (0,)),
+                             (f"{a}.attention.sliding_window", "sliding-window attention", (0,)),
+                             (f"{a}.rope.scaling.type", "RoPE scaling", ("none",)),
+                             (f"{a}.attention.causal", "non-causal attention", (True,))):
+        if key in kv and not any(type(kv[key]) is type(p) and kv[key] == p for p in plain):
             raise StrataError(f"{where}: metadata key '{key}' = {kv[key]!r} asks for {what}, which is not supported")
-    hidden, heads = need("embedding_length"), need("attention.head_count")
-    kv_heads = kv.get(f"{a}.attention.head_count_kv", heads)
-    head_dim = kv.get(f"{a}.attention.key_length", hidden // heads)
-    if kv.get(f"{a}.attention.value_length", head_dim) != head_dim:
-        raise StrataError(f"{where}: '{a}.attention.value_length' differs from key_length {head_dim}")
-    if kv.get(f"{a}.rope.dimension_count", head_dim) != head_dim:
+    hidden, heads, layers = count("embedding_length"), count("attention.head_count"), count("block_count")
+    kv_heads = count("attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise StrataError(f"{where}: head count {heads} is not a multiple of the kv head count {kv_heads} "
+                          f"('{a}.attention.head_count_kv')")
+    if f"{a}.attention.key_length" not in kv and hidden % heads:
+        raise StrataError(f"{where}: embedding length {hidden} is not a multiple of the head count {heads}, and "
+                          f"'{a}.attention.key_length' is missing")
+    head_dim = count("attention.key_length", hidden // heads)
+    if count("attention.value_length", head_dim) != head_dim:
+        raise StrataError(f"{where}: metadata key '{a}.attention.value_length' = {kv[f'{a}.attention.value_length']} "
+                          f"differs from the key length {head_dim}, which is not supported")
+    if count("rope.dimension_count", head_dim) != head_dim:
         raise StrataError(f"{where}: metadata key '{a}.rope.dimension_count' = {kv[f'{a}.rope.dimension_count']} "
                           f"asks for partial RoPE (head dim {head_dim}), which is not supported")
-    if heads % kv_heads:
-        raise StrataError(f"{where}: head count {heads} is not a multiple of the kv head count {kv_heads}")
+    blocks = {int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if len(blocks) != layers or max(blocks) != layers - 1:
+        raise StrataError(f"{where}: metadata key '{a}.block_count' = {layers}, but the file's tensors are of "
+                          f"{len(blocks)} layers ({', '.join(f'blk.{n}' for n in sorted(blocks)[:4])}"
+                          f"{' ...' if len(blocks) > 4 else ''})")
     embd = tensors.get("token_embd.weight")
     if embd is None or len(embd.shape) != 2:
-        raise StrataError(f"{where}: missing tensor 'token_embd.weight'")
-    factors = tensors.get(ROPE_FACTORS)
+        raise StrataError(f"{where}: missing tensor 'token_embd.weight'" if embd is None else
+                          f"{where}: tensor 'token_embd.weight' has {len(embd.shape)} dimensions, expected 2")
     return ModelConfig(
-        family=fam.name, vocab_size=embd.shape[1], hidden_size=hidden, intermediate_size=need("feed_forward_length"),
-        num_layers=need("block_count"), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(kv.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(kv.get(f"{a}.context_length", 4096)),
-        rope=RopeConfig(float(kv.get(f"{a}.rope.freq_base", 10000.0)),
-                        factors=None if factors is None else [float(x) for x in factors.data.reshape(-1)]),
+        family=fam.name, vocab_size=embd.shape[1], hidden_size=hidden, intermediate_size=count("feed_forward_length"),
+        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=positive("attention.layer_norm_rms_epsilon"), max_position_embeddings=count("context_length"),
+        rope=RopeConfig(positive("rope.freq_base", 10000.0), factors=rope_factors(fam, tensors.get(ROPE_FACTORS),
+                                                                                  head_dim, where)),
         tie_word_embeddings="output.weight" not in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm=fam.qk_norm, bos_token_id=kv.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[kv[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in kv])
+
+
+def rope_factors(fam, info, head_dim: int, where: str) -> list[float] | None:
+    """Llama 3.1+'s RoPE factors (the rope_freqs tensor: a divisor per frequency, positive and finite), in
+    a family that reads them."""
+    from .. import gguf_file
+    from ..gguf_names import ROPE_FACTORS
+
+    if info is None:
+        return None
+    if not fam.gguf_rope_factors:
+        raise StrataError(f"{where}: tensor '{ROPE_FACTORS}' (RoPE factors) is not part of llama.cpp's "
+                          f"{fam.gguf_arch} layout")
+    factors = gguf_file.values(info, (head_dim // 2,), where).float()
+    if not (torch.isfinite(factors).all() and (factors > 0).all()):
+        raise StrataError(f"{where}: tensor '{ROPE_FACTORS}' holds factors that are not positive and finite")
+    return factors.tolist()
 
 
 class DenseFamily(Family):
@@ -219,6 +255,7 @@ class DenseFamily(Family):
         return dense_hf_layout(cfg)
 
     gguf_qk_permuted = False  # whether llama.cpp's converter interleaved each head's q/k rows
+    gguf_rope_factors = False  # whether llama.cpp's layout of this family has the rope_freqs tensor
 
     def gguf_config(self, kv, tensors, where):
         return dense_gguf_config(self, kv, tensors, where)
