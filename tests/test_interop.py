@@ -80,7 +80,8 @@ def write_lcpp_gguf(path, src_dir, vocab_dir, matrix_type=T.BF16, seed=0, extra_
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(cfg["vocab_size"])])
     w.add_token_types([1 if i in by_id else 5 for i in range(cfg["vocab_size"])])
-    w.add_token_merges(json.loads((vocab_dir / "tokenizer.json").read_text())["model"]["merges"])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m  # tokenizers' newer pairs, as strings
+                        for m in json.loads((vocab_dir / "tokenizer.json").read_text())["model"]["merges"]])
     w.add_uint32("tokenizer.ggml.mask_token_id", cfg["dflash_config"]["mask_token_id"])
     for key, (kind, value) in (extra_kv or {}).items():
         getattr(w, f"add_{kind}")(key, value)
