@@ -38,7 +38,7 @@ class KVCache:
         #: every layer's K and V in one tensor [2 * layers, ..., cells, kv_heads, head_dim], so moving cells
         #: (a tree's accepted path) is one gather and one scatter for the whole model. The layers' views are
         #: detached: each is its own autograd leaf, as training writes rows that carry gradients.
-        size = 2 * num_layers * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        size = 2 * num_layers * torch.Size(shape).numel() * dtype.itemsize
         too_big = StrataError(f"a KV cache of {cells} positions ({size / 2 ** 30:.1f} GiB) does not fit in "
                               f"{torch.device(device).type} memory; give a smaller --max-model-len")
         if size > memory(torch.device(device)):  # refused, not attempted: an overcommitting host would let

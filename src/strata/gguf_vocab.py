@@ -25,6 +25,9 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 SPLIT_PRE = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
 SPECIAL_KEYS = ("bos", "eos", "unk", "sep", "pad", "mask")
 SPACE = "\u2581"  # SentencePiece's space
+#: the vocabulary's flags: add_special's keys, and the SentencePiece space prefix
+FLAG_KEYS = {"bos": "tokenizer.ggml.add_bos_token", "eos": "tokenizer.ggml.add_eos_token",
+             "sep": "tokenizer.ggml.add_sep_token", "space_prefix": "tokenizer.ggml.add_space_prefix"}
 
 
 @dataclass
@@ -77,8 +80,7 @@ class Vocab:
                     raise bad(key, f"must be a token id below {n}, got {tid!r}")
                 special[k] = tid
         flags = {}
-        for k in ("bos", "eos", "sep", "space_prefix"):
-            key = f"tokenizer.ggml.add_{k}" + ("" if k == "space_prefix" else "_token")
+        for k, key in FLAG_KEYS.items():
             if key in kv:
                 if not isinstance(kv[key], bool):
                     raise bad(key, f"must be true or false, got {kv[key]!r}")
@@ -132,15 +134,13 @@ class Vocab:
         try:
             if self.model == "llama":
                 unk = self.tokens[self.special["unk"]] if "unk" in self.special else None
-                tok = HFTokenizer(models.BPE(vocab, spm_merges(self.tokens, self.scores, where), unk_token=unk,
+                tok = HFTokenizer(models.BPE(vocab, spm_merges(vocab, self.scores, where), unk_token=unk,
                                              fuse_unk=True, byte_fallback=True))
-                space = [normalizers.Replace(" ", SPACE)]
-                strip = [decoders.Strip(" ", 1, 0)] if self.add_space_prefix is not False else []
-                if self.add_space_prefix is not False:
-                    space.insert(0, normalizers.Prepend(SPACE))
-                tok.normalizer = normalizers.Sequence(space)
+                prefix = self.add_space_prefix is not False
+                tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE)] * prefix +
+                                                      [normalizers.Replace(" ", SPACE)])
                 tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(),
-                                                 decoders.Fuse(), *strip])
+                                                 decoders.Fuse()] + [decoders.Strip(" ", 1, 0)] * prefix)
                 special = (CONTROL, UNKNOWN)
             elif self.model == "gpt2":
                 split = {name: regex for regex, name in SPLIT_PRE.items()}
@@ -169,8 +169,7 @@ class Vocab:
         except StrataError:
             raise
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
-            raise StrataError(f"{where}: cannot build a tokenizer from its vocabulary "
-                              f"({' '.join(str(e).split())})") from None
+            raise StrataError(f"{where}: cannot build a tokenizer from its vocabulary ({e})") from None
         return tok
 
     def difference(self, other: "Vocab") -> str | None:
@@ -189,16 +188,13 @@ class UnsupportedVocab(StrataError):
     """A vocabulary of a kind Strata cannot rebuild (the model still runs on token ids)."""
 
 
-def spm_merges(tokens: list[str], scores: list[float] | None, where) -> list[tuple[str, str]]:
-    """A SentencePiece BPE vocabulary's merge order as BPE merges: every split of a token into two tokens,
-    ranked by the merged token's score, highest first, as llama.cpp merges the adjacent pair whose
-    concatenation is the best-scoring token."""
+def spm_merges(ids: dict[str, int], scores: list[float] | None, where) -> list[tuple[str, str]]:
+    """A SentencePiece BPE vocabulary's merge order as BPE merges: every split of a token (ids: token -> its
+    first id) into two tokens, ranked by the merged token's score, highest first, as llama.cpp merges the
+    adjacent pair whose concatenation is the best-scoring token."""
     if scores is None:
         raise StrataError(f"{where}: metadata key 'tokenizer.ggml.scores' is missing (a SentencePiece vocabulary "
                           f"ranks its merges by them)")
-    ids = {}
-    for i, t in enumerate(tokens):
-        ids.setdefault(t, i)
     ranked = []
     for t, i in ids.items():
         for cut in range(1, len(t)):

@@ -156,6 +156,22 @@ def build_dense(cfg: ModelConfig) -> DecoderLM:
                            for i in range(cfg.num_layers)])
 
 
+def gguf_value(kv: dict, key: str, where: str, default, kind: str, types, ok):
+    """A metadata value of one of `types` (never a bool) for which ok(value) holds, else a one-line error
+    naming the key; missing, the default, unless that is None."""
+    v = kv.get(key, default)
+    if v is None:
+        raise StrataError(f"{where}: metadata key '{key}' is missing (expected {kind})")
+    if isinstance(v, bool) or not isinstance(v, types) or not ok(v):
+        raise StrataError(f"{where}: metadata key '{key}' must be {kind}, got {v!r}")
+    return v
+
+
+def gguf_count(kv: dict, key: str, where: str, default=None) -> int:
+    """A positive count (as llama.cpp reads it, a 32-bit integer) of metadata key `key`."""
+    return gguf_value(kv, key, where, default, "a positive 32-bit integer", int, lambda v: 0 < v < 2 ** 31)
+
+
 def dense_gguf_config(fam, kv: dict, tensors: dict, where: str) -> ModelConfig:
     """A dense decoder's hyper-parameters from llama.cpp's `{arch}.*` keys and its tensor table (vocabulary,
     tied head, biases, RoPE factors): the keys llama.cpp requires are required here, every value is
@@ -166,19 +182,12 @@ def dense_gguf_config(fam, kv: dict, tensors: dict, where: str) -> ModelConfig:
 
     a = fam.gguf_arch
 
-    def value(key: str, default, kind: str, ok) -> int | float:
-        v = kv.get(f"{a}.{key}", default)
-        if v is None:
-            raise StrataError(f"{where}: metadata key '{a}.{key}' is missing (expected {kind})")
-        if isinstance(v, bool) or not isinstance(v, int if kind.endswith("integer") else (int, float)) or not ok(v):
-            raise StrataError(f"{where}: metadata key '{a}.{key}' must be {kind}, got {v!r}")
-        return v
-
     def count(key: str, default=None) -> int:
-        return value(key, default, "a positive 32-bit integer", lambda v: 0 < v < 2 ** 31)
+        return gguf_count(kv, f"{a}.{key}", where, default)
 
     def positive(key: str, default=None) -> float:
-        return float(value(key, default, "a positive finite number", lambda v: math.isfinite(v) and v > 0))
+        return float(gguf_value(kv, f"{a}.{key}", where, default, "a positive finite number", (int, float),
+                                lambda v: math.isfinite(v) and v > 0))
 
     for key, what, plain in ((f"{a}.expert_count", "mixture-of-experts layers", (0,)),
                              (f"{a}.attention.sliding_window", "sliding-window attention", (0,)),

@@ -9,7 +9,7 @@ import torch
 from ..errors import StrataError
 from ..layers.modules import DecoderLayer, SparseMoE
 from .config import MoeConfig, moe_from_hf
-from .decoder import DecoderLM, DenseFamily, dense_gguf_config
+from .decoder import DecoderLM, DenseFamily, dense_gguf_config, gguf_count
 from .registry import register
 
 
@@ -58,12 +58,8 @@ class Qwen3Moe(DenseFamily):
         a = self.gguf_arch
         plain = {k: v for k, v in kv.items() if k != f"{a}.expert_count"}
         cfg = dense_gguf_config(self, plain, tensors, where)
-        experts, top_k = kv.get(f"{a}.expert_count"), kv.get(f"{a}.expert_used_count")
-        inter = kv.get(f"{a}.expert_feed_forward_length")
-        for key, v in ((f"{a}.expert_count", experts), (f"{a}.expert_used_count", top_k),
-                       (f"{a}.expert_feed_forward_length", inter)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise StrataError(f"{where}: metadata key '{key}' must be a positive integer, got {v!r}")
+        experts, top_k, inter = (gguf_count(kv, f"{a}.{k}", where) for k in ("expert_count", "expert_used_count",
+                                                                                "expert_feed_forward_length"))
         if top_k > experts:
             raise StrataError(f"{where}: metadata key '{a}.expert_used_count' {top_k} exceeds {a}.expert_count "
                               f"{experts}")
