@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from strata.models.loader import load_target
 from strata.engine.decode import Engine
@@ -39,35 +39,53 @@ def test_stop_id_ends_generation(qwen3_dir, tmp_path):
     assert r.stdout.strip() == ",".join(map(str, cut))
 
 
-def make_tokenizer(folder, vocab_size=256):
+def make_tokenizer(folder, vocab_size=256, bos: bool = False):
+    """A byte-level BPE tokenizer folder with a chat template; bos: one that, as Llama 3's, puts
+    <|begin_of_text|> before every text it encodes (its tokenizer.json's post-processor) and whose template
+    writes it too."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|begin_of_text|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["def quicksort(arr):\n    return arr\n"] * 20, trainer)
+    config = {"eos_token": "<|endoftext|>",
+              "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}"}
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", 1)])
+        config.update(bos_token="<|begin_of_text|>", chat_template="{{ bos_token }}" + config["chat_template"])
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|endoftext|>",
-        "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}",
-    }))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return tok
 
 
-def test_generate_text_with_tokenizer(tmp_path):
+@pytest.mark.parametrize("bos", [False, True])
+def test_generate_text_with_tokenizer(tmp_path, bos):
+    """Text prompts, plain and through the chat template, become the ids transformers' own tokenizer gives
+    for the folder: with one BOS where the tokenizer adds it (and the template writes it)."""
+    import transformers
+
     path, _ = write_hf_model(tmp_path / "m", "qwen3", seed=2, vocab=300)
-    tok = make_tokenizer(path, 300)
+    make_tokenizer(path, 300, bos)
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
     prompt = "def quicksort(arr):"
-    ids = tok.encode(prompt).ids
+    ids = theirs(prompt).input_ids
+    assert (ids[0] == 1) == bos and ids.count(1) == bos
     expected = Engine(load_target(path), max_len=512).generate(ids, 10).output_ids
-    r = run_cli("generate", "--model", path, "--prompt", prompt, "--max-new-tokens", "10")
+    r = run_cli("generate", "--model", path, "--prompt", prompt, "--max-new-tokens", "10", "--stats-json",
+                tmp_path / "p.json")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.rstrip("\n") == tok.decode(expected)
+    assert json.loads((tmp_path / "p.json").read_text())["prompt_ids"] == ids
+    assert r.stdout.rstrip("\n") == theirs.decode(expected, skip_special_tokens=True)
     chat = run_cli("generate", "--model", path, "--prompt", "hi", "--chat", "--max-new-tokens", "3",
                    "--stats-json", tmp_path / "c.json")
     assert chat.returncode == 0, chat.stderr
-    assert json.loads((tmp_path / "c.json").read_text())["prompt_ids"] == tok.encode("<user>hi<assistant>").ids
+    want = theirs.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    assert json.loads((tmp_path / "c.json").read_text())["prompt_ids"] == want
+    assert want.count(1) == bos
 
 
 def test_eos_from_generation_config(qwen3_dir, tmp_path):

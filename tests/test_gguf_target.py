@@ -209,7 +209,9 @@ def test_gguf_vocabulary_tokenizes_like_the_folder_and_drives_the_cli(checkpoint
     theirs = StrataTokenizer.from_folder(hf["qwen3"])
     for text in TEXTS:
         assert ours.encode(text) == theirs.encode(text), text
+        assert ours.encode_prompt(text) == theirs.encode_prompt(text) == theirs.encode(text), text
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
+    assert ours.end_ids == {0}  # <|endoftext|>, which llama.cpp stops at
     ref_dir = dequantized_folder(d / "qwen3-tok-ref", hf["qwen3"], stored)
     a = run_cli("generate", "--model", path, "--prompt", TEXTS[0], "--max-new-tokens", "12")
     b = run_cli("generate", "--model", ref_dir, "--prompt", TEXTS[0], "--max-new-tokens", "12")
@@ -307,7 +309,7 @@ def test_gguf_target_errors_reach_the_cli_in_one_line(checkpoints, monkeypatch, 
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def spm_vocab_file(path, add_space_prefix=None, user=()) -> tuple[list[str], list[float]]:
+def spm_vocab_file(path, add_space_prefix=None, user=(), add_bos=None) -> tuple[list[str], list[float]]:
     """A SentencePiece-style (llama) vocabulary in a GGUF file, laid out as llama.cpp's converter lays out a
     SentencePiece model: <unk>, <s>, </s>, the 256 byte tokens, user tokens, then pieces scored by merge
     order (a BPE that tokenizers trains on U+2581-joined text)."""
@@ -333,6 +335,8 @@ def spm_vocab_file(path, add_space_prefix=None, user=()) -> tuple[list[str], lis
     w.add_unk_token_id(0)
     if add_space_prefix is not None:
         w.add_add_space_prefix(add_space_prefix)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
@@ -378,23 +382,101 @@ SPM_TEXTS = TEXTS + ["Hello world, the quick fox", " leading", "  two spaces", "
                      "tool<tool>call ZZ end"]
 
 
-@pytest.mark.parametrize("space_prefix,user", [(None, ()), (False, ()), (None, ("<tool>", "ZZ"))])
-def test_sentencepiece_vocabularies_tokenize_as_llama_cpp_does(tmp_path, space_prefix, user):
+SPM_VOCABS = [(None, (), None), (False, (), False), (None, ("<tool>", "ZZ"), None)]
+
+
+@pytest.mark.parametrize("space_prefix,user,add_bos", SPM_VOCABS)
+def test_sentencepiece_vocabularies_tokenize_as_llama_cpp_does(tmp_path, space_prefix, user, add_bos):
     """A llama-model (SentencePiece BPE) vocabulary: encodes every text as llama.cpp's tokenizer does
     (spm_reference; the same texts checked against llama.cpp's llama-tokenize with
     tools/llamacpp_tokenize_check.py), merging pieces, falling back to bytes, keeping whole tokens whole,
-    and decodes back to the text."""
+    a prompt after the BOS llama.cpp adds unless tokenizer.ggml.add_bos_token is false, and decodes back
+    to the text."""
     from strata.gguf_file import read
 
     path = tmp_path / "spm.gguf"
-    tokens, scores = spm_vocab_file(path, space_prefix, user)
+    tokens, scores = spm_vocab_file(path, space_prefix, user, add_bos)
     tok = StrataTokenizer.from_gguf(read(path)[0], path)
     whole = ["<unk>", "<s>", "</s>", *user]
     merged = 0
     for text in SPM_TEXTS:
         want = spm_reference(text, tokens, scores, space_prefix is not False, whole)
         assert tok.encode(text) == want, text
+        assert tok.encode_prompt(text) == [1] * (add_bos is not False) + want, text
         merged += len(want) < len(text)
         if not any(w in text for w in whole + ["\u2581"]):  # text after a whole token gains a space, and a
             assert tok.decode(want) == text, text  # U+2581 in the text decodes as one
     assert merged > len(SPM_TEXTS) // 2  # the pieces did merge
+
+
+def gpt2_vocab_file(path, folder, pre="qwen2", extra=(), keys=None) -> dict[str, int]:
+    """The byte-level BPE vocabulary of a tokenizer folder in a GGUF file, as llama.cpp's converter writes
+    it, with `extra` control tokens appended and `keys` (tokenizer.ggml.NAME -> value) set; its token ids."""
+    from strata.gguf_vocab import CONTROL, from_tokenizer_folder
+
+    vocab = from_tokenizer_folder(folder, pre=pre)
+    vocab.tokens += list(extra)
+    vocab.token_types += [CONTROL] * len(extra)
+    for key, value in (keys or {}).items():
+        if key.endswith("_token_id"):
+            vocab.special[key.removesuffix("_token_id")] = value
+        else:
+            vocab.add_special[key.removeprefix("add_").removesuffix("_token")] = value
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    vocab.write(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return {t: i for i, t in enumerate(vocab.tokens)}
+
+
+#: GGUF vocabularies (pre-tokenizer, extra control tokens, keys) whose BOS / EOS and end-of-generation
+#: tokens llama.cpp decides by their kind and keys (checked against llama-tokenize by
+#: tools/llamacpp_tokenize_check.py); the BOS / EOS llama.cpp adds, and the tokens it stops at, by text
+GPT2_VOCABS = {
+    "qwen": ("qwen2", ("<|im_start|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|fim_prefix|>"),
+             {"eos_token_id": 0}, (None, None), {"<|endoftext|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>",
+                                                 "<|file_sep|>"}),
+    "llama3": ("llama-bpe", ("<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>"), {"bos_token_id": 320},
+               ("<|begin_of_text|>", None), {"<|endoftext|>", "<|eot_id|>", "<|eom_id|>"}),
+    "llama3-keys": ("llama-bpe", ("<|begin_of_text|>", "<|end_of_text|>", "<|end|>", "<|return|>", "<|call|>"),
+                    {"bos_token_id": 320, "add_bos_token": True, "add_eos_token": True, "eos_token_id": 321,
+                     "fim_pad_token_id": 5}, ("<|begin_of_text|>", "<|end_of_text|>"),
+                    {"<|endoftext|>", "<|end_of_text|>", "<|return|>", "<|call|>", 5}),
+    "qwen-default-bos": ("qwen2", (), {"add_bos_token": True}, (11, None), {"<|endoftext|>"}),
+}
+
+
+@pytest.mark.parametrize("name", GPT2_VOCABS)
+def test_gguf_vocabularies_add_bos_and_stop_as_llama_cpp_does(checkpoints, tmp_path, name):
+    """A prompt gets the BOS / EOS llama.cpp adds (by the vocabulary's kind, or its add_bos/add_eos keys;
+    a missing bos_token_id takes llama.cpp's default id), a chat prompt one BOS however the template writes
+    it, and generation stops at every token llama.cpp's end-of-generation list holds."""
+    from strata.gguf_file import read
+
+    pre, extra, keys, (bos, eos), ends = GPT2_VOCABS[name]
+    path = tmp_path / f"{name}.gguf"
+    ids = gpt2_vocab_file(path, checkpoints[1]["qwen3"], pre, extra, keys)
+    tok = StrataTokenizer.from_gguf(read(path)[0], path)
+    by = lambda x: ids[x] if isinstance(x, str) else x  # noqa: E731
+    head, tail = [by(bos)] if bos is not None else [], [by(eos)] if eos is not None else []
+    for text in TEXTS:
+        assert tok.encode_prompt(text) == head + tok.encode(text) + tail, text
+    assert tok.end_ids == {by(x) for x in ends}
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}{{ eos_token }}"
+    body = tok.encode("[hi][there]")
+    assert tok.encode_chat([{"role": "user", "content": "hi"}, {"role": "user", "content": "there"}]) == \
+        (head or tok.encode(tok.special.get("bos_token", ""))) + body + (tail or tok.encode(tok.special.get("eos_token", "")))
+
+
+def test_a_vocabulary_that_adds_a_bos_it_lacks_is_refused(tmp_path):
+    from strata.gguf_vocab import NORMAL, Vocab
+
+    vocab = Vocab(model="gpt2", pre="qwen2", tokens=["a", "b", "ab"], token_types=[NORMAL] * 3, merges=["a b"],
+                  add_special={"bos": True})
+    with pytest.raises(StrataError, match="metadata key 'tokenizer.ggml.add_bos_token' adds a BOS token to every "
+                                          "prompt, but no 'tokenizer.ggml.bos_token_id' names one"):
+        vocab.to_tokenizers("v.gguf")
+    vocab.pre, vocab.add_special = "llama-bpe", {}
+    with pytest.raises(StrataError, match="by default"):
+        vocab.to_tokenizers("v.gguf")

@@ -90,8 +90,9 @@ def cmd_generate(args) -> int:
     if text is not None:
         tokenizer = pair.text_tokenizer()
         if args.chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        prompt_ids = tokenizer.encode(text)
+            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+        else:
+            prompt_ids = tokenizer.encode_prompt(text)
     else:
         prompt_ids = parse_ids(args.prompt_ids, "--prompt-ids")
     engine = Engine(pair.target, pair.drafter, config)
@@ -110,7 +111,7 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
 
     res = engine.generate(prompt_ids, args.max_new_tokens, stop_ids(args, pair), params, on_tokens=on_tokens)
-    sys.stdout.write("\n")
+    sys.stdout.write((stream.finish() if tokenizer is not None and not args.ids else "") + "\n")
     sys.stdout.flush()
     stats = res.stats()
     line = f"prompt {len(prompt_ids)} tokens, new {res.new_tokens} tokens, prefill {res.prefill_s * 1e3:.1f} ms, "

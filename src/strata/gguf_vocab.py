@@ -23,7 +23,22 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 #: a Split regex followed by a ByteLevel step without its own regex -> llama.cpp's pre-tokenizer name
 SPLIT_PRE = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
-SPECIAL_KEYS = ("bos", "eos", "unk", "sep", "pad", "mask")
+SPECIAL_KEYS = ("bos", "eos", "unk", "sep", "pad", "mask", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+#: llama.cpp's special ids where a vocabulary of that kind names none (dropped when past its end)
+DEFAULT_SPECIAL = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}}
+#: byte-level BPE pre-tokenizers after which llama.cpp adds a BOS when tokenizer.ggml.add_bos_token is absent
+#: (a SentencePiece vocabulary adds one too)
+BOS_BY_DEFAULT = ("llama-bpe",)
+#: token texts llama.cpp takes as ending generation
+END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+             "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[")
+#: texts llama.cpp takes as the FIM pad / repository / file-separator tokens when no key names them; they end
+#: generation too
+FIM_END_TEXTS = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+                 "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+                 "fim_sep": ("<|file_sep|>",)}
 SPACE = "\u2581"  # SentencePiece's space
 #: the vocabulary's flags: add_special's keys, and the SentencePiece space prefix
 FLAG_KEYS = {"bos": "tokenizer.ggml.add_bos_token", "eos": "tokenizer.ggml.add_eos_token",
@@ -112,13 +127,44 @@ class Vocab:
             writer.add_token_merges(self.merges)
         for key, tid in self.special.items():
             if key in SPECIAL_KEYS and key != "mask":  # a drafter's mask id is written with its contract
-                getattr(writer, f"add_{key}_token_id")(tid)
+                writer.add_uint32(f"tokenizer.ggml.{key}_token_id", tid)
         for key, flag in self.add_special.items():
             getattr(writer, f"add_add_{key}_token")(flag)
         if self.add_space_prefix is not None:
             writer.add_add_space_prefix(self.add_space_prefix)
         if self.chat_template:
             writer.add_chat_template(self.chat_template)
+
+    def special_id(self, kind: str) -> int | None:
+        """A special token's id as llama.cpp resolves it: its key, else the default of the vocabulary's kind."""
+        if kind in self.special:
+            return self.special[kind]
+        tid = DEFAULT_SPECIAL.get(self.model, {}).get(kind)
+        return tid if tid is not None and tid < len(self.tokens) else None
+
+    def adds(self, kind: str) -> bool:
+        """Whether llama.cpp puts this special token ("bos", "eos") around every prompt it encodes."""
+        if kind in self.add_special:
+            return self.add_special[kind]
+        return kind == "bos" and (self.model == "llama" or (self.model == "gpt2" and self.pre in BOS_BY_DEFAULT))
+
+    def end_of_generation(self) -> set[int]:
+        """The ids llama.cpp stops generating at: EOS, EOT and EOM, the FIM pad / repository / file-separator
+        tokens, and every token whose text is one of END_TEXTS; <|end|> not where <|return|> and <|call|>
+        (or <|calls|> and <|flush|>) exist, </s> not beside <|tool_response> or <|plamo:eos|>."""
+        by_text = {t: i for i, t in enumerate(self.tokens)}  # a repeated text: its last id, as llama.cpp
+        ends = {by_text[t] for t in END_TEXTS if t in by_text}
+        for kind, texts in FIM_END_TEXTS.items():
+            found = [by_text[t] for t in texts if t in by_text]
+            tid = self.special.get(kind, found[0] if found else None)
+            ends |= set() if tid is None else {tid}
+        ends |= {tid for tid in map(self.special_id, ("eos", "eot", "eom")) if tid is not None}
+        texts = {self.tokens[i] for i in ends}
+        if "<|end|>" in texts and (texts >= {"<|return|>", "<|call|>"} or texts >= {"<|calls|>", "<|flush|>"}):
+            ends.discard(by_text["<|end|>"])
+        if "</s>" in texts and texts & {"<|tool_response>", "<|plamo:eos|>"}:
+            ends.discard(by_text["</s>"])
+        return ends
 
     def to_tokenizers(self, where):
         """The tokenizers-library tokenizer that encodes as llama.cpp does with this vocabulary, added tokens
@@ -166,11 +212,29 @@ class Vocab:
             kinds = list(zip(self.tokens, self.token_types))
             tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k in special])
             tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == USER_DEFINED])
+            tok.post_processor = self._added_around(where)
         except StrataError:
             raise
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
             raise StrataError(f"{where}: cannot build a tokenizer from its vocabulary ({e})") from None
         return tok
+
+    def _added_around(self, where):
+        """The BOS / EOS llama.cpp adds around a prompt, as a tokenizers post-processor."""
+        from tokenizers import processors
+
+        single, ends = ["$A:0"], []
+        for kind in ("bos", "eos"):
+            if not self.adds(kind):
+                continue
+            tid = self.special_id(kind)
+            if tid is None:
+                how = f"metadata key '{FLAG_KEYS[kind]}'" if kind in self.add_special else "its kind, by default,"
+                raise StrataError(f"{where}: {how} adds a {kind.upper()} token to every prompt, but no "
+                                  f"'tokenizer.ggml.{kind}_token_id' names one")
+            single.insert(0 if kind == "bos" else len(single), f"{kind.upper()}:0")
+            ends.append({"id": kind.upper(), "ids": [tid], "tokens": [self.tokens[tid]]})
+        return processors.TemplateProcessing(single=" ".join(single), special_tokens=ends) if ends else None
 
     def difference(self, other: "Vocab") -> str | None:
         """Where two vocabularies differ (tokens and their types, merges), or None."""

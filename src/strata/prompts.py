@@ -62,7 +62,7 @@ def prompt_set(pair, prompt_ids: list[str] | None, prompts_file: str | None) -> 
         texts = DEFAULT_PROMPTS
     if texts is not None:
         tokenizer = pair.text_tokenizer()
-        return [tokenizer.encode(t) for t in texts]
+        return [tokenizer.encode_prompt(t) for t in texts]
     import torch
 
     gen = torch.Generator().manual_seed(0)

@@ -10,9 +10,17 @@ from .errors import StrataError
 
 
 class Tokenizer:
-    def __init__(self, tok, chat_template: str | None = None, special: dict[str, str] | None = None):
-        """tok: a tokenizers.Tokenizer; special: the text of bos_token / eos_token, for chat templates."""
+    def __init__(self, tok, chat_template: str | None = None, special: dict[str, str] | None = None,
+                 chat_strips: tuple[str, str] | None = None, end_ids: set[int] | None = None):
+        """tok: a tokenizers.Tokenizer whose post-processor adds the model's own BOS / EOS to a prompt (a
+        folder: its tokenizer.json's, as transformers applies it whatever tokenizer_config.json's
+        add_bos_token says);
+        special: the text of bos_token / eos_token, for chat templates; chat_strips: None to encode a rendered
+        chat template without the added tokens (transformers' apply_chat_template), else the BOS / EOS text
+        stripped from its ends before encoding it with them (llama.cpp); end_ids: the ids the vocabulary
+        itself ends generation at."""
         self._tok, self.chat_template, self.special = tok, chat_template, dict(special or {})
+        self.chat_strips, self.end_ids = chat_strips, set(end_ids or ())
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer | None":
@@ -27,9 +35,10 @@ class Tokenizer:
         vocab = Vocab.from_metadata(kv, where)
         if vocab is None:
             return None
-        special = {f"{k}_token": vocab.tokens[vocab.special[k]] for k in ("bos", "eos")
-                   if 0 <= vocab.special.get(k, -1) < len(vocab.tokens)}
-        return cls(vocab.to_tokenizers(where), vocab.chat_template, special)
+        ids = {k: vocab.special_id(k) for k in ("bos", "eos")}
+        special = {f"{k}_token": vocab.tokens[i] for k, i in ids.items() if i is not None}
+        strips = tuple(vocab.tokens[ids[k]] if vocab.adds(k) and ids[k] is not None else "" for k in ("bos", "eos"))
+        return cls(vocab.to_tokenizers(where), vocab.chat_template, special, strips, vocab.end_of_generation())
 
     @classmethod
     def _read_folder(cls, folder: Path) -> "Tokenizer":
@@ -47,6 +56,8 @@ class Tokenizer:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as e:
                 raise StrataError(f"{cfg_path}: not valid JSON ({e})") from None
+            if not isinstance(cfg, dict):
+                raise StrataError(f"{cfg_path}: expected a JSON object")
             chat_template = cfg.get("chat_template")
             for key in ("bos_token", "eos_token"):
                 value = cfg.get(key)
@@ -59,10 +70,28 @@ class Tokenizer:
             chat_template = template_file.read_text(encoding="utf-8")
         return cls(tok, chat_template, special)
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of text. Through encode_batch, which releases the GIL while it works (a single encode
-        held it for seconds on a long prompt, stalling every other thread, the server's event loop too)."""
-        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+    def encode(self, text: str, added: bool = False) -> list[int]:
+        """The ids of text; added: with the tokens the model puts around a prompt (BOS). Through
+        encode_batch, which releases the GIL while it works (a single encode held it for seconds on a long
+        prompt, stalling every other thread, the server's event loop too)."""
+        return self._tok.encode_batch([text], add_special_tokens=added)[0].ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A user's prompt, as the model's own tools encode it: with the BOS / EOS its tokenizer adds."""
+        return self.encode(text, added=True)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation through the chat template, encoded as transformers (a folder) or llama.cpp (a GGUF
+        vocabulary) does: both give one BOS where the template writes it and the model adds it."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        if self.chat_strips is None:
+            return self.encode(text)
+        head, tail = self.chat_strips
+        if head and text.startswith(head):
+            text = text[len(head):]
+        if tail and text.endswith(tail):
+            text = text[:-len(tail)]
+        return self.encode_prompt(text)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -105,4 +134,11 @@ class StreamDecoder:
             return ""
         delta = text[len(self.emitted):]
         self.emitted = text
+        return delta
+
+    def finish(self) -> str:
+        """What push held back at the end: a character the last ids left incomplete (as U+FFFD, as decode
+        gives it), so that the streamed text equals the decoded whole."""
+        text = self.tok.decode(self.ids)
+        delta, self.emitted = text[len(self.emitted):], text
         return delta

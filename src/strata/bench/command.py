@@ -80,7 +80,7 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     if bench.prompt is not None:
         if tokenizer is None:
             raise StrataError("--prompt needs a model with a tokenizer (random --shape weights have none)")
-        prompt = tokenizer.encode(bench.prompt)
+        prompt = tokenizer.encode_prompt(bench.prompt)
         if not prompt:
             raise StrataError("--prompt: the text encodes to no tokens")
     else:

@@ -101,7 +101,7 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
 
     target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=lambda model: place_experts(
         model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement))
-    pair = Pair(target, tokenizer, None, model_dir, using_demo, declared_stop_ids(target, model_dir), no_tokenizer)
+    pair = Pair(target, tokenizer, None, model_dir, using_demo, declared_stop_ids(target, model_dir, tokenizer), no_tokenizer)
     if drafter:
         pair.drafter = load_drafter_for(spec, target, engine, dflash)
     return pair
@@ -142,11 +142,12 @@ def tokenizer_of(model: Path) -> tuple[Tokenizer | None, str]:
         return None, str(e)
 
 
-def declared_stop_ids(target, model_dir: Path) -> set[int]:
-    """EOS ids from config.json and generation_config.json (a GGUF file: tokenizer.ggml.eos/eot)."""
+def declared_stop_ids(target, model_dir: Path, tokenizer: Tokenizer | None = None) -> set[int]:
+    """EOS ids from config.json and generation_config.json; a GGUF file: tokenizer.ggml.eos/eot and the
+    tokens its vocabulary ends generation at, as llama.cpp stops."""
     from ..models.config import read_json
 
-    ids = set(target.cfg.eos_token_ids)
+    ids = set(target.cfg.eos_token_ids) | (tokenizer.end_ids if tokenizer is not None else set())
     gen_cfg = model_dir / "generation_config.json"
     if model_dir.is_dir() and gen_cfg.is_file():
         eos = read_json(gen_cfg, "generation_config.json").get("eos_token_id")

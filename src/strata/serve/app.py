@@ -93,6 +93,8 @@ class Job:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
 
     def finish(self) -> None:
+        if self.decoder is not None and not self.stopped_by_string:
+            self.text += self.decoder.finish()
         self.send(len(self.text))
         if self.queue is not None:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
@@ -257,11 +259,24 @@ def decode_request(raw: bytes, model):
 def encode(tokenizer: Tokenizer | None, text: str, param: str) -> list[int]:
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param=param)
+    check_unicode(text, param)
+    return tokenizer.encode_prompt(text)
+
+
+def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+    for i, m in enumerate(messages):
+        check_unicode(m["content"], f"messages[{i}].content")
+    try:
+        return tokenizer.encode_chat(messages)
+    except StrataError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def check_unicode(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise APIError(400, f"{param} is not valid Unicode ({e.reason} at character {e.start})", param=param) from None
-    return tokenizer.encode(text)
 
 
 def create_app(server: Server) -> FastAPI:
@@ -329,11 +344,7 @@ def create_app(server: Server) -> FastAPI:
         if server.tokenizer is None or not server.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = await off_loop(server.tokenizer.apply_chat_template, messages)
-        except StrataError as e:
-            raise APIError(400, str(e), param="messages") from None
-        ids = await off_loop(encode, server.tokenizer, text, "messages")
+        ids = await off_loop(encode_chat, server.tokenizer, messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = server.build_job(req, ids, asyncio.get_running_loop(), max_tokens)
         return await respond(request, req, job, chat=True)
