@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -131,6 +132,34 @@ def test_bad_model_is_one_line_exit_2(tmp_path, qwen3_dir, how, needle):
     assert needle in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ({"rms_norm_eps": 0}, "field 'rms_norm_eps' must be a positive number, got 0"),
+    ({"rms_norm_eps": "x"}, "field 'rms_norm_eps' must be a positive number, got 'x'"),
+    ({"max_position_embeddings": 2.5}, "field 'max_position_embeddings' must be a positive integer, got 2.5"),
+    ({"num_key_value_heads": "2"}, "field 'num_key_value_heads' must be a positive integer, got '2'"),
+    ({"head_dim": -16}, "field 'head_dim' must be a positive integer, got -16"),
+    ({"attention_bias": "no"}, "field 'attention_bias' must be true or false, got 'no'"),
+    ({"tie_word_embeddings": 1}, "field 'tie_word_embeddings' must be true or false, got 1"),
+    ({"eos_token_id": 2.0}, "field 'eos_token_id' must be a token id or a list of them, got 2.0"),
+    ({"rope_parameters": [1]}, "field 'rope_parameters' must be an object, got [1]"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, "field 'rope_theta' must be a positive number"),
+    ({"num_hidden_layers": 10 ** 12}, "num_hidden_layers is 1000000000000, but the checkpoint holds 3 layers"),
+    ({"use_sliding_window": True, "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"] * 2},
+     "use_sliding_window gives layers 1.. a sliding window of 64, which is not supported"),
+], ids=lambda x: "-".join(x) if isinstance(x, dict) else "")
+def test_bad_config_values_are_refused_by_field(tmp_path, qwen3_dir, edit, needle):
+    """config.json's values are checked by type and range before any weight is used, each refusal naming
+    the field (a layer count past the checkpoint's before a layout of that many layers is built)."""
+    from strata.errors import StrataError
+
+    path = tmp_path / "m"
+    shutil.copytree(qwen3_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(StrataError, match=re.escape(needle)):
+        load_target(path)
 
 
 @pytest.mark.parametrize("args,needle", [

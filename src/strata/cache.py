@@ -31,6 +31,19 @@ def memory(device: torch.device) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def refuse_unless_fits(num_layers: int, shape: tuple, device, dtype) -> StrataError:
+    """A cache of these layers' K and V (each of `shape`, cells first or after the batch) is refused, not
+    attempted, where the device lacks the memory: an overcommitting host would let the allocation through
+    and kill the process while zeroing it. Returns the error to raise should the allocation fail anyway."""
+    size = 2 * num_layers * torch.Size(shape).numel() * dtype.itemsize
+    cells = shape[-3]
+    too_big = StrataError(f"a KV cache of {cells} positions ({size / 2 ** 30:.1f} GiB) does not fit in "
+                          f"{torch.device(device).type} memory; give a smaller --max-model-len")
+    if size > memory(torch.device(device)):
+        raise too_big
+    return too_big
+
+
 class KVCache:
     def __init__(self, num_layers: int, cells: int, kv_heads: int, head_dim: int, device, dtype,
                  batch: int | None = None):
@@ -38,11 +51,7 @@ class KVCache:
         #: every layer's K and V in one tensor [2 * layers, ..., cells, kv_heads, head_dim], so moving cells
         #: (a tree's accepted path) is one gather and one scatter for the whole model. The layers' views are
         #: detached: each is its own autograd leaf, as training writes rows that carry gradients.
-        size = 2 * num_layers * torch.Size(shape).numel() * dtype.itemsize
-        too_big = StrataError(f"a KV cache of {cells} positions ({size / 2 ** 30:.1f} GiB) does not fit in "
-                              f"{torch.device(device).type} memory; give a smaller --max-model-len")
-        if size > memory(torch.device(device)):  # refused, not attempted: an overcommitting host would let
-            raise too_big  # the allocation through and kill the process while zeroing it
+        too_big = refuse_unless_fits(num_layers, shape, device, dtype)
         try:
             self.kv = torch.zeros(2 * num_layers, *shape, device=device, dtype=dtype)
         except (RuntimeError, MemoryError) as e:  # allocation failures; anything else is not the user's

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache import refuse_unless_fits
 from ..errors import StrataError
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
@@ -95,9 +96,11 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     from ..models.placement import place_experts
 
     model_dir, dflash, using_demo = resolve(spec)
-    max_len = engine.context(load_model_config(model_dir)[1])  # a bad context length or vocabulary is refused
-    tokenizer, no_tokenizer = tokenizer_of(model_dir)  # before the weights load
+    cfg = load_model_config(model_dir)[1]  # a bad context length or vocabulary is refused
+    max_len = engine.context(cfg)
     device = spec.torch_device()
+    refuse_unless_fits(cfg.num_layers, (max_len, cfg.num_kv_heads, cfg.head_dim), device, spec.torch_dtype())
+    tokenizer, no_tokenizer = tokenizer_of(model_dir)  # before the weights load
 
     target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=lambda model: place_experts(
         model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement))
@@ -145,12 +148,10 @@ def tokenizer_of(model: Path) -> tuple[Tokenizer | None, str]:
 def declared_stop_ids(target, model_dir: Path, tokenizer: Tokenizer | None = None) -> set[int]:
     """EOS ids from config.json and generation_config.json; a GGUF file: tokenizer.ggml.eos/eot and the
     tokens its vocabulary ends generation at, as llama.cpp stops."""
-    from ..models.config import read_json
+    from ..models.config import read_json, token_ids
 
     ids = set(target.cfg.eos_token_ids) | (tokenizer.end_ids if tokenizer is not None else set())
     gen_cfg = model_dir / "generation_config.json"
     if model_dir.is_dir() and gen_cfg.is_file():
-        eos = read_json(gen_cfg, "generation_config.json").get("eos_token_id")
-        if eos is not None:
-            ids |= set([eos] if isinstance(eos, int) else eos)
+        ids |= set(token_ids(read_json(gen_cfg, "generation_config.json").get("eos_token_id"), "eos_token_id", gen_cfg))
     return ids

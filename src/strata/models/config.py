@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,38 +74,56 @@ def read_json(path: Path, what: str) -> dict:
 
 
 def require(cfg: dict, key: str, path: Path, kind=int):
+    """A field that must be there: int, a positive integer; float, a positive finite number; bool."""
     if key not in cfg:
         raise StrataError(f"{path}: missing field '{key}'")
-    value = cfg[key]
-    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+    return checked(cfg[key], key, path, kind)
+
+
+def optional(cfg: dict, key: str, path: Path, default, kind=int):
+    """A field that may be absent or null (then `default`), else as require checks it."""
+    value = cfg.get(key)
+    return default if value is None else checked(value, key, path, kind)
+
+
+def checked(value, key: str, path: Path, kind):
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int and not (number and isinstance(value, int) and value > 0):
         raise StrataError(f"{path}: field '{key}' must be a positive integer, got {value!r}")
-    if kind is float and not isinstance(value, (int, float)):
-        raise StrataError(f"{path}: field '{key}' must be a number, got {value!r}")
-    return value
+    if kind is float and not (number and math.isfinite(value) and value > 0):
+        raise StrataError(f"{path}: field '{key}' must be a positive number, got {value!r}")
+    if kind is bool and not isinstance(value, bool):
+        raise StrataError(f"{path}: field '{key}' must be true or false, got {value!r}")
+    return float(value) if kind is float else value
 
 
-def id_list(value) -> list[int]:
+def token_ids(value, key: str, path: Path) -> list[int]:
+    """A token id field (eos_token_id): absent, one id, or a list of them."""
     if value is None:
         return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise StrataError(f"{path}: field '{key}' must be a token id or a list of them, got {value!r}")
+    return ids
 
 
 def rope_from_hf(cfg: dict, path: Path, scalings: tuple[str, ...] = ()) -> RopeConfig:
     """rope_theta/rope_scaling (transformers 4.x) or rope_parameters (5.x); a scaling type outside
     `scalings` is refused."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(cfg.get(key), (dict, type(None))):
+            raise StrataError(f"{path}: field '{key}' must be an object, got {cfg[key]!r}")
     params = cfg.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = optional(cfg, "rope_theta", path, 10000.0, float)
+    if params is not None:
+        theta = optional(params, "rope_theta", path, theta, float)
         rope_type = params.get("rope_type", "default")
         scaling = None if rope_type in (None, "default") else dict(params)
-        rope = RopeConfig(float(theta), scaling)
     else:
         scaling = cfg.get("rope_scaling")
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
             scaling = None
-        rope = RopeConfig(float(cfg.get("rope_theta", 10000.0)), scaling)
+    rope = RopeConfig(theta, scaling)
     if rope.scaling is not None:
         kind = rope.scaling.get("rope_type", rope.scaling.get("type"))
         if kind not in scalings:
@@ -117,12 +136,16 @@ def dense_config(cfg: dict, path: Path, family: str, qk_norm: bool, rope_scaling
     """The fields every dense decoder of the Llama lineage shares."""
     hidden = require(cfg, "hidden_size", path)
     heads = require(cfg, "num_attention_heads", path)
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
+    kv_heads = optional(cfg, "num_key_value_heads", path, heads)
+    head_dim = hidden // heads if cfg.get("head_dim") == 0 else optional(cfg, "head_dim", path, hidden // heads)
     if heads % kv_heads:
         raise StrataError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     if cfg.get("mlp_bias"):
         raise StrataError(f"{path}: mlp_bias is not supported")
+    sliding = sliding_window_layers(cfg, path, require(cfg, "num_hidden_layers", path))
+    if sliding:
+        raise StrataError(f"{path}: use_sliding_window gives layers {sliding[0]}.. a sliding window of "
+                          f"{cfg['sliding_window']}, which is not supported")
     return ModelConfig(
         family=family,
         vocab_size=require(cfg, "vocab_size", path),
@@ -132,16 +155,27 @@ def dense_config(cfg: dict, path: Path, family: str, qk_norm: bool, rope_scaling
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        rms_norm_eps=optional(cfg, "rms_norm_eps", path, 1e-6, float),
+        max_position_embeddings=optional(cfg, "max_position_embeddings", path, 4096),
         rope=rope_from_hf(cfg, path, rope_scalings),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        tie_word_embeddings=optional(cfg, "tie_word_embeddings", path, False, bool),
+        attention_bias=optional(cfg, "attention_bias", path, False, bool),
         qk_norm=qk_norm,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=id_list(cfg.get("eos_token_id")),
+        bos_token_id=(token_ids(cfg.get("bos_token_id"), "bos_token_id", path) or [None])[0],
+        eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id", path),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
+
+
+def sliding_window_layers(cfg: dict, path: Path, layers: int) -> list[int]:
+    """The layers transformers gives a sliding window (Qwen3's use_sliding_window, sliding_window, and
+    max_window_layers or layer_types)."""
+    if optional(cfg, "use_sliding_window", path, False, bool) is False or cfg.get("sliding_window") is None:
+        return []
+    types = cfg.get("layer_types")
+    if types is None:
+        return list(range(optional(cfg, "max_window_layers", path, 28), layers))
+    return [n for n, t in enumerate(types) if t == "sliding_attention"] if isinstance(types, list) else []
 
 
 def moe_from_hf(hf: dict, path, num_layers: int, renormalize: bool, shared: bool = False,
@@ -153,15 +187,12 @@ def moe_from_hf(hf: dict, path, num_layers: int, renormalize: bool, shared: bool
     if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
         raise StrataError(f"{path}: field 'num_experts' must be a positive integer, got {experts!r}")
     top_k = require(hf, "num_experts_per_tok", path)
-    if not isinstance(hf.get("norm_topk_prob", False), bool):
-        raise StrataError(f"{path}: field 'norm_topk_prob' must be true or false, got {hf['norm_topk_prob']!r}")
+    optional(hf, "norm_topk_prob", path, False, bool)
     if top_k > experts:
         raise StrataError(f"{path}: num_experts_per_tok {top_k} exceeds num_experts {experts}")
     layers = list(range(num_layers))
     if sparse_by_config:
-        step = hf.get("decoder_sparse_step", 1)
-        if not isinstance(step, int) or step <= 0:
-            raise StrataError(f"{path}: field 'decoder_sparse_step' must be a positive integer, got {step!r}")
+        step = optional(hf, "decoder_sparse_step", path, 1)
         dense = hf.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in dense):
             raise StrataError(f"{path}: field 'mlp_only_layers' must be a list of layer indices, got {dense!r}")

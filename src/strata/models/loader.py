@@ -4,6 +4,7 @@ its family, with the checkpoint's tensors packed into the modules' fused paramet
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -101,7 +102,37 @@ def load_model_config(folder: str | Path) -> tuple[Family, ModelConfig]:
     path = folder / "config.json"
     hf = read_json(path, "config.json")
     fam = family_for(hf, path)
-    return fam, fam.config(hf, path)
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    held = checkpoint_counts(folder)  # before anything of as many layers or experts as config.json says is built
+    layers = text.get("num_hidden_layers")
+    if held is not None and isinstance(layers, int) and layers > held[0]:
+        raise StrataError(f"{path}: num_hidden_layers is {layers}, but the checkpoint holds {held[0]} layers")
+    cfg = fam.config(hf, path)
+    if held is not None and cfg.moe is not None and held[1] and cfg.moe.experts > held[1]:
+        raise StrataError(f"{path}: num_experts is {cfg.moe.experts}, but the checkpoint holds {held[1]} experts a "
+                          f"layer")
+    return fam, cfg
+
+
+def checkpoint_counts(folder: Path) -> tuple[int, int] | None:
+    """How many decoder layers, and experts a layer (0: none by index), a checkpoint's tensor names cover
+    (its safetensors headers only; None without weights)."""
+    try:
+        files = safetensors_files(folder)
+    except StrataError:
+        return None
+    layers, experts = set(), set()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    for found, pattern in ((layers, r"\.layers\.(\d+)\."), (experts, r"\.experts\.(\d+)\.")):
+                        m = re.search(pattern, name)
+                        if m:
+                            found.add(int(m.group(1)))
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise StrataError(f"{path}: cannot read safetensors ({e})") from None
+    return len(layers), len(experts)
 
 
 def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], device,

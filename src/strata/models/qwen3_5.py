@@ -8,7 +8,7 @@ import torch
 from ..errors import StrataError
 from ..layers.linear_attention import GatedDeltaNet
 from ..layers.modules import DecoderLayer, SparseMoE
-from .config import LinearAttentionConfig, moe_from_hf, require
+from .config import LinearAttentionConfig, moe_from_hf, optional, require
 from .decoder import DecoderLM, DenseFamily, dense_hf_layout
 from .registry import register
 
@@ -51,8 +51,8 @@ class Qwen3_5(DenseFamily):
                 set(types) - {"linear_attention", "full_attention"}:
             raise StrataError(f"{where}: field 'layer_types' must list 'linear_attention' or 'full_attention' "
                               f"for each of the {cfg.num_layers} layers")
-        params = hf.get("rope_parameters") or {}
-        factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        factor = optional(hf.get("rope_parameters") or {}, "partial_rotary_factor", where,
+                          optional(hf, "partial_rotary_factor", where, 1.0, float), float)
         rotary = int(cfg.head_dim * factor)
         if rotary % 2 or not 0 < rotary <= cfg.head_dim:
             raise StrataError(f"{where}: partial_rotary_factor {factor} gives {rotary} rotary dims of a head of "
