@@ -444,7 +444,28 @@ GPT2_VOCABS = {
                      "fim_pad_token_id": 5}, ("<|begin_of_text|>", "<|end_of_text|>"),
                     {"<|endoftext|>", "<|end_of_text|>", "<|return|>", "<|call|>", 5}),
     "qwen-default-bos": ("qwen2", (), {"add_bos_token": True}, (11, None), {"<|endoftext|>"}),
+    "gpt-2": ("gpt-2", (), {}, (None, None), {"<|endoftext|>"}),
+    "qwen35": ("qwen35", (), {}, (None, None), {"<|endoftext|>"}),
+    "smollm": ("smollm", (), {}, (None, None), {"<|endoftext|>"}),
+    "tekken": ("tekken", (), {}, (11, None), {"<|endoftext|>"}),
+    "deepseek-r1-qwen": ("deepseek-r1-qwen", (), {}, (None, None), {"<|endoftext|>"}),
 }
+#: texts whose pieces tell the pre-tokenizers apart: letter case, digit runs, combining marks, '/'
+PRE_TEXTS = TEXTS + ["HelloWORLD fooBar x1234567", " e\u0301t\u00e9 na\u0308ive", "path/to/file.py\r\n  'LL 'Re"]
+
+
+def wide_tokenizer(folder, vocab: int = 700):
+    """A byte-level BPE trained without splitting its texts (PRE_TEXTS), so that its merges cross the
+    places where pre-tokenizers split: how a pre-tokenizer splits shows in the ids."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(PRE_TEXTS * 40, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return tok
 
 
 @pytest.mark.parametrize("name", GPT2_VOCABS)
@@ -460,8 +481,9 @@ def test_gguf_vocabularies_add_bos_and_stop_as_llama_cpp_does(checkpoints, tmp_p
     tok = StrataTokenizer.from_gguf(read(path)[0], path)
     by = lambda x: ids[x] if isinstance(x, str) else x  # noqa: E731
     head, tail = [by(bos)] if bos is not None else [], [by(eos)] if eos is not None else []
-    for text in TEXTS:
+    for text in PRE_TEXTS:
         assert tok.encode_prompt(text) == head + tok.encode(text) + tail, text
+        assert tok.decode(tok.encode(text)) == text.replace("<|endoftext|>", "")  # specials not shown
     assert tok.end_ids == {by(x) for x in ends}
     tok.chat_template = "{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}{{ eos_token }}"
     body = tok.encode("[hi][there]")
@@ -480,3 +502,32 @@ def test_a_vocabulary_that_adds_a_bos_it_lacks_is_refused(tmp_path):
     vocab.pre, vocab.add_special = "llama-bpe", {}
     with pytest.raises(StrataError, match="by default"):
         vocab.to_tokenizers("v.gguf")
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "qwen35", "llama-bpe", "smollm", "tekken"])
+def test_byte_level_pre_tokenizers_tokenize_as_the_models_own_tokenizers(tmp_path, pre):
+    """A GGUF vocabulary of each pre-tokenizer llama.cpp names (on a vocabulary whose merges cross the places
+    pre-tokenizers split) encodes as the tokenizer.json of the models it is named for does: GPT-2's regex,
+    Qwen2's, Qwen3.5's (combining marks kept with letters), Llama 3's (digits by three, whole-word tokens
+    unmerged), SmolLM's (digits alone), Mistral Nemo's tekken (letter case). llama.cpp's own spelling of
+    tekken keeps combining marks apart, as Strata does; that text is left out here (the same vocabularies
+    match llama-tokenize on every text: tools/llamacpp_tokenize_check.py)."""
+    from tokenizers import Regex
+    from strata.gguf_file import read
+    from strata.gguf_vocab import PRE_TOKENIZERS
+
+    folder = tmp_path / "wide"
+    folder.mkdir()
+    theirs = wide_tokenizer(folder)
+    spec = PRE_TOKENIZERS[pre]
+    theirs.model.ignore_merges = spec.ignore_merges
+    if spec.hf_split:
+        theirs.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(spec.hf_split), behavior="isolated"),
+                                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        theirs.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True)] * (pre == "smollm")
+                                                       + [pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    gpt2_vocab_file(tmp_path / "v.gguf", folder, pre)
+    ours = StrataTokenizer.from_gguf(read(tmp_path / "v.gguf")[0], tmp_path / "v.gguf")
+    texts = [t for t in PRE_TEXTS if pre != "tekken" or "\u0301" not in t]
+    assert [ours.encode(t) for t in texts] == [theirs.encode(t, add_special_tokens=False).ids for t in texts]

@@ -20,8 +20,8 @@ sys.path[:0] = [str(root / "src"), str(root / "tests")]
 
 from strata.gguf_file import read  # noqa: E402
 from strata.tokenizer import Tokenizer  # noqa: E402
-from test_gguf_target import (GPT2_VOCABS, SPM_TEXTS, SPM_VOCABS, TEXTS, gpt2_vocab_file,  # noqa: E402
-                              qwen2_tokenizer, spm_vocab_file)
+from test_gguf_target import (GPT2_VOCABS, PRE_TEXTS, SPM_TEXTS, SPM_VOCABS, gpt2_vocab_file,  # noqa: E402
+                              spm_vocab_file, wide_tokenizer)
 
 
 def llama_cpp(binary: str, path: Path, text: str, bos: bool) -> list[int]:
@@ -59,11 +59,11 @@ def main() -> int:
                                                        f"add_bos={add_bos}")
         folder = Path(d) / "qwen"
         folder.mkdir()
-        qwen2_tokenizer(folder, 320)
+        wide_tokenizer(folder)
         for name, (pre, extra, keys, _, _) in GPT2_VOCABS.items():
             path = Path(d) / f"{name}.gguf"
             gpt2_vocab_file(path, folder, pre, extra, keys)
-            failures += check(binary, path, TEXTS, f"gpt2 {name}")
+            failures += check(binary, path, PRE_TEXTS, f"gpt2 {name}")
     return 1 if failures else 0
 
 

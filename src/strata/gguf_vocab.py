@@ -17,18 +17,53 @@ from .errors import StrataError
 # Token types (llama.cpp's enum, also gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                r"\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
-#: a Split regex followed by a ByteLevel step without its own regex -> llama.cpp's pre-tokenizer name
-SPLIT_PRE = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LINES = r"\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+@dataclass(frozen=True)
+class Pre:
+    """A byte-level BPE pre-tokenizer llama.cpp names: the regexes it splits the text with, in turn (its own
+    spelling, which tokenizers' Oniguruma runs alike), whether a word that is a token skips the merges,
+    whether a BOS is added when tokenizer.ggml.add_bos_token is absent, and the regex of the models'
+    tokenizer.json Split step it is named for."""
+
+    splits: tuple[str, ...]
+    ignore_merges: bool = False
+    adds_bos: bool = False
+    hf_split: str | None = None
+
+
+#: the pre-tokenizers Strata rebuilds, by llama.cpp's name
+PRE_TOKENIZERS = {
+    "gpt-2": Pre((_GPT2_SPLIT,)),
+    "qwen2": Pre((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _LINES,),
+                 hf_split=r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                          + _LINES),
+    "qwen35": Pre((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|" + _LINES,),
+                  hf_split=r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+"
+                           r"[\r\n]*|" + _LINES),
+    "llama-bpe": Pre((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _LINES,),
+                     ignore_merges=True, adds_bos=True,
+                     hf_split=r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+                              r"[\r\n]*|" + _LINES),
+    "smollm": Pre((r"\p{N}", _GPT2_SPLIT)),
+    "tekken": Pre((r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r\n\p{L}\p{N}]?((?=[\p{L}])"
+                   r"([^a-z]))+((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|" + _LINES,),
+                  ignore_merges=True, adds_bos=True,
+                  hf_split=r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+                           r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?"
+                           r"[^\s\p{L}\p{N}]+[\r\n/]*|" + _LINES),
+}
+#: llama.cpp's other names for the same pre-tokenizers
+PRE_ALIASES = {"phi-2": "gpt-2", "deepseek-r1-qwen": "qwen2", "kormo": "qwen2", "megrez": "qwen2",
+               **{n: "llama-bpe" for n in ("llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")}}
+#: a tokenizer.json's Split regex followed by a ByteLevel step without its own regex -> llama.cpp's name
+SPLIT_PRE = {pre.hf_split: name for name, pre in PRE_TOKENIZERS.items() if pre.hf_split}
 SPECIAL_KEYS = ("bos", "eos", "unk", "sep", "pad", "mask", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
 #: llama.cpp's special ids where a vocabulary of that kind names none (dropped when past its end)
 DEFAULT_SPECIAL = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}}
-#: byte-level BPE pre-tokenizers after which llama.cpp adds a BOS when tokenizer.ggml.add_bos_token is absent
-#: (a SentencePiece vocabulary adds one too)
-BOS_BY_DEFAULT = ("llama-bpe",)
 #: token texts llama.cpp takes as ending generation
 END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
@@ -146,7 +181,12 @@ class Vocab:
         """Whether llama.cpp puts this special token ("bos", "eos") around every prompt it encodes."""
         if kind in self.add_special:
             return self.add_special[kind]
-        return kind == "bos" and (self.model == "llama" or (self.model == "gpt2" and self.pre in BOS_BY_DEFAULT))
+        return kind == "bos" and (self.model == "llama" or (self.byte_pre is not None and self.byte_pre.adds_bos))
+
+    @property
+    def byte_pre(self) -> Pre | None:
+        """A byte-level BPE vocabulary's pre-tokenizer (None: another kind, or one Strata lacks)."""
+        return PRE_TOKENIZERS.get(PRE_ALIASES.get(self.pre, self.pre)) if self.model == "gpt2" else None
 
     def end_of_generation(self) -> set[int]:
         """The ids llama.cpp stops generating at: EOS, EOT and EOM, the FIM pad / repository / file-separator
@@ -189,21 +229,18 @@ class Vocab:
                                                  decoders.Fuse()] + [decoders.Strip(" ", 1, 0)] * prefix)
                 special = (CONTROL, UNKNOWN)
             elif self.model == "gpt2":
-                split = {name: regex for regex, name in SPLIT_PRE.items()}
-                if self.pre == "gpt-2":
-                    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-                elif self.pre in split:
-                    pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split[self.pre]), behavior="isolated"),
-                                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-                else:
+                pre = self.byte_pre
+                if pre is None:
                     raise UnsupportedVocab(f"{where}: tokenizer.ggml.pre {self.pre!r} is not supported (supported: "
-                                           f"gpt-2, {', '.join(split)})")
+                                           f"{', '.join([*PRE_TOKENIZERS, *PRE_ALIASES])})")
                 if not self.merges:  # as llama.cpp, which refuses the file
                     raise StrataError(f"{where}: metadata key 'tokenizer.ggml.merges' is missing (a byte-level BPE "
                                       f"vocabulary needs its merges)")
                 merges = [tuple(m.split(" ", 1)) for m in self.merges]
-                tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=self.pre == "llama-bpe"))
-                tok.pre_tokenizer = pre
+                tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
+                tok.pre_tokenizer = pre_tokenizers.Sequence(
+                    [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.splits]
+                    + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
                 tok.decoder = decoders.ByteLevel()
                 special = (CONTROL,)
             else:
