@@ -3,8 +3,9 @@ built from a Hugging Face tokenizer.json with `tokenizers` and gguf's SpecialVoc
 metadata, written with a GGUFWriter, and compared.
 
 llama.cpp loads a vocabulary for every model it opens, drafters included, and names the
-pre-tokenizer of a byte-level BPE vocabulary by the regex its tokenizer splits with (the facts below
-are those tokenizers' own patterns)."""
+pre-tokenizer of a byte-level BPE vocabulary by the regexes its tokenizer splits with (PRE_TOKENIZERS:
+llama.cpp's spelling of them, and the tokenizer.json pattern each is named for); which tokens it adds
+around a prompt and which end generation are its rules too."""
 
 from __future__ import annotations
 
@@ -197,7 +198,8 @@ class Vocab:
         for kind, texts in FIM_END_TEXTS.items():
             found = [by_text[t] for t in texts if t in by_text]
             tid = self.special.get(kind, found[0] if found else None)
-            ends |= set() if tid is None else {tid}
+            if tid is not None:
+                ends.add(tid)
         ends |= {tid for tid in map(self.special_id, ("eos", "eot", "eom")) if tid is not None}
         texts = {self.tokens[i] for i in ends}
         if "<|end|>" in texts and (texts >= {"<|return|>", "<|call|>"} or texts >= {"<|calls|>", "<|flush|>"}):

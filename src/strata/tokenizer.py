@@ -13,12 +13,11 @@ class Tokenizer:
     def __init__(self, tok, chat_template: str | None = None, special: dict[str, str] | None = None,
                  chat_strips: tuple[str, str] | None = None, end_ids: set[int] | None = None):
         """tok: a tokenizers.Tokenizer whose post-processor adds the model's own BOS / EOS to a prompt (a
-        folder: its tokenizer.json's, as transformers applies it whatever tokenizer_config.json's
-        add_bos_token says);
-        special: the text of bos_token / eos_token, for chat templates; chat_strips: None to encode a rendered
-        chat template without the added tokens (transformers' apply_chat_template), else the BOS / EOS text
-        stripped from its ends before encoding it with them (llama.cpp); end_ids: the ids the vocabulary
-        itself ends generation at."""
+        folder: its tokenizer.json's, which transformers applies whatever tokenizer_config.json's
+        add_bos_token says); special: the text of bos_token / eos_token, for chat templates; chat_strips:
+        None to encode a rendered chat template without the added tokens (transformers'
+        apply_chat_template), else the BOS / EOS text stripped from its ends before encoding it with them
+        (llama.cpp); end_ids: the ids the vocabulary itself ends generation at."""
         self._tok, self.chat_template, self.special = tok, chat_template, dict(special or {})
         self.chat_strips, self.end_ids = chat_strips, set(end_ids or ())
 
