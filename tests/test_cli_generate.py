@@ -89,6 +89,32 @@ def test_generate_text_with_tokenizer(tmp_path, bos):
     assert want.count(1) == bos
 
 
+def test_chat_templates_render_as_transformers_renders_them(tmp_path):
+    """What transformers gives chat templates: loop controls, {% generation %} blocks, strftime_now, a
+    tojson that keeps non-ASCII and HTML characters, raise_exception."""
+    import transformers
+
+    from strata.errors import StrataError
+    from strata.tokenizer import Tokenizer as StrataTokenizer
+
+    make_tokenizer(tmp_path, 300)
+    template = ("{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}"
+                "{% if m.role == 'assistant' %}{% generation %}<a>{{ m.content }}</a>{% endgeneration %}"
+                "{% else %}<{{ m.role }}>{{ m.content | tojson }}{{ {'k': [1, m.content]} | tojson(indent=1) }}"
+                "{% endif %}{% endfor %}[{{ strftime_now('%Y-%m-%d') }}]"
+                "{% if add_generation_prompt %}<a>{% endif %}")
+    messages = [{"role": "system", "content": "héllo <b> & 'q' 日本"}, {"role": "user", "content": "x\ny"},
+                {"role": "assistant", "content": "z"}, {"role": "user", "content": "never shown"}]
+    ours = StrataTokenizer.from_folder(tmp_path)
+    ours.chat_template = template
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    want = theirs.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == want and "never shown" not in want
+    ours.chat_template = "{{ raise_exception('no system role') }}"
+    with pytest.raises(StrataError, match="chat template: no system role"):
+        ours.apply_chat_template(messages)
+
+
 def test_eos_from_generation_config(qwen3_dir, tmp_path):
     path = tmp_path / "m"
     shutil.copytree(qwen3_dir, path)

@@ -3,6 +3,7 @@ vocabulary a GGUF file carries, rebuilt with the tokenizers library."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -102,20 +103,48 @@ class Tokenizer:
         if not self.chat_template:
             raise StrataError("this model's tokenizer has no chat template")
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise jinja2.exceptions.TemplateError(message)
-
-        env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.chat_template).render(
+            return compiled_template(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self.special
             )
         except jinja2.exceptions.TemplateError as e:
             raise StrataError(f"chat template: {e}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_template(source: str):
+    """A chat template compiled in the sandbox with what transformers' apply_chat_template gives templates:
+    loop controls, a {% generation %} block (rendered as its body), raise_exception, strftime_now, and a
+    tojson that keeps non-ASCII and HTML characters as they are."""
+    import datetime
+
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateError as e:
+        raise StrataError(f"chat template: {e}") from None
 
 
 class StreamDecoder:
