@@ -146,6 +146,13 @@ def test_bad_chat_requests(live):
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user"}]})
     assert r.status_code == 400 and "messages.0.content" in r.json()["error"]["message"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
+        live.client.chat.completions.create(model="strata-demo", messages=[{"role": "user", "content": "hi"}],
+                                            tools=tools)
+    out = live.client.chat.completions.create(model="strata-demo", messages=[{"role": "user", "content": "hi"}],
+                                              tools=tools, tool_choice="none", max_tokens=2)
+    assert out.choices[0].message.tool_calls is None and out.usage.completion_tokens == 2
     with pytest.raises(openai.NotFoundError):
         live.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     assert httpx.get(live.url + "/health").status_code == 200

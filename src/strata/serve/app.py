@@ -341,6 +341,9 @@ def create_app(server: Server) -> FastAPI:
         req = await off_loop(decode_request, await read_body(request, cfg.max_body_bytes, cfg.timeout), ChatRequest)
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
+        if req.tools and req.tool_choice != "none":  # as vLLM without a tool-call parser
+            raise APIError(400, "tools are not supported: this server does not parse tool calls (send no tools, or "
+                                "tool_choice 'none')", param="tools")
         if server.tokenizer is None or not server.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]

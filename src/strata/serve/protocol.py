@@ -61,6 +61,8 @@ class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
     top_logprobs: StrictInt | None = None
+    tools: list | None = None
+    tool_choice: Union[StrictStr, dict, None] = None
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
