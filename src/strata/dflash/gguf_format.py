@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .. import gguf_file
-from ..errors import ArtifactError
+from ..errors import ArtifactError, StrataError
 from ..gguf_vocab import Vocab
 from . import contract as C
 from .hf_format import f32
@@ -144,7 +144,10 @@ def config_from_gguf(kv: dict, where: str, fc_in: int | None) -> C.DFlashConfig:
             v = _CONVERT[key.field][1](v)
         if v is not None or not key.optional:
             values[key.field] = v
-    vocab = Vocab.from_metadata(kv, where)
+    try:
+        vocab = Vocab.from_metadata(kv, where)
+    except StrataError as e:  # a drafter's file: refused as the artifact it is
+        raise ArtifactError(str(e)) from None
     if values.get("vocab_size") is None and vocab is not None:
         values["vocab_size"] = len(vocab.tokens)
     n = len(values["target_layer_ids"])
