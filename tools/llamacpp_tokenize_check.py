@@ -31,9 +31,14 @@ def llama_cpp(binary: str, path: Path, text: str, bos: bool) -> list[int]:
 
 
 def llama_cpp_ends(binary: str, path: Path) -> set[int]:
-    log = subprocess.run([binary, "-m", str(path), "--ids", "-v", "-p", "x"], capture_output=True, text=True,
-                         check=True).stderr
-    return {int(m) for m in re.findall(r"print_info: EOG token\s+= (\d+)", log)}
+    """The EOG ids of llama.cpp's vocabulary log; its logger writes from a thread that an exiting process
+    sometimes cuts off before anything is out, so a run whose log lacks the vocabulary's summary is repeated."""
+    for _ in range(10):
+        log = subprocess.run([binary, "-m", str(path), "--ids", "-v", "-p", "x"], capture_output=True, text=True,
+                             check=True).stderr
+        if "print_info: max token length" in log:
+            return {int(m) for m in re.findall(r"print_info: EOG token\s+= (\d+)", log)}
+    raise RuntimeError(f"{binary}: no vocabulary log for {path} in 10 runs")
 
 
 def check(binary: str, path: Path, texts: list[str], label: str) -> int:
