@@ -18,7 +18,6 @@ from .errors import StrataError
 # Token types (llama.cpp's enum, also gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LINES = r"\s*[\r\n]+|\s+(?!\S)|\s+"
 
@@ -36,19 +35,20 @@ class Pre:
     hf_split: str | None = None
 
 
+def _contracted(body: str, **flags) -> Pre:
+    """A pre-tokenizer whose regex starts with the English contractions: tokenizer.json writes them
+    case-insensitive, llama.cpp with a class per letter."""
+    return Pre((r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])" + body,),
+               hf_split=r"(?i:'s|'t|'re|'ve|'m|'ll|'d)" + body, **flags)
+
+
 #: the pre-tokenizers Strata rebuilds, by llama.cpp's name
 PRE_TOKENIZERS = {
     "gpt-2": Pre((_GPT2_SPLIT,)),
-    "qwen2": Pre((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _LINES,),
-                 hf_split=r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                          + _LINES),
-    "qwen35": Pre((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|" + _LINES,),
-                  hf_split=r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+"
-                           r"[\r\n]*|" + _LINES),
-    "llama-bpe": Pre((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _LINES,),
-                     ignore_merges=True, adds_bos=True,
-                     hf_split=r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
-                              r"[\r\n]*|" + _LINES),
+    "qwen2": _contracted(r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _LINES),
+    "qwen35": _contracted(r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|" + _LINES),
+    "llama-bpe": _contracted(r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _LINES,
+                             ignore_merges=True, adds_bos=True),
     "smollm": Pre((r"\p{N}", _GPT2_SPLIT)),
     "tekken": Pre((r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r\n\p{L}\p{N}]?((?=[\p{L}])"
                    r"([^a-z]))+((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|" + _LINES,),
@@ -258,22 +258,29 @@ class Vocab:
             raise StrataError(f"{where}: cannot build a tokenizer from its vocabulary ({e})") from None
         return tok
 
+    def added(self, where) -> dict[str, int]:
+        """The BOS / EOS llama.cpp puts around every prompt: kind -> id; one it adds but lacks is refused."""
+        out = {}
+        for kind in ("bos", "eos"):
+            if self.adds(kind):
+                tid = self.special_id(kind)
+                if tid is None:
+                    how = f"metadata key '{FLAG_KEYS[kind]}'" if kind in self.add_special else "its kind, by default,"
+                    raise StrataError(f"{where}: {how} adds a {kind.upper()} token to every prompt, but no "
+                                      f"'tokenizer.ggml.{kind}_token_id' names one")
+                out[kind] = tid
+        return out
+
     def _added_around(self, where):
         """The BOS / EOS llama.cpp adds around a prompt, as a tokenizers post-processor."""
         from tokenizers import processors
 
-        single, ends = ["$A:0"], []
-        for kind in ("bos", "eos"):
-            if not self.adds(kind):
-                continue
-            tid = self.special_id(kind)
-            if tid is None:
-                how = f"metadata key '{FLAG_KEYS[kind]}'" if kind in self.add_special else "its kind, by default,"
-                raise StrataError(f"{where}: {how} adds a {kind.upper()} token to every prompt, but no "
-                                  f"'tokenizer.ggml.{kind}_token_id' names one")
-            single.insert(0 if kind == "bos" else len(single), f"{kind.upper()}:0")
-            ends.append({"id": kind.upper(), "ids": [tid], "tokens": [self.tokens[tid]]})
-        return processors.TemplateProcessing(single=" ".join(single), special_tokens=ends) if ends else None
+        added = self.added(where)
+        if not added:
+            return None
+        single = ["BOS:0"] * ("bos" in added) + ["$A:0"] + ["EOS:0"] * ("eos" in added)
+        return processors.TemplateProcessing(single=" ".join(single), special_tokens=[
+            {"id": kind.upper(), "ids": [tid], "tokens": [self.tokens[tid]]} for kind, tid in added.items()])
 
     def difference(self, other: "Vocab") -> str | None:
         """Where two vocabularies differ (tokens and their types, merges), or None."""

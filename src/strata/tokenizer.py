@@ -37,7 +37,8 @@ class Tokenizer:
             return None
         ids = {k: vocab.special_id(k) for k in ("bos", "eos")}
         special = {f"{k}_token": vocab.tokens[i] for k, i in ids.items() if i is not None}
-        strips = tuple(vocab.tokens[ids[k]] if vocab.adds(k) and ids[k] is not None else "" for k in ("bos", "eos"))
+        added = vocab.added(where)
+        strips = tuple(vocab.tokens[added[k]] if k in added else "" for k in ("bos", "eos"))
         return cls(vocab.to_tokenizers(where), vocab.chat_template, special, strips, vocab.end_of_generation())
 
     @classmethod
