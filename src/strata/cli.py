@@ -47,13 +47,13 @@ def stop_ids(args, pair) -> set[int]:
     return pair.stop_ids | set(parse_ids(args.stop_ids, "--stop-ids") if args.stop_ids else [])
 
 
-def load(args, drafter: bool = True, window: int | None = None):
-    """(pair, engine config) after every option was checked."""
+def load(args, drafter: bool = True, window: int | None = None, prompt=None):
+    """(pair, engine config) after every option (and with `prompt`, load_pair's, the prompt) was checked."""
     from .engine.loader import load_pair
 
     config = engine_config(args, window)
     spec = pair_spec(args)
-    pair = load_pair(spec, config, drafter)
+    pair = load_pair(spec, config, drafter, prompt)
     if pair.target.expert_plan is not None:
         print(pair.target.expert_plan.report(), file=sys.stderr)
     return pair, config
@@ -77,6 +77,7 @@ def prompt_text(args) -> str | None:
 
 def cmd_generate(args) -> int:
     from .engine.decode import Engine
+    from .engine.loader import text_tokenizer
     from .files import check_output
     from .tokenizer import StreamDecoder
 
@@ -85,16 +86,18 @@ def cmd_generate(args) -> int:
     engine_config(args).check_sampling(params)
     if args.stats_json:
         check_output(args.stats_json, what="--stats-json")
-    pair, config = load(args, window=args.spec)
-    tokenizer = pair.tokenizer
-    if text is not None:
-        tokenizer = pair.text_tokenizer()
+
+    def prompt(tokenizer, no_tokenizer: str) -> list[int]:
+        if text is None:
+            return parse_ids(args.prompt_ids, "--prompt-ids")
+        tokenizer = text_tokenizer(tokenizer, no_tokenizer)
         if args.chat:
-            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
-        else:
-            prompt_ids = tokenizer.encode_prompt(text)
-    else:
-        prompt_ids = parse_ids(args.prompt_ids, "--prompt-ids")
+            return tokenizer.encode_chat([{"role": "user", "content": text}])
+        return tokenizer.encode_prompt(text)
+
+    pair, config = load(args, window=args.spec, prompt=prompt)
+    prompt_ids = pair.prompt_ids
+    tokenizer = pair.tokenizer
     engine = Engine(pair.target, pair.drafter, config)
     if tokenizer is not None and not args.ids:
         stream = StreamDecoder(tokenizer)

@@ -75,6 +75,17 @@ class GenerationResult:
                                                  "nodes_verified": self.acceptance.rounds * (self.tree + 1)})}
 
 
+def check_prompt(prompt_ids: list[int], max_len: int, vocab: int) -> None:
+    """A prompt the engine can take: not empty, shorter than the context, every id in the vocabulary."""
+    if not prompt_ids:
+        raise StrataError("empty prompt: at least one token is needed")
+    if len(prompt_ids) >= max_len:
+        raise StrataError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {max_len}")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise StrataError(f"prompt token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+
+
 class Engine:
     """A target, a drafter and a model runner: serves one sequence at a time."""
 
@@ -89,14 +100,7 @@ class Engine:
         self.policy = WindowPolicy(self.window) if self.config.adaptive_window else None
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise StrataError("empty prompt: at least one token is needed")
-        if len(prompt_ids) >= self.max_len:
-            raise StrataError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_len}")
-        vocab = self.target.cfg.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise StrataError(f"prompt token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+        check_prompt(prompt_ids, self.max_len, self.target.cfg.vocab_size)
 
     def _clock(self) -> float:
         """Wall time. On a GPU only with profile=True, and after waiting for the device, so that segments

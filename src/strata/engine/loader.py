@@ -4,6 +4,7 @@ stop ids the model declares."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,12 +64,17 @@ class Pair:
     using_demo: bool = False
     stop_ids: set[int] = field(default_factory=set)
     no_tokenizer: str = ""  # why tokenizer is None
+    prompt_ids: list[int] | None = None  # load_pair's prompt, checked before the weights loaded
 
     def text_tokenizer(self, why: str = "use --prompt-ids") -> Tokenizer:
         """The tokenizer, for text in or out; without one a one-line error that says why and what to do."""
-        if self.tokenizer is None:
-            raise StrataError(f"{self.no_tokenizer}; {why}")
-        return self.tokenizer
+        return text_tokenizer(self.tokenizer, self.no_tokenizer, why)
+
+
+def text_tokenizer(tokenizer: Tokenizer | None, no_tokenizer: str, why: str = "use --prompt-ids") -> Tokenizer:
+    if tokenizer is None:
+        raise StrataError(f"{no_tokenizer}; {why}")
+    return tokenizer
 
     @property
     def label(self) -> str:
@@ -89,9 +95,12 @@ def resolve(spec: PairSpec) -> tuple[Path, str | None, bool]:
     return demo.TARGET, None if spec.no_dflash else dflash, True
 
 
-def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bool = True) -> Pair:
+def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bool = True,
+              prompt: Callable[[Tokenizer | None, str], list[int]] | None = None) -> Pair:
     """The target, its tokenizer and stop ids, and (drafter=True) the drafter the spec names, checked
-    against the target before any decoding starts."""
+    against the target before any decoding starts. prompt: makes the prompt's ids from the tokenizer
+    (None without one, and why); they are checked against the context and the vocabulary before the
+    weights load, and kept as the pair's prompt_ids."""
     from ..models.loader import load_model_config, load_target
     from ..models.placement import place_experts
 
@@ -101,10 +110,17 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     device = spec.torch_device()
     refuse_unless_fits(cfg.num_layers, (max_len, cfg.num_kv_heads, cfg.head_dim), device, spec.torch_dtype())
     tokenizer, no_tokenizer = tokenizer_of(model_dir)  # before the weights load
+    prompt_ids = None
+    if prompt is not None:
+        from .decode import check_prompt
+
+        prompt_ids = prompt(tokenizer, no_tokenizer)
+        check_prompt(prompt_ids, max_len, cfg.vocab_size)
 
     target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=lambda model: place_experts(
         model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement))
-    pair = Pair(target, tokenizer, None, model_dir, using_demo, declared_stop_ids(target, model_dir, tokenizer), no_tokenizer)
+    pair = Pair(target, tokenizer, None, model_dir, using_demo, declared_stop_ids(target, model_dir, tokenizer), no_tokenizer,
+                prompt_ids)
     if drafter:
         pair.drafter = load_drafter_for(spec, target, engine, dflash)
     return pair
