@@ -105,7 +105,8 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     from ..models.placement import place_experts
 
     model_dir, dflash, using_demo = resolve(spec)
-    cfg = load_model_config(model_dir)[1]  # a bad context length or vocabulary is refused
+    model_config = load_model_config(model_dir)  # a bad context length or vocabulary is refused
+    cfg = model_config[1]
     max_len = engine.context(cfg)
     device = spec.torch_device()
     refuse_unless_fits(cfg.num_layers, (max_len, cfg.num_kv_heads, cfg.head_dim), device, spec.torch_dtype())
@@ -118,7 +119,7 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
         check_prompt(prompt_ids, max_len, cfg.vocab_size)
 
     target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=lambda model: place_experts(
-        model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement))
+        model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement), model_config=model_config)
     pair = Pair(target, tokenizer, None, model_dir, using_demo, declared_stop_ids(target, model_dir, tokenizer), no_tokenizer,
                 prompt_ids)
     if drafter:

@@ -168,15 +168,16 @@ def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], d
 
 
 def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool | None = None,
-                place=None):
+                place=None, model_config: tuple[Family, ModelConfig] | None = None):
     """A Hugging Face folder, or a llama.cpp GGUF file. Its quantized matrices stay quantized on a GPU
     (or with quantized=True: the Triton kernels then run, in the interpreter on the CPU) and are
-    dequantized at load on the CPU. place: see instantiate."""
+    dequantized at load on the CPU. place: see instantiate. model_config: a folder's load_model_config,
+    where the caller already read it (a GGUF file's metadata is read once in any case: gguf_file.read)."""
     path = Path(path)
     if path.is_file():
         return load_gguf_target(path, device, dtype, torch.device(device).type == "cuda" if quantized is None
                                 else quantized, place)
-    fam, cfg = load_model_config(path)
+    fam, cfg = model_config or load_model_config(path)
     state = fam.finish(pack(read_safetensors(path), fam.hf_layout(cfg), dtype, path), cfg)
     return instantiate(fam, cfg, state, device, place=place)
 
