@@ -86,14 +86,25 @@ def optional(cfg: dict, key: str, path: Path, default, kind=int):
     return default if value is None else checked(value, key, path, kind)
 
 
+def must(value, where, label: str, expected: str, ok) -> None:
+    """The one-line refusal of a configuration value (a config.json field, a GGUF metadata key) for which
+    ok(value) fails: where, what, what was expected and what was found."""
+    if not ok(value):
+        raise StrataError(f"{where}: {label} must be {expected}, got {value!r}")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+#: checked()'s kinds: what the message says is expected, and the test
+KINDS = {int: ("a positive integer", lambda v: _number(v) and isinstance(v, int) and v > 0),
+         float: ("a positive number", lambda v: _number(v) and math.isfinite(v) and v > 0),
+         bool: ("true or false", lambda v: isinstance(v, bool))}
+
+
 def checked(value, key: str, path: Path, kind):
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int and not (number and isinstance(value, int) and value > 0):
-        raise StrataError(f"{path}: field '{key}' must be a positive integer, got {value!r}")
-    if kind is float and not (number and math.isfinite(value) and value > 0):
-        raise StrataError(f"{path}: field '{key}' must be a positive number, got {value!r}")
-    if kind is bool and not isinstance(value, bool):
-        raise StrataError(f"{path}: field '{key}' must be true or false, got {value!r}")
+    must(value, path, f"field '{key}'", *KINDS[kind])
     return float(value) if kind is float else value
 
 

@@ -16,7 +16,7 @@ from ..layers.kernels import EAGER, Kernels
 from ..layers.modules import Linear, RMSNorm, Step, causal_masks, run_layers
 from ..layers.quant import QuantWeight
 from ..layers.rotary import RotaryTable
-from .config import ModelConfig, dense_config
+from .config import ModelConfig, dense_config, must
 from .registry import Family
 
 
@@ -162,8 +162,7 @@ def gguf_value(kv: dict, key: str, where: str, default, kind: str, types, ok):
     v = kv.get(key, default)
     if v is None:
         raise StrataError(f"{where}: metadata key '{key}' is missing (expected {kind})")
-    if isinstance(v, bool) or not isinstance(v, types) or not ok(v):
-        raise StrataError(f"{where}: metadata key '{key}' must be {kind}, got {v!r}")
+    must(v, where, f"metadata key '{key}'", kind, lambda v: not isinstance(v, bool) and isinstance(v, types) and ok(v))
     return v
 
 
