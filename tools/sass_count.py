@@ -23,6 +23,9 @@ def compile_sass(fn, signature: dict, constexprs: dict, warps: int, aligned: tup
     from triton.compiler import ASTSource
 
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    for param in fn.params[len(signature):]:  # the parameters with defaults (PDL, the expert mode's): as given
+        signature = {**signature, param.name: "constexpr"}
+        constexprs = {param.name: param.default, **constexprs}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
