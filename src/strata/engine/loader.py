@@ -70,15 +70,15 @@ class Pair:
         """The tokenizer, for text in or out; without one a one-line error that says why and what to do."""
         return text_tokenizer(self.tokenizer, self.no_tokenizer, why)
 
+    @property
+    def label(self) -> str:
+        return "demo" if self.using_demo else (self.model_dir.stem if self.model_dir.is_file() else self.model_dir.name)
+
 
 def text_tokenizer(tokenizer: Tokenizer | None, no_tokenizer: str, why: str = "use --prompt-ids") -> Tokenizer:
     if tokenizer is None:
         raise StrataError(f"{no_tokenizer}; {why}")
     return tokenizer
-
-    @property
-    def label(self) -> str:
-        return "demo" if self.using_demo else (self.model_dir.stem if self.model_dir.is_file() else self.model_dir.name)
 
 
 def resolve(spec: PairSpec) -> tuple[Path, str | None, bool]:
