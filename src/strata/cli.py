@@ -48,7 +48,8 @@ def stop_ids(args, pair) -> set[int]:
 
 
 def load(args, drafter: bool = True, window: int | None = None, prompt=None):
-    """(pair, engine config) after every option (and with `prompt`, load_pair's, the prompt) was checked."""
+    """(pair, engine config) after every option was checked; prompt: load_pair's hook, so that the prompt is
+    checked too before the weights load."""
     from .engine.loader import load_pair
 
     config = engine_config(args, window)
