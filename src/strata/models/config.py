@@ -153,7 +153,8 @@ def dense_config(cfg: dict, path: Path, family: str, qk_norm: bool, rope_scaling
         raise StrataError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     if cfg.get("mlp_bias"):
         raise StrataError(f"{path}: mlp_bias is not supported")
-    sliding = sliding_window_layers(cfg, path, require(cfg, "num_hidden_layers", path))
+    layers = require(cfg, "num_hidden_layers", path)
+    sliding = sliding_window_layers(cfg, path, layers)
     if sliding:
         raise StrataError(f"{path}: use_sliding_window gives layers {sliding[0]}.. a sliding window of "
                           f"{cfg['sliding_window']}, which is not supported")
@@ -162,7 +163,7 @@ def dense_config(cfg: dict, path: Path, family: str, qk_norm: bool, rope_scaling
         vocab_size=require(cfg, "vocab_size", path),
         hidden_size=hidden,
         intermediate_size=require(cfg, "intermediate_size", path),
-        num_layers=require(cfg, "num_hidden_layers", path),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -194,9 +195,7 @@ def moe_from_hf(hf: dict, path, num_layers: int, renormalize: bool, shared: bool
     """A mixture-of-experts config.json's expert fields (num_experts or num_local_experts,
     num_experts_per_tok, moe_intermediate_size; shared_expert_intermediate_size when `shared`); with
     sparse_by_config the sparse layers are those decoder_sparse_step and mlp_only_layers leave, else all."""
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
-    if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
-        raise StrataError(f"{path}: field 'num_experts' must be a positive integer, got {experts!r}")
+    experts = checked(hf.get("num_experts", hf.get("num_local_experts")), "num_experts", path, int)
     top_k = require(hf, "num_experts_per_tok", path)
     optional(hf, "norm_topk_prob", path, False, bool)
     if top_k > experts:
