@@ -221,6 +221,8 @@ def test_placement_by_prefill_routing(tmp_path, capsys):
     assert re.search(r"experts: the prompt's prefill moved \d+ onto the device", err)
     with pytest.raises(StrataError, match="--expert-placement must be one of static, prefill, got 'often'"):
         PairSpec(model=str(path), expert_placement="often")
+    assert main(["generate", "--model", str(path), "--expert-placement", "often", "--prompt-ids", "1"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--expert-placement must be one of static, prefill, got 'often'")
 
 
 def test_a_step_with_host_work_is_captured_in_segments(monkeypatch):

@@ -27,7 +27,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="mixture-of-experts targets: MiB of experts kept on the device, the rest in host memory run "
                         "by the CPU (0: every expert on the CPU; default: what the GPU has left after the other "
                         "weights, the KV cache, the drafter and a workspace; on the CPU every expert stays)")
-    g.add_argument("--expert-placement", choices=("static", "prefill"), default="static",
+    g.add_argument("--expert-placement", default="static", metavar="WHICH",  # PairSpec checks it
                    help="with --expert-cache: which experts the device keeps: each layer's lowest-numbered "
                         "(static, the default: a pinned budget always places the same), or those the first "
                         "prompt's prefill routes to most (prefill: more of each token's experts on the device "
