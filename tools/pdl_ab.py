@@ -1,11 +1,14 @@
 """Programmatic dependent launch on and off (STRATA_PDL, layers/pdl.py) in one process: ms per target-only
 step (padded to each window W: a verify's cost) of a random-weight shape, each setting's outputs compared
 with the first's. Inductor's flag is set once per process, at the first setting's compiled kernels. With
---knob the settings are values of a module constant instead (Python literals, set before each engine).
+--knob the settings are values of module constants instead (Python literals, set before each engine).
 
     PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --windows 1 16 --settings 1 0
     PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --quant Q4_K_M --windows 1 \
-        --knob strata.layers.triton_kernels.NORM_MAX_ROWS --settings 0 64 0 64"""
+        --knob strata.layers.triton_kernels.NORM_MAX_ROWS --settings 0 64 0 64
+    PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --quant Q4_K_M --windows 16 \
+        --knob strata.layers.quant_kernels.PREFETCH_GEMMS --settings False True \
+        --set 'strata.layers.quant_kernels.WORD_SKINNY_CONFIGS=[(64, 4, 2, 2), (64, 4, 1, 8)]'"""
 
 from __future__ import annotations
 
@@ -31,19 +34,30 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-30b-a3b")
     ap.add_argument("--quant", default=None)
     ap.add_argument("--windows", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--settings", nargs="+", default=["1", "0"], help="STRATA_PDL (or --knob) values, in order")
-    ap.add_argument("--knob", default=None, help="a module constant to set instead, e.g. strata.layers.x.NAME")
+    ap.add_argument("--settings", nargs="+", default=["1", "0"],
+                    help="STRATA_PDL (or --knob) values, in order; with several knobs, comma-separated")
+    ap.add_argument("--knob", nargs="+", default=None,
+                    help="module constants to set instead, e.g. strata.layers.x.NAME")
+    ap.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE",
+                    help="module constants fixed for every setting, set first (e.g. a shorter autotune list)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
+    for fixed in args.set:
+        path, value = fixed.split("=", 1)
+        module, name = path.rsplit(".", 1)
+        setattr(importlib.import_module(module), name, ast.literal_eval(value))
     target = random_target(args.shape, device="cuda", dtype=torch.bfloat16, quant=args.quant)
     prompt = torch.randint(0, target.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     opts = EngineConfig(static=True, max_len=512 + args.new_tokens + max(args.windows) + 1)
     first: dict[int, list[int]] = {}
-    module, name = args.knob.rsplit(".", 1) if args.knob else (None, "STRATA_PDL")
+    knobs = [k.rsplit(".", 1) for k in args.knob or []]
+    name = ",".join(n for _, n in knobs) or "STRATA_PDL"
     for setting in args.settings:
-        if module:
-            setattr(importlib.import_module(module), name, ast.literal_eval(setting))
+        if knobs:
+            values = ast.literal_eval(setting if len(knobs) == 1 else f"({setting},)")
+            for (module, knob), value in zip(knobs, [values] if len(knobs) == 1 else values, strict=True):
+                setattr(importlib.import_module(module), knob, value)
         else:
             os.environ["STRATA_PDL"] = setting
         for w in args.windows:
