@@ -5,6 +5,7 @@ tokenizes exactly like that folder's tokenizer.json, and DFlash on a quantized t
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import gguf
@@ -309,10 +310,10 @@ def test_gguf_target_errors_reach_the_cli_in_one_line(checkpoints, monkeypatch, 
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def spm_vocab_file(path, add_space_prefix=None, user=(), add_bos=None) -> tuple[list[str], list[float]]:
-    """A SentencePiece-style (llama) vocabulary in a GGUF file, laid out as llama.cpp's converter lays out a
-    SentencePiece model: <unk>, <s>, </s>, the 256 byte tokens, user tokens, then pieces scored by merge
-    order (a BPE that tokenizers trains on U+2581-joined text)."""
+def spm_layout(user=()) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece (BPE) model's pieces as llama.cpp's converter lays them out: <unk>, <s>, </s>, the 256
+    byte tokens, user tokens, then pieces scored by merge order (a BPE that tokenizers trains on
+    U+2581-joined text); (tokens, scores, types)."""
     from tokenizers import normalizers
 
     bpe = Tokenizer(models.BPE())
@@ -325,6 +326,12 @@ def spm_vocab_file(path, add_space_prefix=None, user=(), add_bos=None) -> tuple[
     tokens += [p for p in pieces if p not in tokens]
     scores = [0.0] * len(types) + [-float(i) for i in range(len(tokens) - len(types))]
     types += [1] * (len(tokens) - len(types))
+    return tokens, scores, types
+
+
+def spm_vocab_file(path, add_space_prefix=None, user=(), add_bos=None) -> tuple[list[str], list[float]]:
+    """spm_layout's vocabulary (a llama model's) in a GGUF file."""
+    tokens, scores, types = spm_layout(user)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
@@ -407,6 +414,97 @@ def test_sentencepiece_vocabularies_tokenize_as_llama_cpp_does(tmp_path, space_p
         if not any(w in text for w in whole + ["\u2581"]):  # text after a whole token gains a space, and a
             assert tok.decode(want) == text, text  # U+2581 in the text decodes as one
     assert merged > len(SPM_TEXTS) // 2  # the pieces did merge
+
+
+def spm_tokenizer_folder(folder, spaces="legacy", user=()) -> Tokenizer:
+    """spm_layout's model as a Hugging Face folder holds a converted SentencePiece model (Llama 2, Mistral):
+    a tokenizer.json BPE with byte fallback whose merges are every split of each piece into two pieces, in
+    the pieces' score order (as transformers' converter writes them), <unk>, <s>, </s> and the user tokens
+    added; its spaces made U+2581 by normalizers with one before the text ("legacy"), or by a Metaspace
+    pre-tokenizer that puts one before each part ("always") or none ("never"). Returns the tokenizer."""
+    from tokenizers import AddedToken, normalizers
+
+    tokens, _, types = spm_layout(user)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [(p[:k], p[k:]) for i, p in enumerate(tokens) if types[i] == 1 for k in range(1, len(p))
+              if p[:k] in vocab and p[k:] in vocab]
+    hf = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    if spaces == "legacy":
+        hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        hf.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", prepend_scheme=spaces, split=False)
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                   + [decoders.Strip(" ", 1, 0)] * (spaces != "never"))
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    hf.add_tokens([AddedToken(t, normalized=False) for t in user])
+    folder.mkdir(parents=True, exist_ok=True)
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
+        "chat_template": "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"}))
+    return hf
+
+
+#: spm_tokenizer_folder's variants: how spaces become U+2581, and user tokens
+SPM_FOLDERS = [("legacy", ()), ("always", ("<tool>", "ZZ")), ("never", ())]
+
+
+def spm_folder_vocab_file(path, folder, spaces, user):
+    """spm_tokenizer_folder's folder written as a llama vocabulary (from_tokenizer_folder) in a GGUF file;
+    (the folder's tokenizer, the vocabulary)."""
+    from strata.gguf_vocab import from_tokenizer_folder
+
+    hf = spm_tokenizer_folder(folder, spaces, user)
+    vocab = from_tokenizer_folder(folder, vocab_size=len(hf.get_vocab()) + 2)
+    w = gguf.GGUFWriter(str(path), "llama")
+    vocab.write(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return hf, vocab
+
+
+@pytest.mark.parametrize("spaces,user", SPM_FOLDERS)
+def test_a_sentencepiece_folder_becomes_a_llama_vocabulary_that_tokenizes_as_it_does(tmp_path, spaces, user):
+    """A Hugging Face folder of a converted SentencePiece model (a byte-fallback BPE) written as llama.cpp's
+    llama vocabulary, as a drafter GGUF carries its target's: the pieces, their kinds and scores that merge
+    in the merges' order, BOS, EOS and the template. Read back, it tokenizes every text as llama.cpp's
+    algorithm does (spm_reference; tools/llamacpp_tokenize_check.py runs llama.cpp's llama-tokenize on the
+    same files) and as the folder's own tokenizer does (the tokenizers library, the peer), but where a
+    Metaspace tokenizer meets a part of the text that starts with a space: it puts no U+2581 before that
+    one, llama.cpp (and Llama 2's normalizers) do."""
+    from strata.gguf_file import read
+
+    path = tmp_path / "spm.gguf"
+    hf, vocab = spm_folder_vocab_file(path, tmp_path / "spm", spaces, user)
+    tokens, _, types = spm_layout(user)
+    assert vocab.model == "llama" and vocab.tokens == tokens + ["[PAD%d]" % len(tokens), "[PAD%d]" % (len(tokens) + 1)]
+    assert vocab.token_types == types + [5, 5]
+    assert (vocab.special, vocab.add_special) == ({"bos": 1, "eos": 2, "unk": 0}, {"bos": True, "eos": False})
+    assert vocab.add_space_prefix is (spaces != "never") and vocab.chat_template.startswith("{% for m")
+    tok = StrataTokenizer.from_gguf(read(path)[0], path)
+    whole = ["<unk>", "<s>", "</s>", *user]
+    alike = 0
+    for text in SPM_TEXTS:
+        want = spm_reference(text, vocab.tokens, vocab.scores, spaces != "never", whole)
+        assert tok.encode(text) == want, text
+        assert tok.encode_prompt(text) == [1] + want, text
+        parts = re.split("|".join(map(re.escape, whole)), text)
+        if spaces != "always" or not any(p.startswith(" ") for p in parts):  # Metaspace adds no U+2581 before
+            assert hf.encode(text, add_special_tokens=False).ids == want, text  # a space; llama.cpp does
+            alike += 1
+    assert alike >= len(SPM_TEXTS) // 2
+
+
+def test_a_byte_fallback_folder_without_sentencepiece_spaces_is_refused(tmp_path):
+    from strata.gguf_vocab import from_tokenizer_folder
+
+    spm_tokenizer_folder(tmp_path, "legacy")
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["normalizer"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(StrataError, match="tokenizer.json: a byte-fallback BPE whose spaces do not become U"):
+        from_tokenizer_folder(tmp_path)
 
 
 def gpt2_vocab_file(path, folder, pre="qwen2", extra=(), keys=None) -> dict[str, int]:

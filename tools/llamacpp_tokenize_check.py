@@ -1,5 +1,5 @@
 """Check Strata's GGUF vocabularies against llama.cpp's own tokenizer: the vocabulary files and texts of
-tests/test_gguf_target.py, each text tokenized by llama.cpp's llama-tokenize and by Strata, bare
+tests/test_gguf_target.py (those Strata writes from tokenizer folders among them), each text tokenized by llama.cpp's llama-tokenize and by Strata, bare
 (--no-bos; `Tokenizer.encode`) and as a prompt (the BOS / EOS llama.cpp adds; `Tokenizer.encode_prompt`),
 and the end-of-generation tokens llama.cpp lists against `Tokenizer.end_ids`. Never from CI (llama.cpp is
 built by ../shared/tools/build_llamacpp.sh, then `cmake --build BUILD --target llama-tokenize`).
@@ -20,8 +20,8 @@ sys.path[:0] = [str(root / "src"), str(root / "tests")]
 
 from strata.gguf_file import read  # noqa: E402
 from strata.tokenizer import Tokenizer  # noqa: E402
-from test_gguf_target import (GPT2_VOCABS, PRE_TEXTS, SPM_TEXTS, SPM_VOCABS, gpt2_vocab_file,  # noqa: E402
-                              spm_vocab_file, wide_tokenizer)
+from test_gguf_target import (GPT2_VOCABS, PRE_TEXTS, SPM_FOLDERS, SPM_TEXTS, SPM_VOCABS,  # noqa: E402
+                              gpt2_vocab_file, spm_folder_vocab_file, spm_vocab_file, wide_tokenizer)
 
 
 def llama_cpp(binary: str, path: Path, text: str, bos: bool) -> list[int]:
@@ -62,6 +62,11 @@ def main() -> int:
             spm_vocab_file(path, space_prefix, user, add_bos)
             failures += check(binary, path, SPM_TEXTS, f"llama add_space_prefix={space_prefix} user={list(user)} "
                                                        f"add_bos={add_bos}")
+        for spaces, user in SPM_FOLDERS:
+            path = Path(d) / f"spm-{spaces}.gguf"
+            spm_folder_vocab_file(path, Path(d) / f"spm-{spaces}", spaces, user)
+            failures += check(binary, path, SPM_TEXTS, f"llama from a tokenizer.json ({spaces} spaces, "
+                                                       f"user={list(user)})")
         folder = Path(d) / "qwen"
         folder.mkdir()
         wide_tokenizer(folder)

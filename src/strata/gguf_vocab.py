@@ -331,9 +331,11 @@ def pre_tokenizer_name(spec: dict, where) -> str:
 
 
 def from_tokenizer_folder(folder: Path, vocab_size: int | None = None, pre: str | None = None) -> Vocab:
-    """A byte-level BPE tokenizer.json (with its tokenizer_config.json) as llama.cpp's converter writes it:
-    tokens by id (ids the tokenizer lacks below vocab_size padded as [PADi], unused), added special tokens
-    as control tokens, the merges, the special token ids and the chat template."""
+    """A tokenizer.json (with its tokenizer_config.json) as llama.cpp's converter writes it: tokens by id (ids
+    the tokenizer lacks below vocab_size padded as [PADi], unused), added special tokens as control tokens,
+    the special token ids and the chat template; a byte-level BPE's merges (gpt2), or a byte-fallback BPE's
+    (Llama 2 and Mistral's SentencePiece models converted) as a llama vocabulary: scores that merge in the
+    same order (_merge_scores), <0xNN> byte tokens, and whether a space goes before the text."""
     import gguf
     from tokenizers import Tokenizer
 
@@ -343,14 +345,16 @@ def from_tokenizer_folder(folder: Path, vocab_size: int | None = None, pre: str 
         tok = Tokenizer.from_file(str(path))
     except (OSError, ValueError, Exception) as e:  # noqa: BLE001 - tokenizers raises plain Exceptions
         raise StrataError(f"{path}: cannot load tokenizer ({e})") from None
-    model = (spec.get("model") or {}).get("type")
-    if model != "BPE" or (spec.get("model") or {}).get("byte_fallback"):
-        raise StrataError(f"{path}: only byte-level BPE vocabularies can be written (got a {model} model"
-                          f"{' with byte fallback' if model == 'BPE' else ''})")
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise StrataError(f"{path}: only BPE vocabularies can be written (byte-level, or SentencePiece-style with "
+                          f"byte fallback); got a {model.get('type')} model")
+    spm = bool(model.get("byte_fallback"))
     vocab = tok.get_vocab(with_added_tokens=True)
     size = max(vocab_size or 0, max(vocab.values()) + 1)
     by_id = {i: t for t, i in vocab.items()}
     added = tok.get_added_tokens_decoder()
+    unk = model.get("unk_token")
     tokens, types = [], []
     for i in range(size):
         if i not in by_id:
@@ -358,18 +362,61 @@ def from_tokenizer_folder(folder: Path, vocab_size: int | None = None, pre: str 
             types.append(UNUSED)
             continue
         text = by_id[i]
-        if i in added:
-            if not added[i].normalized:
+        if spm and text == unk:
+            types.append(UNKNOWN)
+        elif i in added:
+            if not added[i].normalized and not spm:
                 text = tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False)
             types.append(CONTROL if added[i].special or _looks_special(text) else USER_DEFINED)
         else:
-            types.append(NORMAL)
+            types.append(BYTE if spm and _is_byte_token(text) else NORMAL)
         tokens.append(text)
-    special = gguf.SpecialVocab(folder, load_merges=True)
-    return Vocab(model="gpt2", pre=pre or pre_tokenizer_name(spec, path), tokens=tokens, token_types=types,
-                 merges=list(special.merges), special=dict(special.special_token_ids),
-                 add_special={k: bool(v) for k, v in special.add_special_token.items() if k in ("bos", "eos", "sep")},
-                 chat_template=special.chat_template if isinstance(special.chat_template, str) else None)
+    special = gguf.SpecialVocab(folder, load_merges=not spm)
+    common = dict(tokens=tokens, token_types=types, special=dict(special.special_token_ids),
+                  add_special={k: bool(v) for k, v in special.add_special_token.items() if k in ("bos", "eos", "sep")},
+                  chat_template=special.chat_template if isinstance(special.chat_template, str) else None)
+    if spm:
+        return Vocab(model="llama", pre=None, scores=_merge_scores(tokens, model.get("merges") or []),
+                     add_space_prefix=_space_prefix(spec, path), **common)
+    return Vocab(model="gpt2", pre=pre or pre_tokenizer_name(spec, path), merges=list(special.merges), **common)
+
+
+def _is_byte_token(text: str) -> bool:
+    return len(text) == 6 and text.startswith("<0x") and text.endswith(">") and \
+        all(c in "0123456789ABCDEFabcdef" for c in text[3:5])
+
+
+def _merge_scores(tokens: list[str], merges: list) -> list[float]:
+    """SentencePiece scores for a byte-fallback BPE's tokens, by which llama.cpp merges the adjacent pair whose
+    concatenation scores highest: a token's is minus the rank of the first merge that makes it (a tokenizer.json
+    converted from a SentencePiece model lists its merges by the pieces' scores), so the two merge in the same
+    order; a token no merge makes scores below them all (a single character never merges into it)."""
+    first: dict[str, int] = {}
+    for rank, m in enumerate(merges):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        first.setdefault(a + b, rank)
+    return [-float(first[t]) if t in first else -float(len(merges) + i) for i, t in enumerate(tokens)]
+
+
+def _space_prefix(spec: dict, path: Path) -> bool:
+    """Whether a SentencePiece-style tokenizer.json puts U+2581 before the text (llama.cpp's
+    add_space_prefix). Its spaces must become U+2581, as llama.cpp's do: through a Replace normalizer
+    (Llama 2's converter) or a Metaspace pre-tokenizer (later ones); anything else is refused."""
+    def steps(node) -> list[dict]:
+        if not node:
+            return []
+        return [s for n in node.get("normalizers") or node.get("pretokenizers") or [node] for s in steps(n)] \
+            if node.get("type") == "Sequence" else [node]
+
+    norms, pres = steps(spec.get("normalizer")), steps(spec.get("pre_tokenizer"))
+    if any(n.get("type") == "Replace" and (n.get("pattern") or {}).get("String") == " " and n.get("content") == SPACE
+           for n in norms):
+        return any(n.get("type") == "Prepend" and n.get("prepend") == SPACE for n in norms)
+    meta = [p for p in pres if p.get("type") == "Metaspace" and p.get("replacement") == SPACE]
+    if meta:
+        return meta[0].get("prepend_scheme", "always" if meta[0].get("add_prefix_space", True) else "never") != "never"
+    raise StrataError(f"{path}: a byte-fallback BPE whose spaces do not become U+2581 (no Replace normalizer or "
+                      f"Metaspace pre-tokenizer) is not a SentencePiece-style vocabulary llama.cpp reads")
 
 
 def _looks_special(text: str) -> bool:
