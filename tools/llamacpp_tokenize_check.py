@@ -1,7 +1,8 @@
 """Check Strata's GGUF vocabularies against llama.cpp's own tokenizer: the vocabulary files and texts of
-tests/test_gguf_target.py (those Strata writes from tokenizer folders among them), each text tokenized by llama.cpp's llama-tokenize and by Strata, bare
-(--no-bos; `Tokenizer.encode`) and as a prompt (the BOS / EOS llama.cpp adds; `Tokenizer.encode_prompt`),
-and the end-of-generation tokens llama.cpp lists against `Tokenizer.end_ids`. Never from CI (llama.cpp is
+tests/test_gguf_target.py (those Strata writes from tokenizer folders among them), each text tokenized by
+llama.cpp's llama-tokenize and by Strata, bare (--no-bos; `Tokenizer.encode`) and as a prompt (the BOS /
+EOS llama.cpp adds; `Tokenizer.encode_prompt`), and the end-of-generation tokens llama.cpp lists against
+`Tokenizer.end_ids`. Never from CI (llama.cpp is
 built by ../shared/tools/build_llamacpp.sh, then `cmake --build BUILD --target llama-tokenize`).
 
 usage: python tools/llamacpp_tokenize_check.py PATH/TO/llama-tokenize"""

@@ -7,8 +7,8 @@ with the first's. Inductor's flag is set once per process, at the first setting'
     PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --quant Q4_K_M --windows 1 \
         --knob strata.layers.triton_kernels.NORM_MAX_ROWS --settings 0 64 0 64
     PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --quant Q4_K_M --windows 16 \
-        --knob strata.layers.quant_kernels.PREFETCH_GEMMS --settings False True \
-        --set 'strata.layers.quant_kernels.WORD_SKINNY_CONFIGS=[(64, 4, 2, 2), (64, 4, 1, 8)]'"""
+        --knob strata.layers.triton_kernels.QUANTIZE_ROWS strata.layers.triton_kernels.NORM_MAX_ROWS \
+        --settings 1,64 16,64 1,0 --set 'strata.layers.quant_kernels.WORD_SKINNY_CONFIGS=[(64, 4, 2, 1)]'"""
 
 from __future__ import annotations
 
