@@ -75,11 +75,12 @@ def save(tuners: dict, path: Path, source: str) -> bool:
         if choices:
             saved[name] = {"id": _identity(tuner, source), "choices": choices}
     try:
+        text = json.dumps(saved)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(saved), encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
-    except OSError:
+    except (OSError, TypeError, ValueError):  # a read-only home, a key JSON cannot hold: the next run tunes again
         return False
     _SAVED[str(path)] = _count(tuners)
     return True
