@@ -523,35 +523,3 @@ def test_random_quantized_moe_targets_keep_their_experts_in_blocks():
                          for q in (kept.gate_up_proj, kept.down_proj))
         assert torch.equal(ours.gate_up_proj, gate_up.view(4, 2, 256, 256).transpose(0, 1))
         assert torch.equal(ours.down_proj, down)
-
-
-def test_autotune_choices_are_kept_between_processes(tmp_path):
-    """The autotuners' choices saved to a file and put back into fresh autotuners (Triton's own), so that a
-    restarted server does not tune again; not where the kernels' source or the configuration list changed,
-    nor from a broken file."""
-    import triton
-    import triton.language as tl
-
-    from strata.layers import tuned_configs
-
-    @triton.jit
-    def kernel(x_ptr, n, B: tl.constexpr):
-        tl.store(x_ptr + tl.arange(0, B), 0)
-
-    def tuners(warps=(4, 2)):
-        return {"kernel_tuned": triton.autotune([triton.Config({"B": 16}, num_warps=warps[0]),
-                                                 triton.Config({"B": 32}, num_warps=warps[1])], key=["n"])(kernel)}
-
-    first = tuners()
-    first["kernel_tuned"].cache[(4096, True, "torch.uint8")] = first["kernel_tuned"].configs[1]
-    path = tmp_path / "autotune.json"
-    assert tuned_configs.save(first, path, "source 1")
-    assert not tuned_configs.save(first, path, "source 1")  # nothing new since
-    again = tuners()
-    assert tuned_configs.restore(again, path, "source 1") == 1
-    assert again["kernel_tuned"].cache == {(4096, True, "torch.uint8"): again["kernel_tuned"].configs[1]}
-    assert tuned_configs.restore(tuners(), path, "source 2") == 0
-    assert tuned_configs.restore(tuners(warps=(8, 2)), path, "source 1") == 0
-    path.write_text("{not json", encoding="utf-8")
-    assert tuned_configs.restore(tuners(), path, "source 1") == 0
-    assert tuned_configs.cache_file("NVIDIA H200", "3.6.0").name == "autotune-NVIDIA_H200-triton3.6.0.json"

@@ -20,7 +20,7 @@ import torch
 
 from ..cache import aligned_cells
 from ..errors import StrataError
-from ..layers import graph_breaks, quant_kernels
+from ..layers import graph_breaks
 from ..layers.kernels import EAGER, TritonKernels, select_kernels
 from ..layers.modules import Step
 from ..models.decoder import ForwardOut
@@ -61,7 +61,6 @@ class CudaGraphs:
                 fn()  # lazy initialisation (cuBLAS workspaces, kernel selection) stays out of the graph
             torch.cuda.current_stream().wait_stream(side)
             self.graphs[key] = self.capture(fn)
-            quant_kernels.keep_tuned()  # the block shapes fn's first run chose, for the next process
             self.capture_s += time.perf_counter() - t0
         return self.replay(key)
 

@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from . import pdl, tuned_configs
+from . import pdl
 from .triton_kernels import cdiv, pow2, precision
 
 # GGML type ids and their (weights per block, bytes per block)
@@ -877,33 +877,7 @@ def _build():
         kernels["skinny_tuned"] = triton.autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
-        if tuned_configs.enabled() and torch.cuda.is_available():
-            tuned_configs.restore(_tuners(kernels), _tuned_file(), _source())
     return kernels
-
-
-def _tuners(kernels: dict) -> dict:
-    return {name: k for name, k in kernels.items() if name.endswith("_tuned")}
-
-
-def _tuned_file():
-    import triton
-
-    return tuned_configs.cache_file(torch.cuda.get_device_name(), triton.__version__)
-
-
-@functools.cache
-def _source() -> str:
-    from pathlib import Path
-
-    return Path(__file__).read_text(encoding="utf-8")
-
-
-def keep_tuned() -> None:
-    """Save the autotuners' choices so far (tuned_configs), once the kernels exist on a device: after a
-    step is captured, when its kernels have been chosen."""
-    if _build.cache_info().currsize and not _interpreting() and tuned_configs.enabled() and torch.cuda.is_available():
-        tuned_configs.save(_tuners(_build()), _tuned_file(), _source())
 
 
 def _interpreting() -> bool:
