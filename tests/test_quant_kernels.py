@@ -523,3 +523,22 @@ def test_random_quantized_moe_targets_keep_their_experts_in_blocks():
                          for q in (kept.gate_up_proj, kept.down_proj))
         assert torch.equal(ours.gate_up_proj, gate_up.view(4, 2, 256, 256).transpose(0, 1))
         assert torch.equal(ours.down_proj, down)
+
+
+def test_the_autotuners_keep_their_measurements_on_disk():
+    """Built outside the interpreter (in a process of its own; building needs no GPU), every autotuned kernel
+    keeps what it measured in Triton's cache directory (cache_results), so that a restarted server does not
+    tune again."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from strata.layers import quant_kernels as qk; "
+              "k = qk._build(); tuned = [n for n in k if n.endswith('_tuned')]; "
+              "print(len(tuned), all(k[n].cache_results for n in tuned))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).resolve().parents[1] / "src")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["8", "True"], out.stdout

@@ -859,25 +859,36 @@ def _build():
                "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0": gemv_q8_0_kernel,
                "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
-        kernels["gemv_tuned"] = triton.autotune(
+        autotune = functools.partial(triton.autotune, **_disk_cache(triton))
+        kernels["gemv_tuned"] = autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
             key=["N", "K", "QTYPE", "GLU", "EXPERTS"])(gemv_kernel)
         for skinny in WORD_KERNELS.values():
-            kernels[f"{skinny}_tuned"] = triton.autotune(
+            kernels[f"{skinny}_tuned"] = autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
                  for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
-        kernels["gemv_q8_0_tuned"] = triton.autotune(
+        kernels["gemv_q8_0_tuned"] = autotune(
             [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
             key=["N", "K", "GLU", "QTYPE", "EXPERTS"])(gemv_q8_0_kernel)
         for name in LANE_K_GEMVS:
-            kernels[f"{name}_tuned"] = triton.autotune(
+            kernels[f"{name}_tuned"] = autotune(
                 [triton.Config({"RT": rt, "WARPS": w, "KU": ku}, num_warps=w) for rt, w, ku in LANE_K_CONFIGS],
                 key=["N", "K", "GLU", "QTYPE", "EXPERTS"])(kernels[name])
-        kernels["skinny_tuned"] = triton.autotune(
+        kernels["skinny_tuned"] = autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
     return kernels
+
+
+def _disk_cache(triton) -> dict:
+    """triton.autotune's keywords that keep its measurements in Triton's cache directory (~/.triton/cache,
+    $TRITON_CACHE_DIR; Triton 3.4 and later), keyed by the kernel's source and its helpers', the tuning key and
+    the configuration list: a restarted server or a second run on the same GPU chooses without measuring
+    again (an 8B Q4_K_M target's decode shapes took 88 s to tune on the H200, its 16-row verify 335 s more)."""
+    import inspect
+
+    return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def _interpreting() -> bool:
