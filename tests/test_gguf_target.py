@@ -629,3 +629,26 @@ def test_byte_level_pre_tokenizers_tokenize_as_the_models_own_tokenizers(tmp_pat
     ours = StrataTokenizer.from_gguf(read(tmp_path / "v.gguf")[0], tmp_path / "v.gguf")
     texts = [t for t in PRE_TEXTS if pre != "tekken" or "\u0301" not in t]
     assert [ours.encode(t) for t in texts] == [theirs.encode(t, add_special_tokens=False).ids for t in texts]
+
+
+def test_convert_dflash_carries_a_sentencepiece_targets_vocabulary(tmp_path):
+    """convert-dflash --target over a folder of a converted SentencePiece model: the drafter GGUF holds the
+    llama vocabulary (gguf's reader sees its kind, tokens, their kinds and scores), and inspect reads it."""
+    from strata.gguf_vocab import from_tokenizer_folder
+
+    spm_tokenizer_folder(tmp_path / "target", "legacy")
+    tokens, _, types = spm_layout()
+    write_hf_drafter(tmp_path / "drafter", vocab=len(tokens), mask_token_id=len(tokens) - 1, tokenizer=False)
+    out = tmp_path / "drafter.gguf"
+    r = run_cli("convert-dflash", tmp_path / "drafter", out, "--target", tmp_path / "target")
+    assert r.returncode == 0, r.stderr
+    fields = gguf.GGUFReader(str(out)).fields
+    assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+    assert [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode()
+            for i in fields["tokenizer.ggml.tokens"].data] == tokens
+    assert [int(fields["tokenizer.ggml.token_type"].parts[i][0])
+            for i in fields["tokenizer.ggml.token_type"].data] == types
+    scores = [float(fields["tokenizer.ggml.scores"].parts[i][0]) for i in fields["tokenizer.ggml.scores"].data]
+    assert scores == from_tokenizer_folder(tmp_path / "target", len(tokens)).scores
+    r = run_cli("inspect", out)
+    assert r.returncode == 0 and f"vocabulary: llama (pre-tokenizer None), {len(tokens)} tokens" in r.stdout, r.stdout
