@@ -10,7 +10,6 @@ usage: python tools/spm_llamacpp_check.py LLAMA_CPP_SOURCE_DIR PATH/TO/llama-tok
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -25,6 +24,8 @@ from strata.gguf_file import read  # noqa: E402
 from strata.gguf_vocab import from_tokenizer_folder  # noqa: E402
 from strata.tokenizer import Tokenizer  # noqa: E402
 from test_gguf_target import SPM_TEXTS  # noqa: E402
+
+from llamacpp_tokenize_check import llama_cpp  # noqa: E402  (this script's folder)
 
 
 def make_folder(d: Path) -> Path:
@@ -69,12 +70,6 @@ def fields(path: Path) -> tuple[list[str], list[int]]:
     f = gguf.GGUFReader(str(path)).fields
     return ([bytes(f["tokenizer.ggml.tokens"].parts[i]).decode() for i in f["tokenizer.ggml.tokens"].data],
             [int(f["tokenizer.ggml.token_type"].parts[i][0]) for i in f["tokenizer.ggml.token_type"].data])
-
-
-def llama_cpp(binary: str, path: Path, text: str, bos: bool) -> list[int]:
-    out = subprocess.run([binary, "-m", str(path), "--ids", "--log-disable", "-p", text] + ["--no-bos"] * (not bos),
-                         capture_output=True, text=True, check=True).stdout
-    return ast.literal_eval(out.strip().splitlines()[-1])
 
 
 def main() -> int:
