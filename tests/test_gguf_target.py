@@ -456,11 +456,7 @@ def spm_folder_vocab_file(path, folder, spaces, user):
 
     hf = spm_tokenizer_folder(folder, spaces, user)
     vocab = from_tokenizer_folder(folder, vocab_size=len(hf.get_vocab()) + 2)
-    w = gguf.GGUFWriter(str(path), "llama")
-    vocab.write(w)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
+    vocab_only_file(path, vocab, "llama")
     return hf, vocab
 
 
@@ -520,12 +516,17 @@ def gpt2_vocab_file(path, folder, pre="qwen2", extra=(), keys=None) -> dict[str,
             vocab.special[key.removesuffix("_token_id")] = value
         else:
             vocab.add_special[key.removeprefix("add_").removesuffix("_token")] = value
-    w = gguf.GGUFWriter(str(path), "qwen3")
+    vocab_only_file(path, vocab, "qwen3")
+    return {t: i for i, t in enumerate(vocab.tokens)}
+
+
+def vocab_only_file(path, vocab, arch: str) -> None:
+    """A GGUF file of `arch` holding only a vocabulary (as llama-tokenize reads one)."""
+    w = gguf.GGUFWriter(str(path), arch)
     vocab.write(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
-    return {t: i for i, t in enumerate(vocab.tokens)}
 
 
 #: GGUF vocabularies (pre-tokenizer, extra control tokens, keys) whose BOS / EOS and end-of-generation

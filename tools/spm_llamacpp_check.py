@@ -23,7 +23,7 @@ sys.path[:0] = [str(root / "src"), str(root / "tests")]
 from strata.gguf_file import read  # noqa: E402
 from strata.gguf_vocab import from_tokenizer_folder  # noqa: E402
 from strata.tokenizer import Tokenizer  # noqa: E402
-from test_gguf_target import SPM_TEXTS  # noqa: E402
+from test_gguf_target import SPM_TEXTS, vocab_only_file  # noqa: E402
 
 from llamacpp_tokenize_check import llama_cpp  # noqa: E402  (this script's folder)
 
@@ -78,13 +78,7 @@ def main() -> int:
         d = Path(tmp)
         folder = make_folder(d)
         ours, theirs = d / "strata.gguf", d / "llama-cpp.gguf"
-        import gguf
-
-        w = gguf.GGUFWriter(str(ours), "llama")
-        from_tokenizer_folder(folder).write(w)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.close()
+        vocab_only_file(ours, from_tokenizer_folder(folder), "llama")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
         subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
                         "--outfile", str(theirs)], check=True, capture_output=True, env=env)
