@@ -56,9 +56,13 @@ def test_quantize_x_blocks_of_32():
     x[0, 64:96] *= 1e4
     q, d, s = qk.quantize_x(x)
     tq, td = int8_twin(x)
-    assert q.dtype == torch.int8 and torch.equal(q.float(), tq.flatten()) and torch.equal(d, td.flatten())
+    assert q.dtype == torch.int8 and q.shape == (1024 + 32 * 34,)
+    assert torch.equal(q[:1024].float(), tq.flatten()) and torch.equal(d, td.flatten())
     assert torch.equal(s, tq.reshape(-1, 16).sum(1) * td.repeat_interleave(2, 0).flatten())
     assert q.abs().max() == 127 and not q[32:64].any()
+    # then the same values as a Q8_0 row lays out its blocks' (gemv_q8_0c's x): two zero bytes for each d
+    rows = q[1024:].reshape(32, 34)
+    assert not rows[:, :2].any() and torch.equal(rows[:, 2:].flatten(), q[:1024])
     # a few rows: X_ROWS of them, zeros past the third; each block's d and sum side by side
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4))
     q, ds = qk.quantize_x(x)
@@ -94,8 +98,9 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every
     offset from a 16-byte boundary (the GEMV's last one reads a chunk past the matrix, which must stay
     masked; the GEMM assembles odd ones' words from two) and Q8_0's blocks at each of their 4 offsets from
-    an 8-byte one (both its kernels on int8 x), float32 x to 1e-6 and half-precision x as rounded; rows of W
-    not a multiple of a program's, gate/up fused, K slices past the last (Q8_0's gate/up)."""
+    an 8-byte one (both its kernels on int8 x; its GEMV's 16-byte chunks meet a d at each even byte),
+    float32 x to 1e-6 and half-precision x as rounded; rows of W not a multiple of a program's, gate/up
+    fused, K slices past the last (Q8_0's gate/up)."""
     raw = blocks(qtype, 10, 2048, 40 + qtype.value)
     w = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)).double()
     data = torch.from_numpy(raw.copy())
@@ -107,10 +112,9 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
         assert qk.int8_x(int(qtype), rows, 2048)
         assert 1e-4 < rel(qk.matmul(x, data, int(qtype), 9).double(), x.double() @ w[:9].T) <= 2e-2
     # two blocks of rows, the second part empty; the GEMM's K in 3 slices (Q6_K's last empty), then 2
-    configs = [(4, 8, 1), (2, 32, 2) if qtype == T.Q8_0 else (4, 8, 1)] if rows == 1 else \
-        [(8, 4, 1, 3), (8, 4, 1, 2)]
-    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) and rows == 1:  # lanes along K: 16 superblocks a step (8 past K), then 4
-        configs = [(1, 2, 4), (2, 4, 1)]
+    configs = [(1, 2, 4), (2, 4, 1)] if rows == 1 else [(8, 4, 1, 3), (8, 4, 1, 2)]
+    # lanes along K: 16 superblocks a step (8 past K), then 4; Q8_0's 136 16-byte chunks a row take 128, then 32
+    # (the last step 8: each of a block's 4 offsets from a chunk, the d of a block past the row)
     assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
@@ -541,4 +545,4 @@ def test_the_autotuners_keep_their_measurements_on_disk():
     out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).resolve().parents[1] / "src")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["8", "True"], out.stdout
+    assert out.stdout.split() == ["9", "True"], out.stdout

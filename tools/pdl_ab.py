@@ -29,6 +29,14 @@ from strata.engine.decode import Engine  # noqa: E402
 from strata.models.random_init import random_target  # noqa: E402
 
 
+def set_constants(items: list[str]) -> None:
+    """Set module constants from MODULE.NAME=VALUE items (VALUE a Python literal)."""
+    for fixed in items:
+        path, value = fixed.split("=", 1)
+        module, name = path.rsplit(".", 1)
+        setattr(importlib.import_module(module), name, ast.literal_eval(value))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-30b-a3b")
@@ -43,10 +51,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
-    for fixed in args.set:
-        path, value = fixed.split("=", 1)
-        module, name = path.rsplit(".", 1)
-        setattr(importlib.import_module(module), name, ast.literal_eval(value))
+    set_constants(args.set)
     target = random_target(args.shape, device="cuda", dtype=torch.bfloat16, quant=args.quant)
     prompt = torch.randint(0, target.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     opts = EngineConfig(static=True, max_len=512 + args.new_tokens + max(args.windows) + 1)

@@ -2,7 +2,7 @@
 matrices of random valid GGUF blocks, on a CUDA device: achieved GB/s (bytes of blocks read per call
 over its time) for each type and configuration, against the device's copy bandwidth.
 
-usage: python tools/quant_sweep.py [--types Q4_K Q6_K Q8_0] [--rows 1 16] [--out FILE.json]"""
+usage: python tools/quant_sweep.py [--types Q4_K Q6_K Q8_0] [--rows 1 16] [--out FILE.json] [--set MODULE.NAME=VALUE]"""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from strata.layers import quant_kernels as qk  # noqa: E402
 from strata.layers.quant import random_blocks  # noqa: E402
+from pdl_ab import set_constants  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -49,11 +50,14 @@ def main() -> None:
     ap.add_argument("--matrices", nargs="+", default=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--out")
+    ap.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE",
+                    help="module constants set first (e.g. strata.layers.quant_kernels.Q8_0_LANES_K=False)")
     args = ap.parse_args()
+    set_constants(args.set)
     gen = torch.Generator(device="cuda").manual_seed(0)
     src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     copy = 2 * src.numel() / timed(lambda: src.clone())
-    results = {"copy_GBps": copy / 1e9, "runs": []}
+    results = {"copy_GBps": copy / 1e9, "set": args.set, "runs": []}
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s")
     for name in args.types:
         qtype = NAMES[name]

@@ -319,9 +319,10 @@ def _build():
         """x [M, KB * 32] -> int8 q [MP, KB * 32] with x ~ d * q per 32 values (d = max |x| / 127, q rounded
         to nearest even), and d with the sums of d * q: the integer products' x, which compute with d * q in
         place of x exactly but for float32 rounding. SUMS 16 (the GEMVs'): d [KB, MP], the sums per 16 in s
-        [2 KB, MP]; SUMS 32 (the few-row GEMMs'): d and the sum per 32 side by side in d [KB, MP, 2], one
-        8-byte load (s unused). Rows M .. MP (the few-row GEMMs' padding) are zeros; the scales are stored
-        K-major, so that a program reads its rows' at one K together."""
+        [2 KB, MP], and q again in Q8_0's row layout after q (quantize_blocks); SUMS 32 (the few-row
+        GEMMs'): d and the sum per 32 side by side in d [KB, MP, 2], one 8-byte load (s unused). Rows M ..
+        MP (the few-row GEMMs' padding) are zeros; the scales are stored K-major, so that a program reads its
+        rows' at one K together."""
         settle(PDL)
         b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = b < NB
@@ -349,6 +350,11 @@ def _build():
             sums = tl.sum(tl.reshape(q, (B, 2, 16)), axis=2) * d[:, None]
             tl.store(s_ptr + (2 * kb[:, None] + tl.arange(0, 2)[None, :]) * MP + row[:, None], sums,
                      mask=ok[:, None])
+            # after the MP rows of q, q again in Q8_0's row layout (gemv_q8_0c_kernel's x): each block's 32
+            # values 2 bytes into its 34, zeros where a Q8_0 row holds the block's d
+            xr = q_ptr + MP * KB * 32 + (row * KB + kb)[:, None] * 34
+            tl.store(xr + 2 + j, q.to(tl.int8), mask=ok[:, None])
+            tl.store(xr + tl.arange(0, 2)[None, :], tl.zeros([B, 2], dtype=tl.int8), mask=ok[:, None])
 
     @triton.jit
     def _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr, expert_bytes, K, stride_y, SHARE: tl.constexpr,
@@ -637,6 +643,66 @@ def _build():
         _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
 
     @triton.jit
+    def gemv_q8_0c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
+                          RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
+                          QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
+                          stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1):
+        """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
+        chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
+        gemv_q8_0_kernel, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
+        so x comes in the row's layout too (quantize_x's tail: each block's values 2 bytes into its 34,
+        zeros under its d): a weight word and the x word at the same offset make a dp4a with no shifting.
+        A word belongs to the block of its second byte, so a chunk's words are those of block A, which
+        ends in it, then of block B, whose d it holds: two integer sums, each scaled by its block's d (a
+        2-byte load from lines just read) and xd. xs unused; no EXPERTS (gemv_q8_0_kernel takes those)."""
+        tl.static_assert(not EXPERTS)
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        f16 = w_ptr.to(tl.pointer_type(tl.float16))
+        xr32 = (q_ptr + K).to(tl.pointer_type(tl.int32))
+        lane = tl.arange(0, 32)[None, :] + 0 * tl.arange(0, WARPS)[:, None]
+        i = tl.arange(0, 4)[None, None, :]
+        NR: tl.constexpr = 2 * RT if GLU else RT
+        chunks = K // 256 * 17
+        last = K // 32 - 1
+        first, acc, bases = _lane_rows(N, row_words, GLU, RT, WARPS)
+        settle(PDL)
+        for it in range(0, chunks, 32 * KU):
+            xs = ()
+            for u in tl.static_range(KU):
+                c = it + 32 * u + lane
+                live = c < chunks
+                c = tl.where(live, c, 0)
+                jb = (16 * c + 33) // 34  # the first block whose d is at or past the chunk's start
+                at = 34 * jb - 16 * c  # that d's byte in the chunk (none in it from 16 on)
+                xw = _words(tl.load(xr32 + tl.multiple_of(4 * c, (4, 4))[:, :, None] + i))
+                xa = ()
+                xb = ()
+                for e in tl.static_range(4):
+                    xa += (tl.where(4 * e < at, xw[e], 0),)
+                    xb += (tl.where(4 * e < at, 0, xw[e]),)
+                ja = tl.maximum(jb - 1, 0)
+                jb = tl.minimum(jb, last)
+                xs += ((c, ja, jb, xa, xb, tl.where(live, tl.load(xd_ptr + ja), 0.0),
+                        tl.where(live, tl.load(xd_ptr + jb), 0.0)),)
+            nxt = ()
+            for r in tl.static_range(NR):
+                a = acc[r]
+                for u in tl.static_range(KU):
+                    c, ja, jb, xa, xb, xda, xdb = xs[u]
+                    w = _words(tl.load(w32 + tl.multiple_of(bases[r] + 4 * c, (4, 4))[:, :, None] + i))
+                    ia = tl.zeros([WARPS, 32], dtype=tl.int32)
+                    ib = tl.zeros([WARPS, 32], dtype=tl.int32)
+                    for e in tl.static_range(4):
+                        ia = _dp4a(w[e], xa[e], ia, ASM, True)
+                        ib = _dp4a(w[e], xb[e], ib, ASM, True)
+                    da = tl.load(f16 + 2 * bases[r] + 17 * ja).to(tl.float32)
+                    db = tl.load(f16 + 2 * bases[r] + 17 * jb).to(tl.float32)
+                    a += da * (xda * ia.to(tl.float32)) + db * (xdb * ib.to(tl.float32))
+                nxt += (a,)
+            acc = nxt
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS)
+
+    @triton.jit
     def _k_range(blocks, SPLIT: tl.constexpr):
         """This program's slice of a K loop of `blocks` steps: slice program_id(1) of SPLIT."""
         per = tl.cdiv(blocks, SPLIT)
@@ -856,7 +922,7 @@ def _build():
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "quantize_x": quantize_x_kernel, "quantize_blocks": quantize_blocks, "gemv_q4k8c": gemv_q4k8c_kernel,
-               "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0": gemv_q8_0_kernel,
+               "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0": gemv_q8_0_kernel, "gemv_q8_0c": gemv_q8_0c_kernel,
                "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         autotune = functools.partial(triton.autotune, **_disk_cache(triton))
@@ -985,14 +1051,17 @@ def _counters(device) -> torch.Tensor:
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
 #: products do: dp4a over bytes in place of float arithmetic per weight (against float x:
 #: bench/results/quant-sweep-int8-x-h200.json); their names in _build()
-INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0"}
+INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0c"}
 #: the GEMVs with lanes along K (LANE_K_CONFIGS); the others take a thread per (row, block)
-LANE_K_GEMVS = ("gemv_q4k8c", "gemv_q6k8c")
+LANE_K_GEMVS = ("gemv_q4k8c", "gemv_q6k8c", "gemv_q8_0c")
+#: Q8_0's GEMV with its lanes along K (gemv_q8_0c_kernel); else, and for experts always, a thread per 4
+#: blocks (gemv_q8_0_kernel)
+Q8_0_LANES_K = True
 #: the types with a few-row GEMM of their own on 32-bit words (skinny_q4k8 and skinny_q8_0 on int8 x and integer
 #: tensor cores, as their GEMVs compute)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k", Q8_0: "skinny_q8_0"}
 #: the kernels that take x as quantize_x makes it; the few-row ones take X_ROWS rows of it
-INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8", "skinny_q8_0"}
+INT8_KERNELS = set(INT8_GEMVS.values()) | {"gemv_q8_0", "skinny_q4k8", "skinny_q8_0"}
 X_ROWS = 16
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
@@ -1000,15 +1069,18 @@ X_ROWS = 16
 EXPERT_WORD_GEMVS = True
 
 
-def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0) -> str | None:
-    """The word kernel for this product over a matrix of nbytes, if any. Q6_K's 210-byte superblocks lie
-    anywhere in 16-byte chunks: its GEMV reads the chunks around them from the matrix's start, its rows at
-    any even byte, with int32 byte offsets (nbytes < 2 GiB); its GEMM takes superblocks in pairs from
-    4-byte boundaries (512 | cols). Q8_0's GEMM takes blocks in fours (128 | cols)."""
+def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0, experts: bool = False) -> str | None:
+    """The word kernel for this product over a matrix of nbytes (of stacked experts), if any. Q6_K's
+    210-byte superblocks lie anywhere in 16-byte chunks: its GEMV reads the chunks around them from the
+    matrix's start, its rows at any even byte, with int32 byte offsets (nbytes < 2 GiB); its GEMM takes
+    superblocks in pairs from 4-byte boundaries (512 | cols). Q8_0's GEMM takes blocks in fours (128 | cols);
+    its lanes-along-K GEMV reads each block's d through int32 offsets in float16 units (nbytes < 4 GiB)."""
     if qtype == Q6_K and ((rows > 1 and cols % 512) or (rows == 1 and nbytes >= 2 ** 31)):
         return None
     if qtype == Q8_0 and rows > 1 and cols % 128:
         return None
+    if qtype == Q8_0 and rows == 1 and (experts or not Q8_0_LANES_K or nbytes >= 2 ** 32):
+        return "gemv_q8_0"
     return (INT8_GEMVS if rows == 1 else WORD_KERNELS).get(qtype)
 
 
@@ -1028,10 +1100,11 @@ def int8_x(qtype: int, rows: int, cols: int, nbytes: int = 0) -> bool:
 
 
 def x8_buffers(rows: int, k: int, device) -> tuple[tuple[torch.Tensor, ...], int, int]:
-    """Where quantize_x's result for [rows, k] goes: ((q, d, s), MP, SUMS)."""
+    """Where quantize_x's result for [rows, k] goes: ((q, d, s), MP, SUMS); one row's q with its copy in
+    Q8_0's row layout after it (k / 32 * 34 bytes)."""
     mp, sums = (1, 16) if rows == 1 else (X_ROWS, 32)
     assert rows <= mp, rows
-    return ((torch.empty(mp, k, dtype=torch.int8, device=device),
+    return ((torch.empty(mp, k + (k // 32 * 34 if rows == 1 else 0), dtype=torch.int8, device=device),
              torch.empty(k // 32, mp, 2 if rows > 1 else 1, dtype=torch.float32, device=device),
              torch.empty(k // 16 if rows == 1 else 1, dtype=torch.float32, device=device)), mp, sums)
 
@@ -1045,7 +1118,8 @@ def x8_result(buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x [M, K] -> int8 q [MP, K] with x ~ d * q per 32 values, and the scales d and the sums s of d * q,
     which the products' offsets (Q4_K's mins, Q6_K's -32) multiply. One row (MP = 1), the GEMVs' x:
-    (q [K], d [K / 32], s [K / 16]); a few (MP = X_ROWS, zeros past M), the few-row GEMMs': (q, ds), ds
+    (q [K + K / 32 * 34]: q, then q laid out as a Q8_0 row with zeros for its d's; d [K / 32], s [K / 16]);
+    a few (MP = X_ROWS, zeros past M), the few-row GEMMs': (q, ds), ds
     [K / 32, X_ROWS, 2] holding each block's d and s (per 32) side by side. An x that a norm kernel
     already quantized (remember_x8) is not quantized again."""
     rows, k = x.shape
@@ -1185,7 +1259,7 @@ def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: 
     assert ids.numel() == rows * share and data.is_contiguous(), (ids.shape, rows, share)
     x = x.contiguous()
     y = torch.empty(ids.numel(), n, device=x.device, dtype=x.dtype)
-    word = _word_kernel(qtype, 1, k, data[0].numel()) if EXPERT_WORD_GEMVS else None
+    word = _word_kernel(qtype, 1, k, data[0].numel(), experts=True) if EXPERT_WORD_GEMVS else None
     if word:  # the rows laid end to end: each quantized as one row is (its blocks never straddle rows)
         _word_gemv(word, quantize_x(x.view(1, -1)), data, y, qtype, n, k, data.stride(1), glu, config,
                    ids.numel(), ids_ptr=ids.contiguous(), expert_bytes=data.stride(0), stride_y=y.stride(0),
