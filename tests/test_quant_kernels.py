@@ -112,9 +112,10 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
         assert qk.int8_x(int(qtype), rows, 2048)
         assert 1e-4 < rel(qk.matmul(x, data, int(qtype), 9).double(), x.double() @ w[:9].T) <= 2e-2
     # two blocks of rows, the second part empty; the GEMM's K in 3 slices (Q6_K's last empty), then 2
-    configs = [(1, 2, 4), (2, 4, 1)] if rows == 1 else [(8, 4, 1, 3), (8, 4, 1, 2)]
-    # lanes along K: 16 superblocks a step (8 past K), then 4; Q8_0's 136 16-byte chunks a row take 128, then 32
-    # (the last step 8: each of a block's 4 offsets from a chunk, the d of a block past the row)
+    configs = [(1, 2, 4, 1), (2, 4, 1, 2)] if rows == 1 else [(8, 4, 1, 3), (8, 4, 1, 2)]
+    # lanes along K: 16 superblocks a step (8 past K), then 4 with two warps taking a row's in turns; Q8_0's
+    # 136 16-byte chunks a row take 128, then 32 (the last step 8: each of a block's 4 offsets from a chunk, the
+    # d of a block past the row)
     assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
@@ -157,7 +158,7 @@ def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
-    monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4)])
+    monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4, 1)])
     monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
     hf, _ = write_hf_model(tmp_path / "hf", "qwen3", seed=4, vocab=320, hidden_size=256, intermediate_size=256,
                            head_dim=64, layers=2)
@@ -221,7 +222,7 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
-    monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4)])
+    monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4, 1)])
     monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
     target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
                                    head_dim=64, layers=2)
@@ -300,7 +301,7 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
     from conftest import forward_at
 
     for name, shapes in (("GEMV_CONFIGS", [(128, 4, 4)]), ("SKINNY_CONFIGS", [(128, 4, 4)]),
-                         ("LANE_K_CONFIGS", [(1, 256, 4)]), ("WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])):
+                         ("LANE_K_CONFIGS", [(1, 256, 4, 1)]), ("WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])):
         monkeypatch.setattr(qk, name, shapes)  # wide blocks: few interpreted programs
     moe = dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2) if shape == "tiny-moe" else {}
     target = random_target(shape, quant="Q4_K_M", quantized=True, hidden_size=256, intermediate_size=256,
@@ -351,7 +352,7 @@ def test_expert_gemvs_over_quantized_experts(qtype):
     computed = [as_computed(row[None], qtype, k)[0] for row in x]
     want = torch.stack([computed[a // 2] @ values[i].T for a, i in enumerate(ids.tolist())])
     # few programs for the interpreter (the result does not depend on the block shape)
-    wide = (2, 4, 1) if qk.int8_x(int(qtype), 1, k) else (16, 4, 1)
+    wide = (2, 4, 1, 1) if qk.int8_x(int(qtype), 1, k) else (16, 4, 1)
     if qtype == T.Q8_0:
         wide = (8, 4, 1)
     assert rel(qk.expert_matmul(x, data, int(qtype), n, ids, share=2, glu=True, config=wide).double(),
@@ -366,12 +367,12 @@ def test_expert_gemvs_over_quantized_experts(qtype):
         computed = [as_computed(row[None], qtype, 2048)[0] for row in x]
         want = torch.stack([computed[a // 2] @ values[i].T for a, i in enumerate([1, 0, 1, 1])])
         got = qk.expert_matmul(x, torch.from_numpy(raw.copy()), int(qtype), 3, torch.tensor([1, 0, 1, 1]), share=2,
-                               glu=True, config=(1, 2, 4))
+                               glu=True, config=(1, 2, 4, 1))
         assert qk.int8_x(int(qtype), 1, 2048) and rel(got.double(), silu_mul(want)) <= 1e-6
         raw = blocks(qtype, 5, 768, 70)  # 630-byte rows
         x = torch.randn(1, 768, generator=gen)
         want = as_computed(x, qtype, 768) @ torch.from_numpy(quants.dequantize(raw, qtype)).double().T
-        got = qk.matmul(x, torch.from_numpy(raw.copy()), int(qtype), 5, config=(1, 2, 1)).double()
+        got = qk.matmul(x, torch.from_numpy(raw.copy()), int(qtype), 5, config=(1, 2, 1, 1)).double()
         assert raw.shape == (5, 630) and rel(got, want) <= 1e-6
 
 

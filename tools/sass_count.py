@@ -91,15 +91,16 @@ def main() -> None:
         {"RT": "constexpr", "WARPS": "constexpr", "KU": "constexpr"}
     for name, qtype in (("Q4_K", qk.Q4_K), ("Q5_K", qk.Q5_K), ("Q6_K", qk.Q6_K)):
         sig = {("row_bytes" if k == "row_words" and qtype == qk.Q6_K else k): v for k, v in lane_sig.items()}
-        for rt, warps, ku in qk.LANE_K_CONFIGS[:2]:
+        for rt, warps, ku, ks in qk.LANE_K_CONFIGS[:2]:
             sass = compile_sass(kernels[qk.INT8_GEMVS[qtype]], sig,
-                                {"GLU": False, "RT": rt, "WARPS": warps, "KU": ku, "ASM": True, "QTYPE": qtype}, warps,
-                                (0, 1, 2, 3, 4, 7))
+                                {"GLU": False, "RT": rt, "WARPS": warps, "KU": ku, "KS": ks, "ASM": True,
+                                 "QTYPE": qtype}, warps, (0, 1, 2, 3, 4, 7))
             # a trip: each lane's 32 weights of KU superblocks in RT rows
             runs.append((f"{qk.INT8_GEMVS[qtype]}_kernel {name} {rt, warps, ku}", loop_ops(sass), 32 * rt * ku))
-    for rt, warps, ku in qk.LANE_K_CONFIGS[:2]:
+    for rt, warps, ku, ks in qk.LANE_K_CONFIGS[:2]:
         sass = compile_sass(kernels["gemv_q8_0c"], lane_sig, {"GLU": False, "RT": rt, "WARPS": warps, "KU": ku,
-                                                              "ASM": True, "QTYPE": qk.Q8_0}, warps, (0, 1, 2, 3, 4, 7))
+                                                              "KS": ks, "ASM": True, "QTYPE": qk.Q8_0}, warps,
+                            (0, 1, 2, 3, 4, 7))
         # a trip: each lane's 16 bytes (16 * 32 / 34 weights) of KU steps in RT rows
         runs.append((f"gemv_q8_0c_kernel Q8_0 {rt, warps, ku}", loop_ops(sass), 16 * 32 / 34 * rt * ku))
     for block_n, slices, warps in qk.WORD_GEMV_CONFIGS[:2]:

@@ -371,38 +371,44 @@ def _build():
                 xs_ptr + xr * (K // 16), y_ptr + a * stride_y)
 
     @triton.jit
-    def _lane_rows(N, row_stride, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr):
+    def _lane_rows(N, row_stride, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr, KS: tl.constexpr):
         """The lanes-along-K GEMVs' rows: a program's first, and per warp its RT rows' zeroed partial sums
-        [WARPS, 32] and offsets (in row_stride units; 0 past N), with GLU the gate rows' then their up rows'."""
+        [WARPS, 32] and offsets (in row_stride units; 0 past N), with GLU the gate rows' then their up rows',
+        and its part of K [WARPS, 1]: KS warps side by side take each row's steps in turns (a long row's
+        chain of dependent loads KS times shorter), so a program takes RT * WARPS / KS rows."""
+        RW: tl.constexpr = WARPS // KS
         wi = tl.arange(0, WARPS)[:, None]
-        first = tl.program_id(0) * (RT * WARPS)
+        first = tl.program_id(0) * (RT * RW)
         acc = ()
         bases = ()
         for r in tl.static_range(2 * RT if GLU else RT):
             acc += (tl.zeros([WARPS, 32], dtype=tl.float32),)
-            row = first + (r % RT) * WARPS + wi
+            row = first + (r % RT) * RW + wi // KS
             bases += (tl.where(row < N, (row + (N if r >= RT else 0)) * row_stride, 0),)
-        return first, acc, bases
+        return first, acc, bases, wi % KS
 
     @triton.jit
     def _lane_superblocks(sb0, blocks, WARPS: tl.constexpr):
-        """Lane l's superblock sb0 + l // 8 of a row of `blocks` [1, 32], whether it is one, and its index
-        (0 past the row) [WARPS, 32]: each warp reads x for its own rows."""
+        """Lane l's superblock sb0 + l // 8 (sb0 [WARPS, 1]: each warp's step) of a row of `blocks`, whether
+        it is one, and its index (0 past the row) [WARPS, 32]: each warp reads x for its own rows."""
         sb = sb0 + tl.arange(0, 32)[None, :] // 8
         live = sb < blocks
         return live, tl.where(live, sb, 0) + 0 * tl.arange(0, WARPS)[:, None]
 
     @triton.jit
-    def _store_lane_rows(y_ptr, acc, first, N, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr):
-        """Add up the lanes' partial sums of each row and store them (with GLU silu(gate) * up)."""
-        rows = first + tl.arange(0, WARPS)
+    def _store_lane_rows(y_ptr, acc, first, N, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr,
+                         KS: tl.constexpr):
+        """Add up the lanes' (and a row's KS warps') partial sums of each row and store them (with GLU
+        silu(gate) * up)."""
+        RW: tl.constexpr = WARPS // KS
+        rows = first + tl.arange(0, RW)
         out_ty = y_ptr.dtype.element_ty
         for r in tl.static_range(RT):
-            at_r = rows + r * WARPS
-            y0 = tl.sum(acc[r], axis=1)
+            at_r = rows + r * RW
+            y0 = tl.sum(tl.reshape(tl.sum(acc[r], axis=1), (RW, KS)), axis=1)
             if GLU:
-                tl.store(y_ptr + at_r, _silu_mul(y0, tl.sum(acc[RT + r], axis=1), out_ty).to(out_ty),
-                         mask=at_r < N)
+                y1 = tl.sum(tl.reshape(tl.sum(acc[RT + r], axis=1), (RW, KS)), axis=1)
+                tl.store(y_ptr + at_r, _silu_mul(y0, y1, out_ty).to(out_ty), mask=at_r < N)
             else:
                 tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
 
@@ -410,7 +416,8 @@ def _build():
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
-                          stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1):
+                          stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
+                          KS: tl.constexpr = 1):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -436,12 +443,12 @@ def _build():
         at = 16 * (g % 2)
         NR: tl.constexpr = 2 * RT if GLU else RT
         blocks = K // 256
-        first, acc, bases = _lane_rows(N, row_words, GLU, RT, WARPS)
+        first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
         settle(PDL)
-        for it in range(0, blocks, 4 * KU):
+        for it in range(0, blocks, 4 * KU * KS):
             xs = ()
             for u in tl.static_range(KU):
-                live, sbc = _lane_superblocks(it + 4 * u, blocks, WARPS)
+                live, sbc = _lane_superblocks(it + 4 * (u * KS + kpart), blocks, WARPS)
                 xw = (sbc * 64 + 16 * g + 4 * h)[:, :, None]
                 xs += ((live, sbc * SB, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 8 + i)),
                         tl.load(xd_ptr + sbc * 8 + 2 * g), tl.load(xd_ptr + sbc * 8 + 2 * g + 1),
@@ -479,7 +486,7 @@ def _build():
                     a += d * dot - dmin * mins
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
 
     @triton.jit
     def _q6_bits(ql, qh, m):
@@ -526,7 +533,8 @@ def _build():
     def gemv_q6k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_bytes, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
-                          stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1):
+                          stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
+                          KS: tl.constexpr = 1):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -550,12 +558,12 @@ def _build():
         NR: tl.constexpr = 2 * RT if GLU else RT
         blocks = K // 256
         total = (2 * N if GLU else N) * row_bytes
-        first, acc, bases = _lane_rows(N, row_bytes, GLU, RT, WARPS)
+        first, acc, bases, kpart = _lane_rows(N, row_bytes, GLU, RT, WARPS, KS)
         settle(PDL)
-        for it in range(0, blocks, 4 * KU):
+        for it in range(0, blocks, 4 * KU * KS):
             xs = ()
             for u in tl.static_range(KU):
-                live, sbc = _lane_superblocks(it + 4 * u, blocks, WARPS)
+                live, sbc = _lane_superblocks(it + 4 * (u * KS + kpart), blocks, WARPS)
                 xw = tl.multiple_of(sbc * 64 + 32 * h2 + 8 * part + 4 * lh, (4, 4))[:, :, None]
                 blk = sbc * 8 + 4 * h2 + part  # the x block of quarter part; part + 2's is blk + 2
                 xs += ((live, sbc * 210, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 16 + i)),
@@ -584,7 +592,7 @@ def _build():
                               + sch * (xdh * ihi.to(tl.float32) - 32.0 * xsh))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
 
     @triton.jit
     def gemv_q8_0_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
@@ -646,7 +654,8 @@ def _build():
     def gemv_q8_0c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
-                          stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1):
+                          stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
+                          KS: tl.constexpr = 1):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
         gemv_q8_0_kernel, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
@@ -664,12 +673,12 @@ def _build():
         NR: tl.constexpr = 2 * RT if GLU else RT
         chunks = K // 256 * 17
         last = K // 32 - 1
-        first, acc, bases = _lane_rows(N, row_words, GLU, RT, WARPS)
+        first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
         settle(PDL)
-        for it in range(0, chunks, 32 * KU):
+        for it in range(0, chunks, 32 * KU * KS):
             xs = ()
             for u in tl.static_range(KU):
-                c = it + 32 * u + lane
+                c = it + 32 * (u * KS + kpart) + lane
                 live = c < chunks
                 c = tl.where(live, c, 0)
                 jb = (16 * c + 33) // 34  # the first block whose d is at or past the chunk's start
@@ -700,7 +709,7 @@ def _build():
                     a += da * (xda * ia.to(tl.float32)) + db * (xdb * ib.to(tl.float32))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
 
     @triton.jit
     def _k_range(blocks, SPLIT: tl.constexpr):
@@ -939,7 +948,8 @@ def _build():
             key=["N", "K", "GLU", "QTYPE", "EXPERTS"])(gemv_q8_0_kernel)
         for name in LANE_K_GEMVS:
             kernels[f"{name}_tuned"] = autotune(
-                [triton.Config({"RT": rt, "WARPS": w, "KU": ku}, num_warps=w) for rt, w, ku in LANE_K_CONFIGS],
+                [triton.Config({"RT": rt, "WARPS": w, "KU": ku, "KS": ks}, num_warps=w)
+                 for rt, w, ku, ks in LANE_K_CONFIGS],
                 key=["N", "K", "GLU", "QTYPE", "EXPERTS"])(kernels[name])
         kernels["skinny_tuned"] = autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
@@ -1013,10 +1023,11 @@ SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (3
 #: slices being the program's threads
 WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4),
                      (2, 16, 1), (2, 32, 2), (1, 32, 1), (4, 8, 1)]
-#: the lanes-along-K GEMVs' (gemv_q4k8c_kernel, gemv_q6k8c_kernel): (rows a thread takes, warps, steps of 4
-#: superblocks loaded at once)
-LANE_K_CONFIGS = [(4, 2, 1), (2, 4, 1), (1, 4, 1), (4, 4, 1), (2, 2, 1), (1, 4, 2), (2, 4, 2), (1, 2, 2), (2, 2, 2),
-                  (1, 4, 4), (1, 2, 4), (4, 2, 2), (8, 2, 1)]
+#: the lanes-along-K GEMVs' (gemv_q4k8c_kernel, gemv_q6k8c_kernel, gemv_q8_0c_kernel): (rows a thread takes,
+#: warps, steps (of 4 superblocks, or 32 16-byte chunks) loaded at once, warps that share a row's steps)
+LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2, 1, 1), (1, 4, 2, 1), (2, 4, 2, 1),
+                  (1, 2, 2, 1), (2, 2, 2, 1), (1, 4, 4, 1), (1, 2, 4, 1), (4, 2, 2, 1), (8, 2, 1, 1), (1, 4, 1, 2),
+                  (1, 4, 2, 2), (2, 4, 1, 2), (1, 4, 1, 4), (1, 8, 1, 4), (1, 8, 1, 8)]
 
 #: the word GEMMs' (skinny_q4k_kernel, skinny_q6k_kernel): (rows of W per program, warps, pipeline stages,
 #: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
@@ -1217,7 +1228,7 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
     lanes = word in LANE_K_GEMVS
 
     def covered(meta) -> int:  # rows of W a program takes (with GLU: gate rows, each with its up row)
-        return meta["RT"] * meta["WARPS"] if lanes else (1 if glu else 2) * meta["BLOCK_N"]
+        return meta["RT"] * meta["WARPS"] // meta["KS"] if lanes else (1 if glu else 2) * meta["BLOCK_N"]
 
     args = (*x8, data, y, n, k, row_bytes if word == "gemv_q6k8c" else row_bytes // 4)  # its rows: any even byte
     extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **experts, **pdl.options(y.device)}
@@ -1225,8 +1236,8 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
         kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
         return
     if lanes:
-        rt, warps, ku = config or LANE_K_CONFIGS[0]
-        meta = {"RT": rt, "WARPS": warps, "KU": ku}
+        rt, warps, ku, ks = config or LANE_K_CONFIGS[0]
+        meta = {"RT": rt, "WARPS": warps, "KU": ku, "KS": ks}
     else:
         block_n, slices, warps = config or WORD_GEMV_CONFIGS[0]
         meta = {"BLOCK_N": block_n, "S": slices}
