@@ -1024,10 +1024,12 @@ SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (3
 WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4),
                      (2, 16, 1), (2, 32, 2), (1, 32, 1), (4, 8, 1)]
 #: the lanes-along-K GEMVs' (gemv_q4k8c_kernel, gemv_q6k8c_kernel, gemv_q8_0c_kernel): (rows a thread takes,
-#: warps, steps (of 4 superblocks, or 32 16-byte chunks) loaded at once, warps that share a row's steps)
+#: warps, steps (of 4 superblocks, or 32 16-byte chunks) loaded at once, warps that share a row's steps). Of
+#: six shapes with warps sharing rows, swept on an H100 over the 8B shape's matrices
+#: (bench/results/quant-sweep-lanes-k-split-h100.json), one beat every other shape: (1, 4, 1, 2) on Q8_0's
+#: down, 12288 columns, 22.5 us against 24.3 ((2, 4, 1, 2) tied on Q4_K's LM head, 118.9 us against 118.9)
 LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2, 1, 1), (1, 4, 2, 1), (2, 4, 2, 1),
-                  (1, 2, 2, 1), (2, 2, 2, 1), (1, 4, 4, 1), (1, 2, 4, 1), (4, 2, 2, 1), (8, 2, 1, 1), (1, 4, 1, 2),
-                  (1, 4, 2, 2), (2, 4, 1, 2), (1, 4, 1, 4), (1, 8, 1, 4), (1, 8, 1, 8)]
+                  (1, 2, 2, 1), (2, 2, 2, 1), (1, 4, 4, 1), (1, 2, 4, 1), (4, 2, 2, 1), (8, 2, 1, 1), (1, 4, 1, 2)]
 
 #: the word GEMMs' (skinny_q4k_kernel, skinny_q6k_kernel): (rows of W per program, warps, pipeline stages,
 #: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
