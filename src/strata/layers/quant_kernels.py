@@ -8,11 +8,11 @@ float32 operations, in the same order, as gguf's reference
 Triton's interpreter). Over it: a 1-row GEMV and a few-row GEMM (a verify window, a drafter block) on
 tensor cores, both with the gate/up silu*up variant, an embedding gather, and a whole-matrix
 dequantization. The exceptions read blocks as 32-bit words. The 1-row GEMVs of Q4_K, Q5_K, Q6_K and
-Q8_0 (gemv_q4k8c_kernel for the first two, gemv_q6k8c_kernel, gemv_q8_0_kernel) take x quantized to int8
+Q8_0 (gemv_q4k8c_kernel for the first two, gemv_q6k8c_kernel, gemv_q8_0c_kernel) take x quantized to int8
 per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times bytes with dp4a
-before applying the scales. Q4_K's, Q5_K's and Q6_K's run their lanes along K, so that a warp's loads are
-runs of consecutive bytes of a row: with a thread per (row, superblock), as Q8_0's still is, each load
-touched 32 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
+before applying the scales. They run their lanes along K, so that a warp's loads are runs of consecutive
+bytes of a row: with a thread per (row, block), as Q8_0's experts' GEMV (gemv_q8_0_kernel) still is, each
+load touched 32 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
 The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) run on tensor
 cores: Q4_K's on int8 x and its nibbles as int8 (skinny_q4k8_kernel), its integer sums scaled as the
 GEMV scales its dp4a sums, Q8_0's the same way on its bytes (skinny_q8_0_kernel), Q6_K's on float tiles
