@@ -353,8 +353,6 @@ def test_expert_gemvs_over_quantized_experts(qtype):
     want = torch.stack([computed[a // 2] @ values[i].T for a, i in enumerate(ids.tolist())])
     # few programs for the interpreter (the result does not depend on the block shape)
     wide = (2, 4, 1, 1) if qk.int8_x(int(qtype), 1, k) else (16, 4, 1)
-    if qtype == T.Q8_0:
-        wide = (8, 4, 1)
     assert rel(qk.expert_matmul(x, data, int(qtype), n, ids, share=2, glu=True, config=wide).double(),
                silu_mul(want)) <= 1e-6
     h = torch.randn(4, k, generator=gen)

@@ -11,8 +11,8 @@ dequantization. The exceptions read blocks as 32-bit words. The 1-row GEMVs of Q
 Q8_0 (gemv_q4k8c_kernel for the first two, gemv_q6k8c_kernel, gemv_q8_0c_kernel) take x quantized to int8
 per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times bytes with dp4a
 before applying the scales. They run their lanes along K, so that a warp's loads are runs of consecutive
-bytes of a row: with a thread per (row, block), as Q8_0's experts' GEMV (gemv_q8_0_kernel) still is, each
-load touched 32 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
+bytes of a row: with a thread per (row, block), as the former Q8_0 GEMV (gemv_q8_0_kernel), each load
+touched 32 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
 The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) run on tensor
 cores: Q4_K's on int8 x and its nibbles as int8 (skinny_q4k8_kernel), its integer sums scaled as the
 GEMV scales its dp4a sums, Q8_0's the same way on its bytes (skinny_q8_0_kernel), Q6_K's on float tiles
@@ -663,11 +663,16 @@ def _build():
         zeros under its d): a weight word and the x word at the same offset make a dp4a with no shifting.
         A word belongs to the block of its second byte, so a chunk's words are those of block A, which
         ends in it, then of block B, whose d it holds: two integer sums, each scaled by its block's d (a
-        2-byte load from lines just read) and xd. xs unused; no EXPERTS (gemv_q8_0_kernel takes those)."""
-        tl.static_assert(not EXPERTS)
+        2-byte load from lines just read) and xd. xs is that layout (_word_gemv passes it; Q8_0 has no
+        offsets to sum x for), K / 32 * 34 bytes a row. EXPERTS: see _assignment."""
+        xr = xs_ptr
+        if EXPERTS:
+            w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
+                                                               expert_bytes, K, stride_y, SHARE, PDL)
+            xr += tl.program_id(1).to(tl.int64) // SHARE * (K // 32 * 34)
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
         f16 = w_ptr.to(tl.pointer_type(tl.float16))
-        xr32 = (q_ptr + K).to(tl.pointer_type(tl.int32))
+        xr32 = xr.to(tl.pointer_type(tl.int32))
         lane = tl.arange(0, 32)[None, :] + 0 * tl.arange(0, WARPS)[:, None]
         i = tl.arange(0, 4)[None, None, :]
         NR: tl.constexpr = 2 * RT if GLU else RT
@@ -1067,8 +1072,7 @@ def _counters(device) -> torch.Tensor:
 INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0c"}
 #: the GEMVs with lanes along K (LANE_K_CONFIGS); the others take a thread per (row, block)
 LANE_K_GEMVS = ("gemv_q4k8c", "gemv_q6k8c", "gemv_q8_0c")
-#: Q8_0's GEMV with its lanes along K (gemv_q8_0c_kernel); else, and for experts always, a thread per 4
-#: blocks (gemv_q8_0_kernel)
+#: Q8_0's GEMV with its lanes along K (gemv_q8_0c_kernel); else a thread per 4 blocks (gemv_q8_0_kernel)
 Q8_0_LANES_K = True
 #: the types with a few-row GEMM of their own on 32-bit words (skinny_q4k8 and skinny_q8_0 on int8 x and integer
 #: tensor cores, as their GEMVs compute)
@@ -1082,8 +1086,8 @@ X_ROWS = 16
 EXPERT_WORD_GEMVS = True
 
 
-def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0, experts: bool = False) -> str | None:
-    """The word kernel for this product over a matrix of nbytes (of stacked experts), if any. Q6_K's
+def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0) -> str | None:
+    """The word kernel for this product over a matrix of nbytes (one expert's), if any. Q6_K's
     210-byte superblocks lie anywhere in 16-byte chunks: its GEMV reads the chunks around them from the
     matrix's start, its rows at any even byte, with int32 byte offsets (nbytes < 2 GiB); its GEMM takes
     superblocks in pairs from 4-byte boundaries (512 | cols). Q8_0's GEMM takes blocks in fours (128 | cols);
@@ -1092,7 +1096,7 @@ def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0, experts: boo
         return None
     if qtype == Q8_0 and rows > 1 and cols % 128:
         return None
-    if qtype == Q8_0 and rows == 1 and (experts or not Q8_0_LANES_K or nbytes >= 2 ** 32):
+    if qtype == Q8_0 and rows == 1 and (not Q8_0_LANES_K or nbytes >= 2 ** 32):
         return "gemv_q8_0"
     return (INT8_GEMVS if rows == 1 else WORD_KERNELS).get(qtype)
 
@@ -1232,6 +1236,9 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
     def covered(meta) -> int:  # rows of W a program takes (with GLU: gate rows, each with its up row)
         return meta["RT"] * meta["WARPS"] // meta["KS"] if lanes else (1 if glu else 2) * meta["BLOCK_N"]
 
+    if word == "gemv_q8_0c":  # in place of the sums, x laid out as Q8_0 rows (quantize_x's q after its K values)
+        q, d = x8[:2]
+        x8 = (q, d, q[d.numel() * 32:])
     args = (*x8, data, y, n, k, row_bytes if word == "gemv_q6k8c" else row_bytes // 4)  # its rows: any even byte
     extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **experts, **pdl.options(y.device)}
     if config is None and f"{word}_tuned" in kernels:
@@ -1272,7 +1279,7 @@ def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: 
     assert ids.numel() == rows * share and data.is_contiguous(), (ids.shape, rows, share)
     x = x.contiguous()
     y = torch.empty(ids.numel(), n, device=x.device, dtype=x.dtype)
-    word = _word_kernel(qtype, 1, k, data[0].numel(), experts=True) if EXPERT_WORD_GEMVS else None
+    word = _word_kernel(qtype, 1, k, data[0].numel()) if EXPERT_WORD_GEMVS else None
     if word:  # the rows laid end to end: each quantized as one row is (its blocks never straddle rows)
         _word_gemv(word, quantize_x(x.view(1, -1)), data, y, qtype, n, k, data.stride(1), glu, config,
                    ids.numel(), ids_ptr=ids.contiguous(), expert_bytes=data.stride(0), stride_y=y.stride(0),
