@@ -394,6 +394,7 @@ def wide_blocks(monkeypatch) -> None:
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
+    monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4, 1)])
     monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
 
 
