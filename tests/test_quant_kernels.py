@@ -157,7 +157,6 @@ def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
 
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
-    monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
     monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4, 1)])
     monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
     hf, _ = write_hf_model(tmp_path / "hf", "qwen3", seed=4, vocab=320, hidden_size=256, intermediate_size=256,
@@ -221,7 +220,6 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
 
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
-    monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
     monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4, 1)])
     monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
     target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
@@ -393,7 +391,6 @@ def wide_blocks(monkeypatch) -> None:
     """Few programs for the interpreter (the results do not depend on the block shapes)."""
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
-    monkeypatch.setattr(qk, "WORD_GEMV_CONFIGS", [(256, 1, 8)])
     monkeypatch.setattr(qk, "LANE_K_CONFIGS", [(1, 256, 4, 1)])
     monkeypatch.setattr(qk, "WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])
 
@@ -545,4 +542,4 @@ def test_the_autotuners_keep_their_measurements_on_disk():
     out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).resolve().parents[1] / "src")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["9", "True"], out.stdout
+    assert out.stdout.split() == ["8", "True"], out.stdout

@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--out")
     ap.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE",
-                    help="module constants set first (e.g. strata.layers.quant_kernels.Q8_0_LANES_K=False)")
+                    help="module constants set first (e.g. a shorter strata.layers.quant_kernels.LANE_K_CONFIGS)")
     args = ap.parse_args()
     set_constants(args.set)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -84,11 +84,9 @@ def main() -> None:
             # against 16 x rows
             runs.append((f"{skinny}_kernel {name} {block_n, warps, stages, split}", loop_ops(sass),
                          block_n * {qk.Q4_K: 256, qk.Q6_K: 512, qk.Q8_0: 128}[qtype] / (32 * warps)))
-    int8_sig = {"q_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "N": "i32",
-                "K": "i32", "row_words": "i32", "GLU": "constexpr", "BLOCK_N": "constexpr", "S": "constexpr",
-                "ASM": "constexpr", "QTYPE": "constexpr"}
-    lane_sig = {k: v for k, v in int8_sig.items() if k not in ("BLOCK_N", "S")} | \
-        {"RT": "constexpr", "WARPS": "constexpr", "KU": "constexpr"}
+    lane_sig = {"q_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "N": "i32",
+                "K": "i32", "row_words": "i32", "GLU": "constexpr", "RT": "constexpr", "WARPS": "constexpr",
+                "KU": "constexpr", "ASM": "constexpr", "QTYPE": "constexpr"}
     for name, qtype in (("Q4_K", qk.Q4_K), ("Q5_K", qk.Q5_K), ("Q6_K", qk.Q6_K)):
         sig = {("row_bytes" if k == "row_words" and qtype == qk.Q6_K else k): v for k, v in lane_sig.items()}
         for rt, warps, ku, ks in qk.LANE_K_CONFIGS[:2]:
@@ -103,11 +101,6 @@ def main() -> None:
                             (0, 1, 2, 3, 4, 7))
         # a trip: each lane's 16 bytes (16 * 32 / 34 weights) of KU steps in RT rows
         runs.append((f"gemv_q8_0c_kernel Q8_0 {rt, warps, ku}", loop_ops(sass), 16 * 32 / 34 * rt * ku))
-    for block_n, slices, warps in qk.WORD_GEMV_CONFIGS[:2]:
-        sass = compile_sass(kernels["gemv_q8_0"], int8_sig, {"GLU": False, "BLOCK_N": block_n, "S": slices,
-                                                             "ASM": True, "QTYPE": qk.Q8_0}, warps, (0, 1, 2, 3, 4, 7))
-        # a trip: 2 rows of 4 blocks
-        runs.append((f"gemv_q8_0_kernel Q8_0 {block_n, slices, warps}", loop_ops(sass), 256))
     for label, ops, weights in runs:
         total = sum(ops.values())
         top = ", ".join(f"{k} {v / weights:.2f}" for k, v in ops.most_common(6))

@@ -275,30 +275,6 @@ def _build():
         return _bf16x2(u)
 
     @triton.jit
-    def _pair_rows(N, row_words, GLU: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr):
-        """The word GEMVs' threads: each takes rows r and r + BLOCK_N (with GLU: gate row r, up row r + N) and
-        the K slice k: superblocks k, k + S, .... Lanes run along rows, so a warp's x is one superblock's.
-        Returns both rows' word offsets (0 past the matrix) and the slices, [BLOCK_N * S] each."""
-        t = tl.arange(0, BLOCK_N * S)
-        r0 = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + t % BLOCK_N
-        r1 = r0 + (N if GLU else BLOCK_N)
-        return (tl.where(r0 < N, r0 * row_words, 0), tl.where(r1 < (2 * N if GLU else N), r1 * row_words, 0),
-                t // BLOCK_N)
-
-    @triton.jit
-    def _store_pair(y_ptr, acc0, acc1, N, GLU: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr):
-        """Sum the K slices of both rows' partials and store them (with GLU: silu(gate) * up)."""
-        y0 = tl.sum(tl.reshape(acc0, (S, BLOCK_N)), axis=0)
-        y1 = tl.sum(tl.reshape(acc1, (S, BLOCK_N)), axis=0)
-        rows = tl.program_id(0) * (BLOCK_N if GLU else 2 * BLOCK_N) + tl.arange(0, BLOCK_N)
-        out_ty = y_ptr.dtype.element_ty
-        if GLU:
-            tl.store(y_ptr + rows, _silu_mul(y0, y1, out_ty).to(out_ty), mask=rows < N)
-        else:
-            tl.store(y_ptr + rows, y0.to(out_ty), mask=rows < N)
-            tl.store(y_ptr + rows + BLOCK_N, y1.to(out_ty), mask=rows + BLOCK_N < N)
-
-    @triton.jit
     def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
         """c + the dot product of a's four unsigned (SIGNED: signed) bytes with b's four signed ones: one
         instruction on the device (dp4a), its integer arithmetic spelled out for the interpreter."""
@@ -595,62 +571,6 @@ def _build():
         _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
 
     @triton.jit
-    def gemv_q8_0_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
-                         BLOCK_N: tl.constexpr, S: tl.constexpr, ASM: tl.constexpr,
-                         QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
-                         stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1):
-        """Q8_0 times an int8 x (quantize_x_kernel; xs unused): per block of 32 a signed dp4a sum of bytes
-        times bytes, then d * xd * sum. A trip takes 4 blocks (136 bytes, 8-byte aligned as rows are 16-byte
-        aligned) of two rows; blocks 0 and 2 start 2 bytes into a word, their bytes joined from two. EXPERTS:
-        see _assignment."""
-        if EXPERTS:
-            w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
-                                                               expert_bytes, K, stride_y, SHARE, PDL)
-        NT: tl.constexpr = BLOCK_N * S
-        settle(PDL)
-        off0, off1, ks = _pair_rows(N, row_words, GLU, BLOCK_N, S)
-        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
-        q32 = q_ptr.to(tl.pointer_type(tl.int32))
-        i = tl.arange(0, 4)[None, :]
-        i2 = tl.arange(0, 2)[None, :]
-        groups = K // 128
-        acc0 = tl.zeros([NT], dtype=tl.float32)
-        acc1 = tl.zeros([NT], dtype=tl.float32)
-        for g0 in range(0, groups, S):
-            g = g0 + ks
-            live = g < groups
-            gc = tl.where(live, g, 0)
-            xw = tl.multiple_of(gc * 32, 32)[:, None]
-            xq = ()
-            for c in tl.static_range(8):
-                xq += _words(tl.load(q32 + xw + 4 * c + i))
-            xd = _words(tl.load(xd_ptr + tl.multiple_of(gc * 4, 4)[:, None] + i))
-            for s in tl.static_range(2):
-                base = tl.multiple_of((off0 if s == 0 else off1) + gc * 34, 2)[:, None]
-                W = ()
-                for c in tl.static_range(17):
-                    a, b = tl.split(tl.load(w32 + base + 2 * c + i2))
-                    W += (a, b)
-                part = tl.zeros([NT], dtype=tl.float32)
-                for blk in tl.static_range(4):  # d in word 17 (blk // 2) + 8 (blk % 2): its low half if blk is even
-                    dot = tl.zeros([NT], dtype=tl.int32)
-                    for c in tl.static_range(8):
-                        if blk % 2 == 0:
-                            qw = (W[17 * (blk // 2) + c] >> 16) | (W[17 * (blk // 2) + c + 1] << 16)
-                        else:
-                            qw = W[17 * (blk // 2) + 9 + c]
-                        dot = _dp4a(qw, xq[8 * blk + c], dot, ASM, True)
-                    d_lo, d_hi = _half2(W[17 * (blk // 2) + 8 * (blk % 2)], True)
-                    d = d_lo if blk % 2 == 0 else d_hi
-                    part += d * (xd[blk] * dot.to(tl.float32))
-                part = tl.where(live, part, 0.0)
-                if s == 0:
-                    acc0 += part
-                else:
-                    acc1 += part
-        _store_pair(y_ptr, acc0, acc1, N, GLU, BLOCK_N, S)
-
-    @triton.jit
     def gemv_q8_0c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
@@ -929,14 +849,14 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _pair_rows, _store_pair, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
+    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _six_bit_tile, _k_range, _finish, quantize_blocks):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "quantize_x": quantize_x_kernel, "quantize_blocks": quantize_blocks, "gemv_q4k8c": gemv_q4k8c_kernel,
-               "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0": gemv_q8_0_kernel, "gemv_q8_0c": gemv_q8_0c_kernel,
+               "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0c": gemv_q8_0c_kernel,
                "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         autotune = functools.partial(triton.autotune, **_disk_cache(triton))
@@ -948,10 +868,7 @@ def _build():
                 [triton.Config({"BLOCK_N": b, "SPLIT": k}, num_warps=w, num_stages=st)
                  for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
-        kernels["gemv_q8_0_tuned"] = autotune(
-            [triton.Config({"BLOCK_N": b, "S": k}, num_warps=w) for b, k, w in WORD_GEMV_CONFIGS],
-            key=["N", "K", "GLU", "QTYPE", "EXPERTS"])(gemv_q8_0_kernel)
-        for name in LANE_K_GEMVS:
+        for name in set(INT8_GEMVS.values()):
             kernels[f"{name}_tuned"] = autotune(
                 [triton.Config({"RT": rt, "WARPS": w, "KU": ku, "KS": ks}, num_warps=w)
                  for rt, w, ku, ks in LANE_K_CONFIGS],
@@ -1024,10 +941,6 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
 #: error ~1, bench/results/quant-sweep-h200-unroll.json) while the interpreter and 4+ warps were exact
 GEMV_CONFIGS = [(2, 4, 4), (1, 4, 4), (2, 4, 8), (4, 4, 4), (4, 4, 8), (8, 4, 4), (8, 8, 4), (16, 8, 1)]
 SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (32, 8, 4), (64, 4, 1), (32, 4, 1)]
-#: gemv_q8_0_kernel's: (rows a thread's lane covers, K slices, warps), lanes times
-#: slices being the program's threads
-WORD_GEMV_CONFIGS = [(16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8), (8, 8, 2), (4, 16, 2), (8, 32, 8), (4, 32, 4),
-                     (2, 16, 1), (2, 32, 2), (1, 32, 1), (4, 8, 1)]
 #: the lanes-along-K GEMVs' (gemv_q4k8c_kernel, gemv_q6k8c_kernel, gemv_q8_0c_kernel): (rows a thread takes,
 #: warps, steps (of 4 superblocks, or 32 16-byte chunks) loaded at once, warps that share a row's steps). Of
 #: six shapes with warps sharing rows, swept on an H100 over the 8B shape's matrices
@@ -1068,17 +981,13 @@ def _counters(device) -> torch.Tensor:
 
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
 #: products do: dp4a over bytes in place of float arithmetic per weight (against float x:
-#: bench/results/quant-sweep-int8-x-h200.json); their names in _build()
+#: bench/results/quant-sweep-int8-x-h200.json), all with lanes along K (LANE_K_CONFIGS); their names in _build()
 INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0c"}
-#: the GEMVs with lanes along K (LANE_K_CONFIGS); the others take a thread per (row, block)
-LANE_K_GEMVS = ("gemv_q4k8c", "gemv_q6k8c", "gemv_q8_0c")
-#: Q8_0's GEMV with its lanes along K (gemv_q8_0c_kernel); else a thread per 4 blocks (gemv_q8_0_kernel)
-Q8_0_LANES_K = True
 #: the types with a few-row GEMM of their own on 32-bit words (skinny_q4k8 and skinny_q8_0 on int8 x and integer
 #: tensor cores, as their GEMVs compute)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k", Q8_0: "skinny_q8_0"}
 #: the kernels that take x as quantize_x makes it; the few-row ones take X_ROWS rows of it
-INT8_KERNELS = set(INT8_GEMVS.values()) | {"gemv_q8_0", "skinny_q4k8", "skinny_q8_0"}
+INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8", "skinny_q8_0"}
 X_ROWS = 16
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
@@ -1096,8 +1005,8 @@ def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0) -> str | Non
         return None
     if qtype == Q8_0 and rows > 1 and cols % 128:
         return None
-    if qtype == Q8_0 and rows == 1 and (not Q8_0_LANES_K or nbytes >= 2 ** 32):
-        return "gemv_q8_0"
+    if qtype == Q8_0 and rows == 1 and nbytes >= 2 ** 32:
+        return None
     return (INT8_GEMVS if rows == 1 else WORD_KERNELS).get(qtype)
 
 
@@ -1106,7 +1015,7 @@ def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
     word = _word_kernel(qtype, rows, cols, n * cols // BLOCKS[qtype][0] * BLOCKS[qtype][1])
     if word:
         if rows == 1:
-            return LANE_K_CONFIGS if word in LANE_K_GEMVS else WORD_GEMV_CONFIGS
+            return LANE_K_CONFIGS
         return [c for c in WORD_SKINNY_CONFIGS if _split_fits(word, c[0], c[3], n, cols)]
     return GEMV_CONFIGS if rows == 1 else SKINNY_CONFIGS
 
@@ -1231,10 +1140,9 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
     it and no config is given, else at config (or the first of its list). programs along axis 1 with
     experts (the kernels' EXPERTS arguments: _assignment)."""
     kernels = _build()
-    lanes = word in LANE_K_GEMVS
 
     def covered(meta) -> int:  # rows of W a program takes (with GLU: gate rows, each with its up row)
-        return meta["RT"] * meta["WARPS"] // meta["KS"] if lanes else (1 if glu else 2) * meta["BLOCK_N"]
+        return meta["RT"] * meta["WARPS"] // meta["KS"]
 
     if word == "gemv_q8_0c":  # in place of the sums, x laid out as Q8_0 rows (quantize_x's q after its K values)
         q, d = x8[:2]
@@ -1244,12 +1152,8 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
     if config is None and f"{word}_tuned" in kernels:
         kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
         return
-    if lanes:
-        rt, warps, ku, ks = config or LANE_K_CONFIGS[0]
-        meta = {"RT": rt, "WARPS": warps, "KU": ku, "KS": ks}
-    else:
-        block_n, slices, warps = config or WORD_GEMV_CONFIGS[0]
-        meta = {"BLOCK_N": block_n, "S": slices}
+    rt, warps, ku, ks = config or LANE_K_CONFIGS[0]
+    meta = {"RT": rt, "WARPS": warps, "KU": ku, "KS": ks}
     kernels[word][(cdiv(n, covered(meta)), programs)](*args, **meta, num_warps=warps, **extra)
 
 
