@@ -11,8 +11,8 @@ dequantization. The exceptions read blocks as 32-bit words. The 1-row GEMVs of Q
 Q8_0 (gemv_q4k8c_kernel for the first two, gemv_q6k8c_kernel, gemv_q8_0c_kernel) take x quantized to int8
 per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times bytes with dp4a
 before applying the scales. They run their lanes along K, so that a warp's loads are runs of consecutive
-bytes of a row: with a thread per (row, block), as the former Q8_0 GEMV (gemv_q8_0_kernel), each load
-touched 32 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
+bytes of a row: with a thread per (row, block), as Q8_0's GEMV had until 58bdb13, each load touched 32
+cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
 The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) run on tensor
 cores: Q4_K's on int8 x and its nibbles as int8 (skinny_q4k8_kernel), its integer sums scaled as the
 GEMV scales its dp4a sums, Q8_0's the same way on its bytes (skinny_q8_0_kernel), Q6_K's on float tiles
@@ -578,7 +578,7 @@ def _build():
                           KS: tl.constexpr = 1):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
-        gemv_q8_0_kernel, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
+        Q8_0's GEMV had until 58bdb13, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
         so x comes in the row's layout too (quantize_x's tail: each block's values 2 bytes into its 34,
         zeros under its d): a weight word and the x word at the same offset make a dp4a with no shifting.
         A word belongs to the block of its second byte, so a chunk's words are those of block A, which
