@@ -87,20 +87,17 @@ def main() -> None:
     lane_sig = {"q_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "N": "i32",
                 "K": "i32", "row_words": "i32", "GLU": "constexpr", "RT": "constexpr", "WARPS": "constexpr",
                 "KU": "constexpr", "ASM": "constexpr", "QTYPE": "constexpr"}
-    for name, qtype in (("Q4_K", qk.Q4_K), ("Q5_K", qk.Q5_K), ("Q6_K", qk.Q6_K)):
+    for name, qtype in (("Q4_K", qk.Q4_K), ("Q5_K", qk.Q5_K), ("Q6_K", qk.Q6_K), ("Q8_0", qk.Q8_0)):
         sig = {("row_bytes" if k == "row_words" and qtype == qk.Q6_K else k): v for k, v in lane_sig.items()}
         for rt, warps, ku, ks in qk.LANE_K_CONFIGS[:2]:
             sass = compile_sass(kernels[qk.INT8_GEMVS[qtype]], sig,
                                 {"GLU": False, "RT": rt, "WARPS": warps, "KU": ku, "KS": ks, "ASM": True,
                                  "QTYPE": qtype}, warps, (0, 1, 2, 3, 4, 7))
-            # a trip: each lane's 32 weights of KU superblocks in RT rows
-            runs.append((f"{qk.INT8_GEMVS[qtype]}_kernel {name} {rt, warps, ku}", loop_ops(sass), 32 * rt * ku))
-    for rt, warps, ku, ks in qk.LANE_K_CONFIGS[:2]:
-        sass = compile_sass(kernels["gemv_q8_0c"], lane_sig, {"GLU": False, "RT": rt, "WARPS": warps, "KU": ku,
-                                                              "KS": ks, "ASM": True, "QTYPE": qk.Q8_0}, warps,
-                            (0, 1, 2, 3, 4, 7))
-        # a trip: each lane's 16 bytes (16 * 32 / 34 weights) of KU steps in RT rows
-        runs.append((f"gemv_q8_0c_kernel Q8_0 {rt, warps, ku}", loop_ops(sass), 16 * 32 / 34 * rt * ku))
+            # a trip: each lane's 32 weights of KU superblocks in RT rows (Q8_0: its 16 bytes, 16 * 32 / 34
+            # weights, of KU steps)
+            lane_weights = 16 * 32 / 34 if qtype == qk.Q8_0 else 32
+            runs.append((f"{qk.INT8_GEMVS[qtype]}_kernel {name} {rt, warps, ku, ks}", loop_ops(sass),
+                         lane_weights * rt * ku))
     for label, ops, weights in runs:
         total = sum(ops.values())
         top = ", ".join(f"{k} {v / weights:.2f}" for k, v in ops.most_common(6))
