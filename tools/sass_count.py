@@ -74,8 +74,10 @@ def main() -> None:
         skinny = qk.WORD_KERNELS[qtype]
         for block_n, warps, stages, split in qk.WORD_SKINNY_CONFIGS[:3:2]:
             if skinny in qk.INT8_KERNELS:
-                sass = compile_sass(kernels[skinny], skinny8_sig, {"GLU": False, "BLOCK_N": block_n, "SPLIT": split,
-                                                                   "ASM": True}, warps, (0, 1, 2, 8, 9), stages)
+                loop = qk._loop_stages(skinny, stages)
+                sass = compile_sass(kernels[skinny], {**skinny8_sig, **{k: "constexpr" for k in loop}},
+                                    {"GLU": False, "BLOCK_N": block_n, "SPLIT": split, "ASM": True, **loop}, warps,
+                                    (0, 1, 2, 8, 9), stages)
             else:
                 sass = compile_sass(kernels[skinny], skinny_sig, {"GLU": False, "BLOCK_M": 16, "BLOCK_N": block_n,
                                                                   "PRECISION": "tf32", "SPLIT": split}, warps,
