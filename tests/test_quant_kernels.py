@@ -67,8 +67,10 @@ def test_quantize_x_blocks_of_32():
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4))
     q, ds = qk.quantize_x(x)
     tq, td = int8_twin(x)
-    assert q.shape == (qk.X_ROWS, 1024) and ds.shape == (32, qk.X_ROWS, 2)
-    assert torch.equal(q[:3].float(), tq.reshape(3, 1024)) and not q[3:].any() and not ds[:, 3:].any()
+    assert q.shape == (qk.X_ROWS * (1024 + 32 * 34),) and ds.shape == (32, qk.X_ROWS, 2)
+    rows, tails = q[:qk.X_ROWS * 1024].view(qk.X_ROWS, 1024), q[qk.X_ROWS * 1024:].view(qk.X_ROWS, 32, 34)
+    assert torch.equal(rows[:3].float(), tq.reshape(3, 1024)) and not rows[3:].any() and not ds[:, 3:].any()
+    assert not tails[:, :, :2].any() and torch.equal(tails[:, :, 2:].reshape(qk.X_ROWS, 1024), rows)
     assert torch.equal(ds[:, :3, 0], td.reshape(3, 32).T)
     assert torch.equal(ds[:, :3, 1], (tq.sum(1, keepdim=True) * td).reshape(3, 32).T)
 
@@ -98,7 +100,8 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every
     offset from a 16-byte boundary (the GEMV's last one reads a chunk past the matrix, which must stay
     masked; the GEMM assembles odd ones' words from two) and Q8_0's blocks at each of their 4 offsets from
-    an 8-byte one (both its kernels on int8 x; its GEMV's 16-byte chunks meet a d at each even byte),
+    an 8-byte one (both its kernels on int8 x; its GEMV's 16-byte chunks meet a d at each even byte; its
+    GEMM's steps of 16 blocks, 17 chunks of 32 bytes, put a block boundary at each even byte of a chunk),
     float32 x to 1e-6 and half-precision x as rounded; rows of W not a multiple of a program's, gate/up
     fused, K slices past the last (Q8_0's gate/up)."""
     raw = blocks(qtype, 10, 2048, 40 + qtype.value)
@@ -125,6 +128,22 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     half = x.bfloat16() if rows == 1 else x.half()
     got = qk.matmul(half, data, int(qtype), 10).double()
     assert rel(got, as_computed(half, qtype, 2048) @ w.T) <= 2 ** -7
+
+
+def test_q8_0_gemm_of_blocks_in_fours_where_512_does_not_divide_k():
+    """K = 1280 (10 steps of 4 blocks; Qwen2.5-1.5B's down has 8960 columns): Q8_0's few-row GEMM falls back
+    from 16 blocks a step to 4, on the same int8 x; K slices (3, then 2 uneven) and gate/up fused, to 1e-6."""
+    raw = blocks(T.Q8_0, 10, 1280, 61)
+    w = torch.from_numpy(quants.dequantize(raw, T.Q8_0).astype(np.float32)).double()
+    data = torch.from_numpy(raw.copy())
+    assert qk._word_kernel(int(T.Q8_0), 5, 1280) == "skinny_q8_0" and qk._word_kernel(int(T.Q8_0), 5, 2048) == \
+        "skinny_q8_0w"
+    x = torch.randn(5, 1280, generator=torch.Generator().manual_seed(6))
+    want = as_computed(x, T.Q8_0, 1280) @ w.T
+    assert rel(qk.matmul(x, data, int(T.Q8_0), 9, config=(8, 4, 1, 3)).double(), want[:, :9]) <= 1e-6
+    got = qk.matmul(x, data, int(T.Q8_0), 5, glu=True, config=(8, 4, 1, 2)).double()
+    assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
+    assert not qk._counters(x.device).any()
 
 
 def test_quant_weight_segments_slices_and_bytes():
@@ -542,4 +561,4 @@ def test_the_autotuners_keep_their_measurements_on_disk():
     out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).resolve().parents[1] / "src")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["8", "True"], out.stdout
+    assert out.stdout.split() == ["9", "True"], out.stdout

@@ -70,8 +70,8 @@ def main() -> None:
     skinny8_sig = {"q_ptr": "*i8", "ds_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32",
                    "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "row_words": "i32", "stride_y": "i32",
                    "GLU": "constexpr", "BLOCK_N": "constexpr", "SPLIT": "constexpr", "ASM": "constexpr"}
-    for name, qtype in (("Q4_K", qk.Q4_K), ("Q6_K", qk.Q6_K), ("Q8_0", qk.Q8_0)):
-        skinny = qk.WORD_KERNELS[qtype]
+    for name, skinny, per_trip in (("Q4_K", "skinny_q4k8", 256), ("Q6_K", "skinny_q6k", 512),
+                                   ("Q8_0", "skinny_q8_0w", 512), ("Q8_0", "skinny_q8_0", 128)):
         for block_n, warps, stages, split in qk.WORD_SKINNY_CONFIGS[:3:2]:
             if skinny in qk.INT8_KERNELS:
                 loop = qk._loop_stages(skinny, stages)
@@ -82,10 +82,10 @@ def main() -> None:
                 sass = compile_sass(kernels[skinny], skinny_sig, {"GLU": False, "BLOCK_M": 16, "BLOCK_N": block_n,
                                                                   "PRECISION": "tf32", "SPLIT": split}, warps,
                                     (0, 1, 8, 9, 10), stages)
-            # a trip: a superblock (Q4_K), two (Q6_K) or 4 blocks of 32 (Q8_0) of BLOCK_N rows, each weight
+            # a trip: a superblock (Q4_K), two (Q6_K), 16 or 4 blocks of 32 (Q8_0) of BLOCK_N rows, each weight
             # against 16 x rows
             runs.append((f"{skinny}_kernel {name} {block_n, warps, stages, split}", loop_ops(sass),
-                         block_n * {qk.Q4_K: 256, qk.Q6_K: 512, qk.Q8_0: 128}[qtype] / (32 * warps)))
+                         block_n * per_trip / (32 * warps)))
     lane_sig = {"q_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "N": "i32",
                 "K": "i32", "row_words": "i32", "GLU": "constexpr", "RT": "constexpr", "WARPS": "constexpr",
                 "KU": "constexpr", "ASM": "constexpr", "QTYPE": "constexpr"}

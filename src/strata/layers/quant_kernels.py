@@ -15,8 +15,9 @@ bytes of a row: with a thread per (row, block), as Q8_0's GEMV had until 58bdb13
 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
 The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) run on tensor
 cores: Q4_K's on int8 x and its nibbles as int8 (skinny_q4k8_kernel), its integer sums scaled as the
-GEMV scales its dp4a sums, Q8_0's the same way on its bytes (skinny_q8_0_kernel), Q6_K's on float tiles
-built from the words. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit
+GEMV scales its dp4a sums, Q8_0's the same way on its bytes (skinny_q8_0w_kernel, or skinny_q8_0_kernel
+where 512 does not divide K), Q6_K's on float tiles built from the words. These two read a row's weights in
+runs of 128 bytes a warp's load can take whole, for the same reason. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit
 at even offsets, so they are read through a float16 view of the same bytes."""
 
 from __future__ import annotations
@@ -294,9 +295,9 @@ def _build():
                           PDL: tl.constexpr = False):
         """x [M, KB * 32] -> int8 q [MP, KB * 32] with x ~ d * q per 32 values (d = max |x| / 127, q rounded
         to nearest even), and d with the sums of d * q: the integer products' x, which compute with d * q in
-        place of x exactly but for float32 rounding. SUMS 16 (the GEMVs'): d [KB, MP], the sums per 16 in s
-        [2 KB, MP], and q again in Q8_0's row layout after q (quantize_blocks); SUMS 32 (the few-row
-        GEMMs'): d and the sum per 32 side by side in d [KB, MP, 2], one 8-byte load (s unused). Rows M ..
+        place of x exactly but for float32 rounding; after q's MP rows, q again in Q8_0's row layout
+        (quantize_blocks). SUMS 16 (the GEMVs'): d [KB, MP], the sums per 16 in s [2 KB, MP]; SUMS 32 (the
+        few-row GEMMs'): d and the sum per 32 side by side in d [KB, MP, 2], one 8-byte load (s unused). Rows M ..
         MP (the few-row GEMMs' padding) are zeros; the scales are stored K-major, so that a program reads its
         rows' at one K together."""
         settle(PDL)
@@ -326,11 +327,11 @@ def _build():
             sums = tl.sum(tl.reshape(q, (B, 2, 16)), axis=2) * d[:, None]
             tl.store(s_ptr + (2 * kb[:, None] + tl.arange(0, 2)[None, :]) * MP + row[:, None], sums,
                      mask=ok[:, None])
-            # after the MP rows of q, q again in Q8_0's row layout (gemv_q8_0c_kernel's x): each block's 32
-            # values 2 bytes into its 34, zeros where a Q8_0 row holds the block's d
-            xr = q_ptr + MP * KB * 32 + (row * KB + kb)[:, None] * 34
-            tl.store(xr + 2 + j, q.to(tl.int8), mask=ok[:, None])
-            tl.store(xr + tl.arange(0, 2)[None, :], tl.zeros([B, 2], dtype=tl.int8), mask=ok[:, None])
+        # after the MP rows of q, q again in Q8_0's row layout (gemv_q8_0c_kernel's and skinny_q8_0w_kernel's
+        # x): each block's 32 values 2 bytes into its 34, zeros where a Q8_0 row holds the block's d
+        xr = q_ptr + MP * KB * 32 + (row * KB + kb)[:, None] * 34
+        tl.store(xr + 2 + j, q.to(tl.int8), mask=ok[:, None])
+        tl.store(xr + tl.arange(0, 2)[None, :], tl.zeros([B, 2], dtype=tl.int8), mask=ok[:, None])
 
     @triton.jit
     def _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr, expert_bytes, K, stride_y, SHARE: tl.constexpr,
@@ -760,7 +761,7 @@ def _build():
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
-        word, their words joined from two, as in gemv_q8_0_kernel."""
+        word, their words joined from two. Where 512 | K, skinny_q8_0w_kernel takes its place."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rows < N
         offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
@@ -782,6 +783,65 @@ def _build():
                         _, d = _half2(tl.load(w32 + base + 8), True)
                         qw = tl.load(w32 + base[:, None] + 9 + j8)
                     isum = tl.dot(_bytes(qw, ASM), xt, out_dtype=tl.int32)
+                    nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
+                acc = nxt if GLU else (nxt[0], acc[1])
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
+
+    @triton.jit
+    def _chunks4(t):
+        """The 4 8-word chunks of a word tile t [R, 32], in order, each [R, 8]."""
+        lo, hi = tl.split(tl.permute(tl.reshape(t, [t.shape[0], 2, 2, 8]), (0, 3, 2, 1)))  # [R, 8, c0, c1]
+        c0, c1 = tl.split(lo)
+        c2, c3 = tl.split(hi)
+        return c0, c1, c2, c3
+
+    @triton.jit
+    def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
+                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                            STAGES: tl.constexpr):
+        """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
+        (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
+        as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
+        chunk and x's chunk at the same offset line up: in chunk c the bytes before 2 c are block c - 1's, the
+        rest block c's. Block b's integer sum, the int8 dots of chunk b with x's part from 2 b and of chunk
+        b + 1 with x's part before 2 b + 2, is then scaled by d xd, as the GEMV's are."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rows < N
+        offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
+        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        m = tl.arange(0, 16)
+        pos = tl.arange(0, 32)[:, None]
+        xrow = q_ptr + 16 * K + m[None, :] * tl.multiple_of(K // 32 * 34, 16) + pos  # [32, 16] a chunk
+        acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
+        lo, hi = _k_range(K // 512, SPLIT)
+        for g in tl.range(lo, hi, num_stages=STAGES):
+            ats = ()
+            chunks = ()
+            for s in tl.static_range(2 if GLU else 1):
+                at = w32 + tl.multiple_of(offs[s] + g * 136, 4)[:, None]
+                ats += (at,)
+                chunks += (_chunks4(tl.load(at + tl.arange(0, 32)[None, :])),)
+            xnext = tl.load(xrow + 544 * g)
+            for b in tl.static_range(16):
+                if b % 4 == 3:  # chunk b + 1 starts the next 128 bytes (or is the step's last 32)
+                    more = ()
+                    for s in tl.static_range(2 if GLU else 1):
+                        if b == 15:
+                            more += (chunks[s] + (tl.load(ats[s] + 128 + tl.arange(0, 8)[None, :]),),)
+                        else:
+                            more += (chunks[s] + _chunks4(tl.load(ats[s] + 8 * (b + 1) + tl.arange(0, 32)[None, :])),)
+                    chunks = more
+                xb = xnext
+                xnext = tl.load(xrow + 544 * g + 32 * (b + 1))
+                xd = tl.load(ds_ptr.to(tl.pointer_type(tl.int64)) + 16 * (16 * g + b) + m)
+                xd = xd.to(tl.int32).to(tl.float32, bitcast=True)
+                nxt = ()
+                for s in tl.static_range(2 if GLU else 1):
+                    dword = tl.load(w32 + offs[s] + g * 136 + 8 * b + b // 2)  # block b's d: step byte 34 b
+                    d, _ = _half2(dword >> (16 * (b % 2)), True)
+                    isum = tl.dot(_bytes(chunks[s][b], ASM), tl.where(pos >= 2 * b, xb, 0), out_dtype=tl.int32)
+                    isum += tl.dot(_bytes(chunks[s][b + 1], ASM), tl.where(pos < 2 * b + 2, xnext, 0),
+                                   out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
@@ -855,19 +915,20 @@ def _build():
 
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
-                   _words_from, _six_bit_tile, _k_range, _finish, quantize_blocks):  # called by name, as _halves is
+                   _words_from, _six_bit_tile, _k_range, _finish, quantize_blocks, _chunks4):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "quantize_x": quantize_x_kernel, "quantize_blocks": quantize_blocks, "gemv_q4k8c": gemv_q4k8c_kernel,
                "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0c": gemv_q8_0c_kernel,
-               "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel}
+               "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel,
+               "skinny_q8_0w": skinny_q8_0w_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         autotune = functools.partial(triton.autotune, **_disk_cache(triton))
         kernels["gemv_tuned"] = autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
             key=["N", "K", "QTYPE", "GLU", "EXPERTS"])(gemv_kernel)
-        for skinny in WORD_KERNELS.values():
+        for skinny in (*WORD_KERNELS.values(), "skinny_q8_0w"):
             kernels[f"{skinny}_tuned"] = autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k, **_loop_stages(skinny, st)}, num_warps=w,
                                num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
@@ -963,14 +1024,16 @@ SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many 
 
 
 def _loop_stages(word: str, stages: int) -> dict:
-    """skinny_q4k8's STAGES: its K loop pipelined over that many stages, every load in it included (the
-    superblock headers and x's scales too, which Triton's pipeliner leaves synchronous in a loop without
-    the attribute): on an H100 its 16-row products took 6-21% less time (bench/results/skinny-q4k-wide-h100.json)."""
-    return {"STAGES": stages} if word == "skinny_q4k8" else {}
+    """The STAGES of skinny_q4k8 and skinny_q8_0w: their K loops pipelined over that many stages, every load
+    in them included (superblock headers, d's and x's scales too, which Triton's pipeliner leaves synchronous
+    in a loop without the attribute). With its 128-byte loads, skinny_q4k8's 16-row products took 12-21% less
+    time on an H100 (bench/results/skinny-q4k-wide-h100.json), skinny_q8_0w's 17-24% less than
+    skinny_q8_0's (bench/results/skinny-q8_0-wide-h100.json)."""
+    return {"STAGES": stages} if word in ("skinny_q4k8", "skinny_q8_0w") else {}
 
 
 def _split_fits(name: str, block_n: int, split: int, n: int, k: int) -> bool:
-    steps = k // {"skinny_q6k": 512, "skinny_q8_0": 128}.get(name, 256)
+    steps = k // {"skinny_q6k": 512, "skinny_q8_0": 128, "skinny_q8_0w": 512}.get(name, 256)
     return split == 1 or (cdiv(n, block_n) * split <= SPLIT_PROGRAMS and split <= steps)
 
 
@@ -996,10 +1059,10 @@ def _counters(device) -> torch.Tensor:
 #: bench/results/quant-sweep-int8-x-h200.json), all with lanes along K (LANE_K_CONFIGS); their names in _build()
 INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0c"}
 #: the types with a few-row GEMM of their own on 32-bit words (skinny_q4k8 and skinny_q8_0 on int8 x and integer
-#: tensor cores, as their GEMVs compute)
+#: tensor cores, as their GEMVs compute; Q8_0's is skinny_q8_0w where 512 | K: _word_kernel)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k", Q8_0: "skinny_q8_0"}
 #: the kernels that take x as quantize_x makes it; the few-row ones take X_ROWS rows of it
-INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8", "skinny_q8_0"}
+INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8", "skinny_q8_0", "skinny_q8_0w"}
 X_ROWS = 16
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
@@ -1011,12 +1074,15 @@ def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0) -> str | Non
     """The word kernel for this product over a matrix of nbytes (one expert's), if any. Q6_K's
     210-byte superblocks lie anywhere in 16-byte chunks: its GEMV reads the chunks around them from the
     matrix's start, its rows at any even byte, with int32 byte offsets (nbytes < 2 GiB); its GEMM takes
-    superblocks in pairs from 4-byte boundaries (512 | cols). Q8_0's GEMM takes blocks in fours (128 | cols);
-    its lanes-along-K GEMV reads each block's d through int32 offsets in float16 units (nbytes < 4 GiB)."""
+    superblocks in pairs from 4-byte boundaries (512 | cols). Q8_0's GEMM takes blocks in sixteens (512 | cols,
+    skinny_q8_0w), else in fours (128 | cols); its lanes-along-K GEMV reads each block's d through int32
+    offsets in float16 units (nbytes < 4 GiB)."""
     if qtype == Q6_K and ((rows > 1 and cols % 512) or (rows == 1 and nbytes >= 2 ** 31)):
         return None
     if qtype == Q8_0 and rows > 1 and cols % 128:
         return None
+    if qtype == Q8_0 and rows > 1 and cols % 512 == 0:
+        return "skinny_q8_0w"
     if qtype == Q8_0 and rows == 1 and nbytes >= 2 ** 32:
         return None
     return (INT8_GEMVS if rows == 1 else WORD_KERNELS).get(qtype)
@@ -1038,11 +1104,11 @@ def int8_x(qtype: int, rows: int, cols: int, nbytes: int = 0) -> bool:
 
 
 def x8_buffers(rows: int, k: int, device) -> tuple[tuple[torch.Tensor, ...], int, int]:
-    """Where quantize_x's result for [rows, k] goes: ((q, d, s), MP, SUMS); one row's q with its copy in
-    Q8_0's row layout after it (k / 32 * 34 bytes)."""
+    """Where quantize_x's result for [rows, k] goes: ((q, d, s), MP, SUMS); q flat, its MP rows (k apart)
+    then their copies in Q8_0's row layout (k / 32 * 34 bytes apart)."""
     mp, sums = (1, 16) if rows == 1 else (X_ROWS, 32)
     assert rows <= mp, rows
-    return ((torch.empty(mp, k + (k // 32 * 34 if rows == 1 else 0), dtype=torch.int8, device=device),
+    return ((torch.empty(mp * (k + k // 32 * 34), dtype=torch.int8, device=device),
              torch.empty(k // 32, mp, 2 if rows > 1 else 1, dtype=torch.float32, device=device),
              torch.empty(k // 16 if rows == 1 else 1, dtype=torch.float32, device=device)), mp, sums)
 
@@ -1050,16 +1116,16 @@ def x8_buffers(rows: int, k: int, device) -> tuple[tuple[torch.Tensor, ...], int
 def x8_result(buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """x8_buffers' tensors as the products take them (quantize_x's return)."""
     q, d, s = buffers
-    return (q.flatten(), d.flatten(), s) if q.shape[0] == 1 else (q, d)
+    return (q, d.flatten(), s) if d.shape[1] == 1 else (q, d)
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """x [M, K] -> int8 q [MP, K] with x ~ d * q per 32 values, and the scales d and the sums s of d * q,
-    which the products' offsets (Q4_K's mins, Q6_K's -32) multiply. One row (MP = 1), the GEMVs' x:
-    (q [K + K / 32 * 34]: q, then q laid out as a Q8_0 row with zeros for its d's; d [K / 32], s [K / 16]);
-    a few (MP = X_ROWS, zeros past M), the few-row GEMMs': (q, ds), ds
-    [K / 32, X_ROWS, 2] holding each block's d and s (per 32) side by side. An x that a norm kernel
-    already quantized (remember_x8) is not quantized again."""
+    """x [M, K] -> int8 q with x ~ d * q per 32 values, and the scales d and the sums s of d * q, which the
+    products' offsets (Q4_K's mins, Q6_K's -32) multiply. q [MP (K + K / 32 * 34)]: MP rows of K, then each
+    laid out as a Q8_0 row with zeros for its d's. One row (MP = 1), the GEMVs' x: (q, d [K / 32],
+    s [K / 16]); a few (MP = X_ROWS, zeros past M), the few-row GEMMs': (q, ds), ds [K / 32, X_ROWS, 2]
+    holding each block's d and s (per 32) side by side. An x that a norm kernel already quantized
+    (remember_x8) is not quantized again."""
     rows, k = x.shape
     done = recall_x8(x)
     if done is not None:
