@@ -123,8 +123,7 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
     assert not qk._counters(x.device).any()  # the split products left their counts at zero
-    # half-precision x, the output (and the GEMM's dequantized tiles) rounded to it; the interpreter's dot
-    # multiplies bfloat16 operands as their raw bits, so the GEMM takes float16 here
+    # half-precision x (bfloat16 for the GEMV, float16 for the GEMM), the output rounded to it
     half = x.bfloat16() if rows == 1 else x.half()
     got = qk.matmul(half, data, int(qtype), 10).double()
     assert rel(got, as_computed(half, qtype, 2048) @ w.T) <= 2 ** -7

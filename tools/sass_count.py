@@ -63,25 +63,16 @@ def main() -> None:
                                                            "UNROLL": unroll}, warps, (0, 1, 6))
             runs.append((f"gemv_kernel {name} {block_n, warps, unroll}", loop_ops(sass),
                          block_n * 256 * unroll / (32 * warps)))
-    skinny_sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-                  "M": "i32", "N": "i32", "K": "i32", "row_words": "i32", "stride_x": "i32", "stride_y": "i32",
-                  "GLU": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "PRECISION": "constexpr",
-                  "SPLIT": "constexpr"}
     skinny8_sig = {"q_ptr": "*i8", "ds_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32",
                    "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "row_words": "i32", "stride_y": "i32",
                    "GLU": "constexpr", "BLOCK_N": "constexpr", "SPLIT": "constexpr", "ASM": "constexpr"}
-    for name, skinny, per_trip in (("Q4_K", "skinny_q4k8", 256), ("Q6_K", "skinny_q6k", 512),
+    for name, skinny, per_trip in (("Q4_K", "skinny_q4k8", 256), ("Q6_K", "skinny_q6k8", 512),
                                    ("Q8_0", "skinny_q8_0w", 512), ("Q8_0", "skinny_q8_0", 128)):
         for block_n, warps, stages, split in qk.WORD_SKINNY_CONFIGS[:3:2]:
-            if skinny in qk.INT8_KERNELS:
-                loop = qk._loop_stages(skinny, stages)
-                sass = compile_sass(kernels[skinny], {**skinny8_sig, **{k: "constexpr" for k in loop}},
-                                    {"GLU": False, "BLOCK_N": block_n, "SPLIT": split, "ASM": True, **loop}, warps,
-                                    (0, 1, 2, 8, 9), stages)
-            else:
-                sass = compile_sass(kernels[skinny], skinny_sig, {"GLU": False, "BLOCK_M": 16, "BLOCK_N": block_n,
-                                                                  "PRECISION": "tf32", "SPLIT": split}, warps,
-                                    (0, 1, 8, 9, 10), stages)
+            loop = qk._loop_stages(skinny, stages)
+            sass = compile_sass(kernels[skinny], {**skinny8_sig, **{k: "constexpr" for k in loop}},
+                                {"GLU": False, "BLOCK_N": block_n, "SPLIT": split, "ASM": True, **loop}, warps,
+                                (0, 1, 2, 8, 9), stages)
             # a trip: a superblock (Q4_K), two (Q6_K), 16 or 4 blocks of 32 (Q8_0) of BLOCK_N rows, each weight
             # against 16 x rows
             runs.append((f"{skinny}_kernel {name} {block_n, warps, stages, split}", loop_ops(sass),

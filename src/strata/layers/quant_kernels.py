@@ -856,73 +856,80 @@ def _build():
         return a
 
     @triton.jit
-    def _six_bit_tile(P, c, c32):
-        """[R, 16] float32 (v - 32) c of the 6-bit values in the bytes of P [R, 4], byte b of word j being
-        column 4j + b; c [R] the scale. Bytes masked in place (the last through P >> 8) and made float through
-        the mantissa; their power of two goes into the scale, and c32 = 32 c."""
-        t = P >> 8
-        m = c32[:, None]
-        v0 = _f(P & 0x3F) * c[:, None] - m
-        v1 = _f(P & 0x3F00) * (c * (1.0 / 256))[:, None] - m
-        v2 = _f(P & 0x3F0000) * (c * (1.0 / 65536))[:, None] - m
-        v3 = _f(t & 0x3F0000) * (c * (1.0 / 65536))[:, None] - m
-        return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (P.shape[0], 16))
+    def _minus32(P):
+        """Each byte b (< 64) of the words P as the int8 b - 32: every byte lifted by 0x80 first, so that no
+        subtraction borrows from the byte above."""
+        return ((P | 0x80808080) - 0x20202020) ^ 0x80808080
 
     @triton.jit
-    def skinny_q6k_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_x, stride_y,
-                          GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                          SPLIT: tl.constexpr):
-        """Q6_K, a few x rows: 16 weights of BLOCK_N rows (a scale's) dequantized from 32-bit words a step,
-        then on tensor cores. Rows start on 16-byte boundaries (2048 | K), so superblocks start on 4-byte
-        ones (even) or 2 bytes past them (odd): odd ones' words are assembled from two."""
+    def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                           STAGES: tl.constexpr):
+        """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
+        of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
+        int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
+        whose int32 sums are weighted by their int8 scales in integers, then scaled by xd; d once a
+        superblock. Superblocks in pairs from 4-byte boundaries (512 | K), odd ones' words assembled from two."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rows < N
         offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
-        m = tl.arange(0, BLOCK_M)
-        xrows = x_ptr + m[:, None] * stride_x + tl.arange(0, 16)[None, :]
-        xmask = (m < M)[:, None]
-        acc = (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+        m = tl.arange(0, 16)
+        pos = tl.arange(0, 32)[:, None]
+        c = tl.arange(0, 32)[None, :]  # x's block as [32, 32]: its rows' first halves, then their second halves
+        xcols = q_ptr + (c % 16) * K + pos
+        xhalf = (pos < 16) == (c < 16)
+        acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 512, SPLIT)
-        for sb2 in range(lo, hi):
+        for sb2 in tl.range(lo, hi, num_stages=STAGES):
             for odd in tl.static_range(2):
                 sb = 2 * sb2 + odd
-                nxt = ()
+                heads = ()
                 for s in tl.static_range(2 if GLU else 1):
-                    a = acc[s]
                     base = offs[s] + sb2 * 105 + 52 * odd
-                    s0, s1, s2, s3 = _words(_words_from(w32, base, 48, 4, odd))  # the 16 int8 scales
-                    sw_h = ((s0, s1), (s2, s3))
+                    scw = _words(_words_from(w32, base, 48, 4, odd).to(tl.int32, bitcast=True))  # 16 int8 scales
                     dword = tl.load(w32 + base + 52)  # d: bytes 208, 209 (of an odd one: the word's high half)
                     d, _ = _half2(dword >> 16 if odd else dword, True)
-                    for h2 in tl.static_range(2):
-                        for g in tl.static_range(2):  # weights 128 h2 + 32 mq + 16 g + (0 .. 15), mq = 0 .. 3:
-                            # low 4 bits in ql bytes 64 h2 + 32 (mq % 2) + 16 g .., high 2 in qh bytes 32 h2 + 16 g ..
-                            qls = (_words_from(w32, base, 16 * h2 + 4 * g, 4, odd),
-                                   _words_from(w32, base, 16 * h2 + 8 + 4 * g, 4, odd))
-                            qh = _words_from(w32, base, 32 + 8 * h2 + 4 * g, 4, odd)
-                            for mq in tl.static_range(4):
-                                P = _q6_bits(qls[mq % 2], qh, mq)
-                                sw = sw_h[h2][mq // 2]  # the scales of weights 16 (8 h2 + 2 mq + g) ..
-                                sc = _f(((sw >> (16 * (mq % 2) + 8 * g)) & 0xFF) ^ 0x80) - 128.0
-                                c = d * sc
-                                xt = tl.load(xrows + sb * 256 + 128 * h2 + 32 * mq + 16 * g, mask=xmask, other=0.0)
-                                wt = _six_bit_tile(P, c, 32.0 * c)
-                                a = tl.dot(xt, tl.trans(wt.to(xt.dtype)), a, input_precision=PRECISION)
-                    nxt += (a,)
+                    heads += ((base, scw, d),)
+                part = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
+                for h2 in tl.static_range(2):
+                    bits = ()
+                    for s in tl.static_range(2 if GLU else 1):  # low 4 bits in ql bytes 64 h2 + 32 (mq % 2) + l,
+                        base = heads[s][0]  # high 2 in bits 2 mq of qh byte 32 h2 + l
+                        bits += ((_words_from(w32, base, 16 * h2, 8, odd), _words_from(w32, base, 16 * h2 + 8, 8, odd),
+                                  _words_from(w32, base, 32 + 8 * h2, 8, odd)),)
+                    for mq in tl.static_range(4):
+                        j = 8 * sb + 4 * h2 + mq
+                        x2 = tl.load(xcols + 32 * j, mask=xhalf, other=0)
+                        xd = tl.load(ds_ptr.to(tl.pointer_type(tl.int64)) + 16 * j + m)
+                        xd = xd.to(tl.int32).to(tl.float32, bitcast=True)
+                        nxt = ()
+                        for s in tl.static_range(2 if GLU else 1):
+                            qb = _bytes(_minus32(_q6_bits(bits[s][mq % 2], bits[s][2], mq)), ASM)
+                            sw = heads[s][1][2 * h2 + mq // 2]  # scales 8 h2 + 2 mq, + 1: its bytes 2 (mq % 2), + 1
+                            sc_lo = (sw << (24 - 16 * (mq % 2))) >> 24
+                            sc_hi = (sw << (16 - 16 * (mq % 2))) >> 24
+                            ilo, ihi = tl.split(tl.permute(tl.reshape(tl.dot(qb, x2, out_dtype=tl.int32),
+                                                                      [BLOCK_N, 2, 16]), (0, 2, 1)))
+                            isum = ilo * sc_lo[:, None] + ihi * sc_hi[:, None]
+                            nxt += (tl.fma(isum.to(tl.float32), xd[None, :], part[s]),)
+                        part = nxt if GLU else (nxt[0], part[1])
+                nxt = ()
+                for s in tl.static_range(2 if GLU else 1):
+                    nxt += (tl.fma(part[s], heads[s][2][:, None], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU, SPLIT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
-                   _words_from, _six_bit_tile, _k_range, _finish, quantize_blocks, _chunks4):  # called by name, as _halves is
+                   _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "quantize_x": quantize_x_kernel, "quantize_blocks": quantize_blocks, "gemv_q4k8c": gemv_q4k8c_kernel,
                "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0c": gemv_q8_0c_kernel,
-               "skinny_q6k": skinny_q6k_kernel, "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel,
-               "skinny_q8_0w": skinny_q8_0w_kernel}
+               "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel,
+               "skinny_q8_0w": skinny_q8_0w_kernel, "skinny_q6k8": skinny_q6k8_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         autotune = functools.partial(triton.autotune, **_disk_cache(triton))
         kernels["gemv_tuned"] = autotune(
@@ -1014,7 +1021,7 @@ SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (3
 LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2, 1, 1), (1, 4, 2, 1), (2, 4, 2, 1),
                   (1, 2, 2, 1), (2, 2, 2, 1), (1, 4, 4, 1), (1, 2, 4, 1), (4, 2, 2, 1), (8, 2, 1, 1), (1, 4, 1, 2)]
 
-#: the word GEMMs' (skinny_q4k_kernel, skinny_q6k_kernel): (rows of W per program, warps, pipeline stages,
+#: the word GEMMs' (skinny_q4k8, skinny_q6k8, skinny_q8_0, skinny_q8_0w): (rows of W per program, warps, stages,
 #: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
 WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 4), (128, 4, 2, 1),
                        (128, 4, 2, 4), (64, 4, 1, 1), (64, 4, 1, 4), (64, 4, 1, 8), (64, 2, 2, 1), (64, 2, 2, 4),
@@ -1024,16 +1031,16 @@ SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many 
 
 
 def _loop_stages(word: str, stages: int) -> dict:
-    """The STAGES of skinny_q4k8 and skinny_q8_0w: their K loops pipelined over that many stages, every load
+    """The STAGES of the word GEMMs but skinny_q8_0: their K loops pipelined over that many stages, every load
     in them included (superblock headers, d's and x's scales too, which Triton's pipeliner leaves synchronous
     in a loop without the attribute). With its 128-byte loads, skinny_q4k8's 16-row products took 12-21% less
     time on an H100 (bench/results/skinny-q4k-wide-h100.json), skinny_q8_0w's 17-24% less than
     skinny_q8_0's (bench/results/skinny-q8_0-wide-h100.json)."""
-    return {"STAGES": stages} if word in ("skinny_q4k8", "skinny_q8_0w") else {}
+    return {} if word == "skinny_q8_0" else {"STAGES": stages}
 
 
 def _split_fits(name: str, block_n: int, split: int, n: int, k: int) -> bool:
-    steps = k // {"skinny_q6k": 512, "skinny_q8_0": 128, "skinny_q8_0w": 512}.get(name, 256)
+    steps = k // {"skinny_q6k8": 512, "skinny_q8_0": 128, "skinny_q8_0w": 512}.get(name, 256)
     return split == 1 or (cdiv(n, block_n) * split <= SPLIT_PROGRAMS and split <= steps)
 
 
@@ -1058,11 +1065,11 @@ def _counters(device) -> torch.Tensor:
 #: products do: dp4a over bytes in place of float arithmetic per weight (against float x:
 #: bench/results/quant-sweep-int8-x-h200.json), all with lanes along K (LANE_K_CONFIGS); their names in _build()
 INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0c"}
-#: the types with a few-row GEMM of their own on 32-bit words (skinny_q4k8 and skinny_q8_0 on int8 x and integer
-#: tensor cores, as their GEMVs compute; Q8_0's is skinny_q8_0w where 512 | K: _word_kernel)
-WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k", Q8_0: "skinny_q8_0"}
-#: the kernels that take x as quantize_x makes it; the few-row ones take X_ROWS rows of it
-INT8_KERNELS = set(INT8_GEMVS.values()) | {"skinny_q4k8", "skinny_q8_0", "skinny_q8_0w"}
+#: the types with a few-row GEMM of their own on 32-bit words, on int8 x (X_ROWS rows of quantize_x's) and
+#: integer tensor cores, as their GEMVs compute (Q8_0's is skinny_q8_0w where 512 | K: _word_kernel). Q6_K's
+#: (skinny_q6k8) ran as fast as the float-tile kernel it replaced on an H100, 16 rows: the LM head 435.5 us
+#: against 432.8, down 52.3 against 55.2, a fused q/k/v 22.6 against 21.0 (bench/results/skinny-q6k-int8-x-h100.json)
+WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0"}
 X_ROWS = 16
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
@@ -1100,7 +1107,7 @@ def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
 
 def int8_x(qtype: int, rows: int, cols: int, nbytes: int = 0) -> bool:
     """Whether this product (over a matrix of nbytes) computes with x quantized by quantize_x in place of x."""
-    return _word_kernel(qtype, rows, cols, nbytes) in INT8_KERNELS
+    return _word_kernel(qtype, rows, cols, nbytes) is not None
 
 
 def x8_buffers(rows: int, k: int, device) -> tuple[tuple[torch.Tensor, ...], int, int]:
@@ -1188,12 +1195,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
                         if sp > 1 and _split_fits(word, b, sp, n, k)] or [1])  # the workspace the slices need
         common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
                   data.stride(0) // 4)
-        if word in INT8_KERNELS:
-            args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
-            extra = {"GLU": glu, "ASM": not _interpreting()}
-        else:
-            args = (x, data, *common, x.stride(0), y.stride(0))
-            extra = {"GLU": glu, "BLOCK_M": 16, "PRECISION": precision(x)}
+        args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
+        extra = {"GLU": glu, "ASM": not _interpreting()}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
