@@ -680,6 +680,15 @@ def _build():
                      mask=(m < M)[:, None] & (rows < N)[None, :])
 
     @triton.jit
+    def _gemm_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr):
+        """A few-row GEMM program's BLOCK_N rows of W, their offsets in words (of the rows, and of the up rows N
+        later with GLU; rows past N at 0, their results never stored) and W as 32-bit words."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rows < N
+        offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
+        return rows, offs, w_ptr.to(tl.pointer_type(tl.uint32))
+
+    @triton.jit
     def _bytes(w, ASM: tl.constexpr):
         """The bytes of 32-bit words w [R, C] as int8 [R, 4 C] (byte b of word c at 4 c + b): on the device each
         word, repeated over its 4 bytes, is packed back into the one register it came from."""
@@ -718,10 +727,7 @@ def _build():
         """Q4_K times a few rows of int8 x (quantize_x) on integer tensor cores: per sub-block, the int8 dot
         of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's scales serve 4 x rows)
         with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = rows < N
-        offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
-        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         i4 = tl.arange(0, 4)[None, :]
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 256, SPLIT)
@@ -762,10 +768,7 @@ def _build():
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
         word, their words joined from two. Where 512 | K, skinny_q8_0w_kernel takes its place."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = rows < N
-        offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
-        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         j8 = tl.arange(0, 8)[None, :]
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 128, SPLIT)
@@ -805,10 +808,7 @@ def _build():
         chunk and x's chunk at the same offset line up: in chunk c the bytes before 2 c are block c - 1's, the
         rest block c's. Block b's integer sum, the int8 dots of chunk b with x's part from 2 b and of chunk
         b + 1 with x's part before 2 b + 2, is then scaled by d xd, as the GEMV's are."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = rows < N
-        offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
-        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         m = tl.arange(0, 16)
         pos = tl.arange(0, 32)[:, None]
         xrow = q_ptr + 16 * K + m[None, :] * tl.multiple_of(K // 32 * 34, 16) + pos  # [32, 16] a chunk
@@ -870,10 +870,7 @@ def _build():
         int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
         whose int32 sums are weighted by their int8 scales in integers, then scaled by xd; d once a
         superblock. Superblocks in pairs from 4-byte boundaries (512 | K), odd ones' words assembled from two."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = rows < N
-        offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
-        w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         m = tl.arange(0, 16)
         pos = tl.arange(0, 32)[:, None]
         c = tl.arange(0, 32)[None, :]  # x's block as [32, 32]: its rows' first halves, then their second halves
@@ -922,7 +919,8 @@ def _build():
 
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
-                   _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32):  # called by name, as _halves is
+                   _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
+                   _gemm_rows):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
