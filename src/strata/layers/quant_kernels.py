@@ -13,12 +13,13 @@ per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes
 before applying the scales. They run their lanes along K, so that a warp's loads are runs of consecutive
 bytes of a row: with a thread per (row, block), as Q8_0's GEMV had until 58bdb13, each load touched 32
 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
-The few-row GEMMs of Q4_K and Q6_K (which a Q4_K_M target's verify spends its time in) run on tensor
-cores: Q4_K's on int8 x and its nibbles as int8 (skinny_q4k8_kernel), its integer sums scaled as the
-GEMV scales its dp4a sums, Q8_0's the same way on its bytes (skinny_q8_0w_kernel, or skinny_q8_0_kernel
-where 512 does not divide K), Q6_K's on float tiles built from the words. These two read a row's weights in
-runs of 128 bytes a warp's load can take whole, for the same reason. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit
-at even offsets, so they are read through a float16 view of the same bytes."""
+The few-row GEMMs of Q4_K, Q6_K and Q8_0 (a verify window, a drafter block) take the same int8 x and run
+on integer tensor cores, their integer sums scaled as the GEMVs scale their dp4a sums: Q4_K's nibbles as
+int8 (skinny_q4k8_kernel), Q6_K's 6-bit values less 32 (skinny_q6k8_kernel), Q8_0's bytes
+(skinny_q8_0w_kernel, or skinny_q8_0_kernel where 512 does not divide K). Q4_K's and Q8_0's read a row's
+weights in runs of 128 bytes a warp's load can take whole, for the same reason. Block layouts are the GGML
+formats' (ggml-common.h); d and other float16 fields sit at even offsets, so they are read through a
+float16 view of the same bytes."""
 
 from __future__ import annotations
 
