@@ -66,17 +66,16 @@ def main() -> None:
     skinny8_sig = {"q_ptr": "*i8", "ds_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32",
                    "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "row_words": "i32", "stride_y": "i32",
                    "GLU": "constexpr", "BLOCK_N": "constexpr", "SPLIT": "constexpr", "ASM": "constexpr"}
-    for name, skinny, per_trip in (("Q4_K", "skinny_q4k8", 256), ("Q6_K", "skinny_q6k8", 512),
-                                   ("Q8_0", "skinny_q8_0w", 512), ("Q8_0", "skinny_q8_0", 128)):
+    for name, skinny in (("Q4_K", "skinny_q4k8"), ("Q6_K", "skinny_q6k8"), ("Q8_0", "skinny_q8_0w"),
+                         ("Q8_0", "skinny_q8_0")):
         for block_n, warps, stages, split in qk.WORD_SKINNY_CONFIGS[:3:2]:
             loop = qk._loop_stages(skinny, stages)
             sass = compile_sass(kernels[skinny], {**skinny8_sig, **{k: "constexpr" for k in loop}},
                                 {"GLU": False, "BLOCK_N": block_n, "SPLIT": split, "ASM": True, **loop}, warps,
                                 (0, 1, 2, 8, 9), stages)
-            # a trip: a superblock (Q4_K), two (Q6_K), 16 or 4 blocks of 32 (Q8_0) of BLOCK_N rows, each weight
-            # against 16 x rows
+            # a trip: a K step (GEMM_STEP_COLUMNS) of BLOCK_N rows, each weight against 16 x rows
             runs.append((f"{skinny}_kernel {name} {block_n, warps, stages, split}", loop_ops(sass),
-                         block_n * per_trip / (32 * warps)))
+                         block_n * qk.GEMM_STEP_COLUMNS[skinny] / (32 * warps)))
     lane_sig = {"q_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "N": "i32",
                 "K": "i32", "row_words": "i32", "GLU": "constexpr", "RT": "constexpr", "WARPS": "constexpr",
                 "KU": "constexpr", "ASM": "constexpr", "QTYPE": "constexpr"}

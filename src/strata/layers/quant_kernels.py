@@ -712,14 +712,19 @@ def _build():
         return tl.fma(v.to(tl.float32, bitcast=True), d, d_off)
 
     @triton.jit
+    def _x_scales(ds_ptr, j):
+        """Block j's scales [X_ROWS] and sums of d * q [X_ROWS] of the few-row GEMMs' int8 x (quantize_x), read
+        as one 8-byte word a row."""
+        pair = tl.load(ds_ptr.to(tl.pointer_type(tl.int64)) + 16 * j + tl.arange(0, 16))
+        return pair.to(tl.int32).to(tl.float32, bitcast=True), (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _x_block(q_ptr, ds_ptr, K, j):
         """Block j (32 columns) of the few-row GEMMs' int8 x (quantize_x, X_ROWS rows), transposed: [32, X_ROWS],
-        its scales [X_ROWS] and its sums of d * q [X_ROWS], these two read as one 8-byte word a row."""
-        m = tl.arange(0, 16)
-        xt = tl.load(q_ptr + m[None, :] * K + 32 * j + tl.arange(0, 32)[:, None])
-        pair = tl.load(ds_ptr.to(tl.pointer_type(tl.int64)) + 16 * j + m)
-        return (xt, pair.to(tl.int32).to(tl.float32, bitcast=True),
-                (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+        with its scales and sums (_x_scales)."""
+        xt = tl.load(q_ptr + tl.arange(0, 16)[None, :] * K + 32 * j + tl.arange(0, 32)[:, None])
+        xd, xs = _x_scales(ds_ptr, j)
+        return xt, xd, xs
 
     @triton.jit
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
@@ -834,8 +839,7 @@ def _build():
                     chunks = more
                 xb = xnext
                 xnext = tl.load(xrow + 544 * g + 32 * (b + 1))
-                xd = tl.load(ds_ptr.to(tl.pointer_type(tl.int64)) + 16 * (16 * g + b) + m)
-                xd = xd.to(tl.int32).to(tl.float32, bitcast=True)
+                xd, _ = _x_scales(ds_ptr, 16 * g + b)
                 nxt = ()
                 for s in tl.static_range(2 if GLU else 1):
                     dword = tl.load(w32 + offs[s] + g * 136 + 8 * b + b // 2)  # block b's d: step byte 34 b
@@ -872,7 +876,6 @@ def _build():
         whose int32 sums are weighted by their int8 scales in integers, then scaled by xd; d once a
         superblock. Superblocks in pairs from 4-byte boundaries (512 | K), odd ones' words assembled from two."""
         rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
-        m = tl.arange(0, 16)
         pos = tl.arange(0, 32)[:, None]
         c = tl.arange(0, 32)[None, :]  # x's block as [32, 32]: its rows' first halves, then their second halves
         xcols = q_ptr + (c % 16) * K + pos
@@ -899,8 +902,7 @@ def _build():
                     for mq in tl.static_range(4):
                         j = 8 * sb + 4 * h2 + mq
                         x2 = tl.load(xcols + 32 * j, mask=xhalf, other=0)
-                        xd = tl.load(ds_ptr.to(tl.pointer_type(tl.int64)) + 16 * j + m)
-                        xd = xd.to(tl.int32).to(tl.float32, bitcast=True)
+                        xd, _ = _x_scales(ds_ptr, j)
                         nxt = ()
                         for s in tl.static_range(2 if GLU else 1):
                             qb = _bytes(_minus32(_q6_bits(bits[s][mq % 2], bits[s][2], mq)), ASM)
@@ -921,7 +923,7 @@ def _build():
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
-                   _gemm_rows):  # called by name, as _halves is
+                   _gemm_rows, _x_scales):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
@@ -1038,8 +1040,12 @@ def _loop_stages(word: str, stages: int) -> dict:
     return {} if word == "skinny_q8_0" else {"STAGES": stages}
 
 
+#: the columns of W a word GEMM's K loop takes a step: a superblock (Q4_K), two (Q6_K), 16 or 4 blocks of 32 (Q8_0)
+GEMM_STEP_COLUMNS = {"skinny_q4k8": 256, "skinny_q6k8": 512, "skinny_q8_0w": 512, "skinny_q8_0": 128}
+
+
 def _split_fits(name: str, block_n: int, split: int, n: int, k: int) -> bool:
-    steps = k // {"skinny_q6k8": 512, "skinny_q8_0": 128, "skinny_q8_0w": 512}.get(name, 256)
+    steps = k // GEMM_STEP_COLUMNS[name]
     return split == 1 or (cdiv(n, block_n) * split <= SPLIT_PROGRAMS and split <= steps)
 
 
