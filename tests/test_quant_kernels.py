@@ -262,12 +262,14 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
     assert 1e-5 < rel(got.logits, want.logits) <= 2e-3
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_norm_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype):
+@pytest.mark.parametrize("dtype,chunk", [(torch.float32, 0), (torch.float16, 0), (torch.float16, 128)])
+def test_a_norm_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype, chunk, monkeypatch):
     """rms_norm(quantize=True) leaves quantize_x's exact result for the next product (one row: the GEMVs'
-    layout; a few: the padded rows of the GEMMs'), taken once, and the same normed rows as without."""
+    layout; a few: the padded rows of the GEMMs'), taken once, and the same normed rows as without; also with
+    a row's columns split over programs (NORM_CHUNK)."""
     from strata.layers import triton_kernels as tk
 
+    monkeypatch.setattr(tk, "NORM_CHUNK", chunk)
     gen = torch.Generator().manual_seed(12)
     for rows in (1, 5):
         x = torch.randn(rows, 512, generator=gen).to(dtype)
@@ -337,7 +339,7 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
     for tokens in (torch.tensor([11]), torch.tensor([11, 200, 3, 97])):
         outs, counts = [], []
         for fused in (False, True):
-            monkeypatch.setattr(tk, "QUANTIZE_ROWS", 16 if fused else 0)  # both layouts (the default: 1 row)
+            monkeypatch.setattr(tk, "QUANTIZE_ROWS", 16 if fused else 0)  # both layouts (16: the default)
             launches.clear()
             recalled.clear()
             outs.append(forward_at(target, tokens, 0, target.make_cache(16), kv_len=16,

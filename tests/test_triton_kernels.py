@@ -91,9 +91,11 @@ def test_attention_matches_grouped_matmuls(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rms_norms_match_the_reference(dtype):
+def test_rms_norms_match_the_reference(dtype, monkeypatch):
     """The one-launch RMSNorm and residual add + RMSNorm against ops: a ragged row (200 columns in a block of
-    256), one row and a window of rows, a residual sum bit for bit, a float32 weight over float16 rows."""
+    256), one row and a window of rows, a residual sum bit for bit, a float32 weight over float16 rows; a
+    row's columns split over programs (NORM_CHUNK, the last chunk of the ragged row part past it) giving the
+    same bits as one program a row."""
     from strata.layers.ops import add_rms_norm, rms_norm
 
     gen = torch.Generator().manual_seed(10)
@@ -101,11 +103,15 @@ def test_rms_norms_match_the_reference(dtype):
         x = torch.randn(shape, generator=gen).to(dtype)
         res = torch.randn(shape, generator=gen).to(dtype)
         for w in (torch.rand(shape[-1], generator=gen).to(dtype) + 0.5, torch.rand(shape[-1], generator=gen) + 0.5):
-            close(tk.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), dtype)
-            total, h = tk.rms_norm(x, w, 1e-6, res)
+            monkeypatch.setattr(tk, "NORM_CHUNK", 0)
+            whole = tk.rms_norm(x, w, 1e-6), *tk.rms_norm(x, w, 1e-6, res)
+            close(whole[0], rms_norm(x, w, 1e-6), dtype)
             want_total, want_h = add_rms_norm(x, res, w, 1e-6)
-            assert total.equal(want_total)
-            close(h, want_h, dtype)
+            assert whole[1].equal(want_total)
+            close(whole[2], want_h, dtype)
+            monkeypatch.setattr(tk, "NORM_CHUNK", 64)
+            chunked = tk.rms_norm(x, w, 1e-6), *tk.rms_norm(x, w, 1e-6, res)
+            assert all(a.equal(b) for a, b in zip(chunked, whole, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -14,7 +14,7 @@ write into three kernels. The kernels here do each of those in one launch:
 - `attention`: grouped-query attention of a few query rows over a cache in two launches (per K/V
   head and chunk of cells an online-softmax partial, then per query row their combination), any
   visibility mask.
-- `rms_norm`: RMSNorm (after a residual add) of a few rows, a row a program held in registers, where
+- `rms_norm`: RMSNorm (after a residual add) of a few rows, each row held in registers, where
   inductor's group for the 8B and 30B rows is a looped reduction (`triton_red_*`, the row read twice);
   on the H200 decode steps were 0.9-2.5% faster.
 - `norm_rotate_store`: per-head q/k RMSNorm and NeoX RoPE, q written out, k and v stored at their
@@ -286,11 +286,13 @@ def _build():
     @triton.jit
     def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, h_ptr, q_ptr, d_ptr, s_ptr, M, H, KB, MP, eps, stride_x,
                         stride_r, stride_s, stride_h, ADD: tl.constexpr, QUANT: tl.constexpr, SUMS: tl.constexpr,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
         """One row's RMSNorm (ADD: of x + r, the sum written out too) in registers, one read of the row,
         rounding as ops.rms_norm: normalised in float32, cast to x's type, then scaled by the weight. QUANT:
         the normed row also quantized as quantize_x would (quant_kernels.quantize_blocks), the programs past
-        the M rows writing the zero rows of its padding (MP rows)."""
+        the M rows writing the zero rows of its padding (MP rows). A row's CHUNK columns a program
+        (program_id(1)): each reads the whole row for its sum of squares, and writes (and quantizes) its own
+        columns, so that a row's work is spread over several multiprocessors."""
         settle(PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
@@ -298,15 +300,24 @@ def _build():
         x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
         if ADD:
             x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
-            tl.store(sum_ptr + row * stride_s + c, x, mask=m)
         x32 = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / H + eps)
+        if CHUNK < BLOCK:
+            c = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+            m = (c < H) & (c * 0 + row < M)
+            x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
+            if ADD:
+                x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0).to(tl.float32)
+                     ).to(x.dtype)
+            x32 = x.to(tl.float32)
+        if ADD:
+            tl.store(sum_ptr + row * stride_s + c, x, mask=m)
         n = (x32 * inv).to(x.dtype).to(tl.float32)
         h = (n * tl.load(w_ptr + c, mask=c < H, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * stride_h + c, h, mask=m)
         if QUANT:
-            kb = tl.arange(0, BLOCK // 32)
-            quantize_blocks(tl.reshape(h.to(tl.float32), (BLOCK // 32, 32)), kb * 0 + row, kb, kb < KB, KB, MP,
+            kb = tl.program_id(1) * (CHUNK // 32) + tl.arange(0, CHUNK // 32)
+            quantize_blocks(tl.reshape(h.to(tl.float32), (CHUNK // 32, 32)), kb * 0 + row, kb, kb < KB, KB, MP,
                             q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
@@ -616,14 +627,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 #: rows up to which the norms run on rms_norm_kernel (a decode step, a verify window, a drafter block; 0:
-#: never); hidden sizes up to NORM_MAX_DIM, a row a program
+#: never); hidden sizes up to NORM_MAX_DIM
 NORM_MAX_ROWS = 64
 NORM_MAX_DIM = 16384
 #: rows up to which a norm (or attention, at one row) whose output goes into an int8-x product quantizes it
 #: in its own launch (quant_kernels.quantize_x; 0: never). H200, Q4_K_M 8B shape, ms a step with and without
-#: the norms doing it: 1 row 2.419 against 2.458; 16 rows 5.192 against 5.143 (16 programs each quantizing a
-#: whole row lose to quantize_x's 64); the norms and attention at 1 row, 2.321 against 2.401
-QUANTIZE_ROWS = 1
+#: the norms doing it, a program a row: 1 row 2.419 against 2.458; 16 rows 5.192 against 5.143 (16 programs
+#: each quantizing a whole row lost to quantize_x's 64); the norms and attention at 1 row, 2.321 against 2.401.
+#: With a row's columns spread over programs (NORM_CHUNK) 16 rows gain too (below)
+QUANTIZE_ROWS = 16
+#: columns of a row each rms_norm program writes and quantizes (a power of two; 0: the whole row), every
+#: program reading the whole row for its sum of squares. H100, Q4_K_M 8B shape, one process, two alternations
+#: (bench/results/norm-chunk-ab-h100.log): a row a program 2.620 / 2.619 ms a 1-row step, 5.229 / 5.232 a
+#: 16-row verify; 512 columns a program and 16-row norms quantizing 2.594 / 2.593 and 5.200 / 5.213; outputs
+#: identical
+NORM_CHUNK = 512
 
 
 def norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
@@ -636,7 +654,7 @@ def norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              quantize: bool = False):
     """ops.rms_norm (residual None) or ops.add_rms_norm (returning (x + residual, normed)) in one launch,
-    a row a program. quantize: the normed rows also quantized for the int8-x product that reads them next
+    NORM_CHUNK columns of a row a program. quantize: the normed rows also quantized for the int8-x product that reads them next
     (quant_kernels.quantize_x's result, remembered for it: one launch fewer)."""
     from . import quant_kernels as qk
 
@@ -648,10 +666,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     total = torch.empty(x.shape, device=x.device, dtype=x.dtype) if residual is not None else out
     buffers, programs, sums = qk.x8_buffers(rows, h, x.device) if quantize else ((out, out, out), rows, 16)
     block = pow2(h)
-    _build()["rms_norm"][(programs,)](
+    chunk = min(block, max(32, NORM_CHUNK)) if NORM_CHUNK else block
+    _build()["rms_norm"][(programs, block // chunk)](
         flat, r, weight, total.view(-1, h), out.view(-1, h), *buffers, rows, h, h // 32, programs, eps,
         flat.stride(0), r.stride(0), h, h, ADD=residual is not None, QUANT=quantize, SUMS=sums, BLOCK=block,
-        num_warps=max(1, min(8, block // 512)), **pdl.options(x.device))
+        CHUNK=chunk, num_warps=max(1, min(8, block // 512)), **pdl.options(x.device))
     if quantize:
         qk.remember_x8(out, buffers)
     return out if residual is None else (total, out)
