@@ -288,9 +288,11 @@ def test_a_norm_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype, c
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_attention_quantizes_its_one_row_for_the_product_after_it_bit_for_bit(dtype):
+def test_attention_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype, monkeypatch):
     """attention(quantize=True) of one query row leaves quantize_x's exact result of its output (8 heads of
-    64 over 2 K/V heads: each program's head is two blocks of 32); a window of rows does not quantize."""
+    64 over 2 K/V heads: each program's head is two blocks of 32); a window of rows does not quantize, but
+    for ATTENTION_QUANTIZE_ROWS, then leaving the few-row GEMMs' x (its padding rows zeros, written by
+    programs past the window's rows, here over a buffer full of garbage)."""
     from strata.layers import triton_kernels as tk
 
     gen = torch.Generator().manual_seed(13)
@@ -302,8 +304,19 @@ def test_attention_quantizes_its_one_row_for_the_product_after_it_bit_for_bit(dt
     assert got is not None and out.equal(tk.attention(q, k, v, mask))
     for a, b in zip(got, qk.quantize_x(out), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
-    two = tk.attention(q.repeat(2, 1, 1), k, v, mask.repeat(2, 1), quantize=True)
-    assert qk.recall_x8(two) is None
+    window = torch.randn(5, 8, 64, generator=gen).to(dtype)
+    late = torch.arange(90).unsqueeze(0) <= torch.arange(80, 85).unsqueeze(1)
+    five = tk.attention(window, k, v, late, quantize=True)
+    assert qk.recall_x8(five) is None
+    monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 16)
+    garbage = [torch.full_like(b, 7) for b in qk.x8_buffers(5, 512, five.device)[0]]
+    monkeypatch.setattr(qk, "x8_buffers", lambda rows, k, device: (garbage, 16, 32))
+    again = tk.attention(window, k, v, late, quantize=True)
+    got = qk.recall_x8(again)
+    assert got is not None and again.equal(five)
+    monkeypatch.undo()
+    for a, b in zip(got, qk.quantize_x(five), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
@@ -340,6 +353,7 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
         outs, counts = [], []
         for fused in (False, True):
             monkeypatch.setattr(tk, "QUANTIZE_ROWS", 16 if fused else 0)  # both layouts (16: the default)
+            monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 16)
             launches.clear()
             recalled.clear()
             outs.append(forward_at(target, tokens, 0, target.make_cache(16), kv_len=16,
@@ -347,8 +361,8 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
             counts.append((len(launches), sum(recalled)))
         assert outs[1].equal(outs[0])
         # one row: the norms' for q/k/v, gate/up (or the experts') and the head, attention's for o; four rows:
-        # the norms' for the few-row GEMMs that take int8 x (q/k/v, the dense gate/up)
-        fewer = 4 if len(tokens) == 1 else 1 if moe else 2
+        # the norms' for the few-row GEMMs that take int8 x (q/k/v, the dense gate/up), attention's for o
+        fewer = 4 if len(tokens) == 1 else 2 if moe else 3
         assert counts[0][1] == 0 and counts[1][1] == fewer and counts[1][0] == counts[0][0] - fewer, counts
 
 

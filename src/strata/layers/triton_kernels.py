@@ -256,16 +256,18 @@ def _build():
         tl.store(o_ptr + part[:, None] * D + d[None, :], acc)
 
     @triton.jit
-    def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, splits, G: tl.constexpr,
+    def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, splits, T, MP, G: tl.constexpr,
                                  HK: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr,
-                                 QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
-        """One query row of one K/V head per program: all its partials loaded at once. QUANT (one query row):
-        its head's D values also quantized as quantize_x would for one row (quant_kernels.quantize_blocks)."""
+                                 QUANT: tl.constexpr = False, SUMS: tl.constexpr = 16, PDL: tl.constexpr = False):
+        """One query row of one K/V head per program: all its partials loaded at once. QUANT: its head's D
+        values also quantized as quantize_x would for the T rows (quant_kernels.quantize_blocks, SUMS its
+        layout), the programs of rows T .. MP writing the zero rows of its padding."""
         settle(PDL)
         kvh = tl.program_id(0)
         r = tl.program_id(1)
+        t = r // G
         sp = tl.arange(0, SPLITS)
-        valid = sp < splits
+        valid = (sp < splits) & (sp * 0 + t < T)
         d = tl.arange(0, D)
         part = (kvh * splits + sp) * RT + r
         m_s = tl.load(m_ptr + part, mask=valid, other=float("-inf"))
@@ -274,14 +276,13 @@ def _build():
         l_sum = tl.sum(tl.load(l_ptr + part, mask=valid, other=0.0) * scale, axis=0)
         o = tl.load(o_ptr + part[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
         out = tl.sum(o * scale[:, None], axis=0) / l_sum
-        t = r // G
         head = kvh * G + r % G
-        out = out.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + (t * (HK * G) + head) * D + d, out)
+        out = tl.where(t < T, out, 0.0).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (t * (HK * G) + head) * D + d, out, mask=(d * 0 + t) < T)
         if QUANT:
             kb = head * (D // 32) + tl.arange(0, D // 32)
-            quantize_blocks(tl.reshape(out.to(tl.float32), (D // 32, 32)), kb * 0, kb, kb >= 0, HK * G * D // 32,
-                            1, q_ptr, d_ptr, s_ptr, 16)
+            quantize_blocks(tl.reshape(out.to(tl.float32), (D // 32, 32)), kb * 0 + t, kb, kb >= 0, HK * G * D // 32,
+                            MP, q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
     def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, h_ptr, q_ptr, d_ptr, s_ptr, M, H, KB, MP, eps, stride_x,
@@ -593,8 +594,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               quantize: bool = False) -> torch.Tensor:
     """ops.attend_grouped's contract: q [T, H, D]; k, v [S, Hkv, D] (rows of a cache layer); mask [T, S]
     bool (True = visible). Returns [T, H*D]. Every query must see at least one cell. More query rows than
-    a program holds (a tree's verify) are split over programs too, in the same launch. quantize (one row,
-    32 | D): the output also quantized for the int8-x product that reads it next (as rms_norm's)."""
+    a program holds (a tree's verify) are split over programs too, in the same launch. quantize (up to
+    ATTENTION_QUANTIZE_ROWS rows, 32 | D): the output also quantized for the int8-x product that reads it
+    next (as rms_norm's)."""
     from . import quant_kernels as qk
 
     t, h, d = q.shape
@@ -616,11 +618,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
         RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4, **pdl.options(q.device))
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
-    quantize = quantize and t == 1 and d % 32 == 0
-    buffers = qk.x8_buffers(1, h * d, q.device)[0] if quantize else (out, out, out)
-    kernels["attention_combine"][(hk, t * g)](o, m, l, out, *buffers, splits, G=g, HK=hk, D=d, RT=row_blocks * rows,
-                                              SPLITS=max(2, pow2(splits)), QUANT=quantize, num_warps=2,
-                                              **pdl.options(q.device))
+    quantize = quantize and t <= ATTENTION_QUANTIZE_ROWS and d % 32 == 0
+    buffers, mp, sums = qk.x8_buffers(t, h * d, q.device) if quantize else ((out, out, out), t, 16)
+    kernels["attention_combine"][(hk, mp * g)](o, m, l, out, *buffers, splits, t, mp, G=g, HK=hk, D=d,
+                                               RT=row_blocks * rows, SPLITS=max(2, pow2(splits)), QUANT=quantize,
+                                               SUMS=sums, num_warps=2, **pdl.options(q.device))
     if quantize:
         qk.remember_x8(out, buffers)
     return out
@@ -636,6 +638,9 @@ NORM_MAX_DIM = 16384
 #: each quantizing a whole row lost to quantize_x's 64); the norms and attention at 1 row, 2.321 against 2.401.
 #: With a row's columns spread over programs (NORM_CHUNK) 16 rows gain too (below)
 QUANTIZE_ROWS = 16
+#: query rows up to which attention (its combining programs) quantizes its output for an int8-x o projection
+#: (one row: on, in the 2.321 ms step above; a few rows, the padded x of the few-row GEMMs: not yet measured)
+ATTENTION_QUANTIZE_ROWS = 1
 #: columns of a row each rms_norm program writes and quantizes (a power of two; 0: the whole row), every
 #: program reading the whole row for its sum of squares. H100, Q4_K_M 8B shape, one process, two alternations
 #: (bench/results/norm-chunk-ab-h100.log): a row a program 2.620 / 2.619 ms a 1-row step, 5.229 / 5.232 a
