@@ -646,10 +646,13 @@ def _build():
         return lo, tl.minimum(lo + per, blocks)
 
     @triton.jit
-    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr):
+    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr,
+                yq_ptr, yds_ptr, QUANT: tl.constexpr):
         """Store the few-row GEMMs' [BLOCK_M, BLOCK_N] results (acc: (gate or all, up)), with GLU silu(gate) * up.
         With SPLIT > 1 each program holds a K slice's partial sums: it writes them to the workspace, and the
-        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores."""
+        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores. QUANT: the
+        stored values also quantized as quantize_x would for the next few-row product (yq_ptr, yds_ptr: its
+        q and ds; BLOCK_M rows, those past M zeros as their x rows were)."""
         BLOCK_M: tl.constexpr = acc[0].shape[0]
         BLOCK_N: tl.constexpr = acc[0].shape[1]
         m = tl.arange(0, BLOCK_M)
@@ -679,6 +682,12 @@ def _build():
                 y = _silu_mul(y, a1, out_ty)
             tl.store(y_ptr + m[:, None] * stride_y + rows[None, :], y.to(out_ty),
                      mask=(m < M)[:, None] & (rows < N)[None, :])
+            if QUANT:
+                B: tl.constexpr = BLOCK_N // 32
+                i = tl.arange(0, BLOCK_M * B)
+                kb = tl.program_id(0) * B + i % B
+                quantize_blocks(tl.reshape(y.to(out_ty).to(tl.float32), (BLOCK_M * B, 32)), i // B, kb,
+                                kb < N // 32, N // 32, BLOCK_M, yq_ptr, yds_ptr, yds_ptr, 32)
 
     @triton.jit
     def _gemm_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr):
@@ -729,7 +738,7 @@ def _build():
     @triton.jit
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr):
+                           STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
         """Q4_K times a few rows of int8 x (quantize_x) on integer tensor cores: per sub-block, the int8 dot
         of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's scales serve 4 x rows)
         with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs."""
@@ -765,11 +774,13 @@ def _build():
                         a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
                         nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
                     acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
+                yq_ptr, yds_ptr, QUANT)
 
     @triton.jit
     def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                           yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
@@ -794,7 +805,8 @@ def _build():
                     isum = tl.dot(_bytes(qw, ASM), xt, out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
+                yq_ptr, yds_ptr, QUANT)
 
     @triton.jit
     def _chunks4(t):
@@ -807,7 +819,7 @@ def _build():
     @triton.jit
     def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                            STAGES: tl.constexpr):
+                            STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
         (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
@@ -849,7 +861,8 @@ def _build():
                                    out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
+                yq_ptr, yds_ptr, QUANT)
 
     @triton.jit
     def _words_from(w32, base, k0: tl.constexpr, n: tl.constexpr, odd):
@@ -869,7 +882,7 @@ def _build():
     @triton.jit
     def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr):
+                           STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
         """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
         of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
         int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
@@ -918,7 +931,8 @@ def _build():
                 for s in tl.static_range(2 if GLU else 1):
                     nxt += (tl.fma(part[s], heads[s][2][:, None], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
+                yq_ptr, yds_ptr, QUANT)
 
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
@@ -1176,11 +1190,13 @@ def recall_x8(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
            config: tuple[int, ...] | None = None, x8: tuple | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
-    column stride (a fused q/k/v's columns of one segment). The 1-row GEMVs launch with PDL (pdl.py), the
+    column stride (a fused q/k/v's columns of one segment). quantize: a few-row word GEMM also quantizes its
+    result, for the int8-x product that reads it next (remember_x8), where it writes all of it. The 1-row
+    GEMVs launch with PDL (pdl.py), the
     few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower on the H200 (5.75 ms against
     5.32) while its decode step gained 12%."""
     rows, k = x.shape
@@ -1202,6 +1218,10 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting()}
+        quantize = quantize and out is None and n % 32 == 0
+        if quantize:
+            yx8 = x8_buffers(rows, n, x.device)[0]
+            extra.update(yq_ptr=yx8[0], yds_ptr=yx8[1], QUANT=True)
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
@@ -1209,6 +1229,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
             assert _split_fits(word, block_n, split, n, k), (word, shapes[0], n, k)
             kernels[word][(cdiv(n, block_n), split)](*args, BLOCK_N=block_n, SPLIT=split, num_warps=warps,
                                                      num_stages=stages, **_loop_stages(word, stages), **extra)
+        if quantize:
+            remember_x8(y, yx8)
         return y
     tab = _table(x.device)
     name = "gemv" if rows == 1 else "skinny"
