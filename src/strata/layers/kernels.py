@@ -142,7 +142,7 @@ class TritonKernels(Kernels):
     def gate_up_silu(self, x, gate_up, into=None):
         if isinstance(gate_up, QuantWeight):
             rows = x.numel() // x.shape[-1]
-            fused = gate_up.gate_up_silu(x, 1 < rows <= self._tk.GEMM_QUANTIZE_ROWS and self._int8_into(into, rows))
+            fused = gate_up.gate_up_silu(x, rows <= self._tk.GATE_UP_QUANTIZE_ROWS and self._int8_into(into, rows))
             return fused if fused is not None else super().gate_up_silu(x, gate_up)
         name = self._tk.projection_kernel(x, gate_up)
         slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731

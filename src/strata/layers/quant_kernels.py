@@ -375,9 +375,12 @@ def _build():
 
     @triton.jit
     def _store_lane_rows(y_ptr, acc, first, N, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr,
-                         KS: tl.constexpr):
+                         KS: tl.constexpr, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT: tl.constexpr):
         """Add up the lanes' (and a row's KS warps') partial sums of each row and store them (with GLU
-        silu(gate) * up)."""
+        silu(gate) * up). QUANT (32 | N): each block of 32 rows also quantized as quantize_x would for one
+        row (yq_ptr, yd_ptr, ys_ptr: its q, d and sums), for the int8-x product after: by the program that
+        holds it, or where a program's rows are fewer than a block, by the one that stores its last rows
+        (counted by an atomic, reset after)."""
         RW: tl.constexpr = WARPS // KS
         rows = first + tl.arange(0, RW)
         out_ty = y_ptr.dtype.element_ty
@@ -389,13 +392,30 @@ def _build():
                 tl.store(y_ptr + at_r, _silu_mul(y0, y1, out_ty).to(out_ty), mask=at_r < N)
             else:
                 tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
+        if QUANT:
+            PER: tl.constexpr = RT * RW
+            tl.debug_barrier()  # every thread's rows stored before they are read back (or the count released)
+            j = tl.arange(0, 32)[None, :]
+            if PER >= 32:
+                kb = first // 32 + tl.arange(0, PER // 32)
+                v = tl.load(y_ptr + kb[:, None] * 32 + j, mask=(kb < N // 32)[:, None], other=0.0)
+                quantize_blocks(v.to(tl.float32), kb * 0, kb, kb < N // 32, N // 32, 1, yq_ptr, yd_ptr, ys_ptr, 16)
+            else:
+                tl.static_assert(32 % PER == 0)
+                blk = first // 32
+                if tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel", scope="gpu") == 32 // PER - 1:
+                    v = tl.load(y_ptr + blk * 32 + j, cache_modifier=".cg").to(tl.float32)
+                    kb = blk + tl.zeros([1], dtype=tl.int32)
+                    quantize_blocks(v, kb * 0, kb, kb >= 0, N // 32, 1, yq_ptr, yd_ptr, ys_ptr, 16)
+                    tl.atomic_xchg(cnt_ptr + blk, 0)  # ready for the next product
 
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1):
+                          KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
+                          QUANT: tl.constexpr = False):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -464,7 +484,7 @@ def _build():
                     a += d * dot - dmin * mins
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
 
     @triton.jit
     def _q6_bits(ql, qh, m):
@@ -512,7 +532,8 @@ def _build():
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1):
+                          KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
+                          QUANT: tl.constexpr = False):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -570,14 +591,15 @@ def _build():
                               + sch * (xdh * ihi.to(tl.float32) - 32.0 * xsh))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
 
     @triton.jit
     def gemv_q8_0c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1):
+                          KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
+                          QUANT: tl.constexpr = False):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
         Q8_0's GEMV had until 58bdb13, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
@@ -636,7 +658,7 @@ def _build():
                     a += da * (xda * ia.to(tl.float32)) + db * (xdb * ib.to(tl.float32))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
 
     @triton.jit
     def _k_range(blocks, SPLIT: tl.constexpr):
@@ -1072,8 +1094,9 @@ _COUNTERS: dict = {}
 
 
 def _counters(device) -> torch.Tensor:
-    """The split GEMMs' arrival counts, one per block of rows: zero between products (the last slice resets
-    its own), so one buffer serves every product on the device's stream."""
+    """The split GEMMs' arrival counts, one per block of rows (and a quantizing GEMV's, one per block of 32
+    rows): zero between products (the last to arrive resets its own), so one buffer serves every product on
+    the device's stream."""
     key = str(device)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
@@ -1194,7 +1217,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
-    column stride (a fused q/k/v's columns of one segment). quantize: a few-row word GEMM also quantizes its
+    column stride (a fused q/k/v's columns of one segment). quantize: a word GEMV or GEMM also quantizes its
     result, for the int8-x product that reads it next (remember_x8), where it writes all of it. The 1-row
     GEMVs launch with PDL (pdl.py), the
     few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower on the H200 (5.75 ms against
@@ -1208,7 +1231,13 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     word = _word_kernel(qtype, rows, k, data.numel())
     tuned = config is None and f"{word}_tuned" in kernels
     if word and rows == 1:
-        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config)
+        quantize = quantize and out is None and n % 32 == 0 and n // 32 <= SPLIT_PROGRAMS
+        yx8 = x8_buffers(1, n, x.device)[0] if quantize else ()
+        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config,
+                   **({"cnt_ptr": _counters(x.device), "yq_ptr": yx8[0], "yd_ptr": yx8[1], "ys_ptr": yx8[2],
+                       "QUANT": True} if quantize else {}))
+        if quantize:
+            remember_x8(y, yx8)
         return y
     if word:
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]

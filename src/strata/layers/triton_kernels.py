@@ -641,9 +641,9 @@ QUANTIZE_ROWS = 16
 #: query rows up to which attention (its combining programs) quantizes its output for an int8-x o projection
 #: (one row: on, in the 2.321 ms step above; a few rows, the padded x of the few-row GEMMs: not yet measured)
 ATTENTION_QUANTIZE_ROWS = 1
-#: rows up to which a few-row quantized gate/up GEMM quantizes silu(gate) * up for an int8-x down GEMM
-#: (quant_kernels.matmul's quantize; 0: never, until measured)
-GEMM_QUANTIZE_ROWS = 0
+#: rows up to which a quantized gate/up product (the 1-row GEMV, the few-row GEMM) quantizes silu(gate) * up
+#: for an int8-x down (quant_kernels.matmul's quantize; 0: never, until measured)
+GATE_UP_QUANTIZE_ROWS = 0
 #: columns of a row each rms_norm program writes and quantizes (a power of two; 0: the whole row), every
 #: program reading the whole row for its sum of squares. H100, Q4_K_M 8B shape, one process, two alternations
 #: (bench/results/norm-chunk-ab-h100.log): a row a program 2.620 / 2.619 ms a 1-row step, 5.229 / 5.232 a
