@@ -1219,9 +1219,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
     column stride (a fused q/k/v's columns of one segment). quantize: a word GEMV or GEMM also quantizes its
     result, for the int8-x product that reads it next (remember_x8), where it writes all of it. The 1-row
-    GEMVs launch with PDL (pdl.py), the
-    few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower on the H200 (5.75 ms against
-    5.32) while its decode step gained 12%."""
+    GEMVs launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify window measured 8%
+    slower on the H200 (5.75 ms against 5.32) while its decode step gained 12%."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()

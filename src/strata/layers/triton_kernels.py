@@ -288,12 +288,11 @@ def _build():
     def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, h_ptr, q_ptr, d_ptr, s_ptr, M, H, KB, MP, eps, stride_x,
                         stride_r, stride_s, stride_h, ADD: tl.constexpr, QUANT: tl.constexpr, SUMS: tl.constexpr,
                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-        """One row's RMSNorm (ADD: of x + r, the sum written out too) in registers, one read of the row,
-        rounding as ops.rms_norm: normalised in float32, cast to x's type, then scaled by the weight. QUANT:
+        """One row's RMSNorm (ADD: of x + r, the sum written out too) in registers, rounding as ops.rms_norm: normalised in float32, cast to x's type, then scaled by the weight. QUANT:
         the normed row also quantized as quantize_x would (quant_kernels.quantize_blocks), the programs past
         the M rows writing the zero rows of its padding (MP rows). A row's CHUNK columns a program
-        (program_id(1)): each reads the whole row for its sum of squares, and writes (and quantizes) its own
-        columns, so that a row's work is spread over several multiprocessors."""
+        (program_id(1)): each reads the whole row for its sum of squares, then its own columns again (from
+        cache) to write and quantize, so that a row's work is spread over several multiprocessors."""
         settle(PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
