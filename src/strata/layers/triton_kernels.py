@@ -288,9 +288,10 @@ def _build():
     def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, h_ptr, q_ptr, d_ptr, s_ptr, M, H, KB, MP, eps, stride_x,
                         stride_r, stride_s, stride_h, ADD: tl.constexpr, QUANT: tl.constexpr, SUMS: tl.constexpr,
                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-        """One row's RMSNorm (ADD: of x + r, the sum written out too) in registers, rounding as ops.rms_norm: normalised in float32, cast to x's type, then scaled by the weight. QUANT:
-        the normed row also quantized as quantize_x would (quant_kernels.quantize_blocks), the programs past
-        the M rows writing the zero rows of its padding (MP rows). A row's CHUNK columns a program
+        """One row's RMSNorm (ADD: of x + r, the sum written out too) in registers, rounding as ops.rms_norm:
+        normalised in float32, cast to x's type, then scaled by the weight. QUANT: the normed row also
+        quantized as quantize_x would (quant_kernels.quantize_blocks), the programs past the M rows writing
+        the zero rows of its padding (MP rows). A row's CHUNK columns a program
         (program_id(1)): each reads the whole row for its sum of squares, then its own columns again (from
         cache) to write and quantize, so that a row's work is spread over several multiprocessors."""
         settle(PDL)
@@ -661,8 +662,8 @@ def norm_fits(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              quantize: bool = False):
     """ops.rms_norm (residual None) or ops.add_rms_norm (returning (x + residual, normed)) in one launch,
-    NORM_CHUNK columns of a row a program. quantize: the normed rows also quantized for the int8-x product that reads them next
-    (quant_kernels.quantize_x's result, remembered for it: one launch fewer)."""
+    NORM_CHUNK columns of a row a program. quantize: the normed rows also quantized for the int8-x product
+    that reads them next (quant_kernels.quantize_x's result, remembered for it: one launch fewer)."""
     from . import quant_kernels as qk
 
     h = x.shape[-1]
