@@ -89,9 +89,13 @@ class Kernels:
     def gate_up_silu(self, x: torch.Tensor, gate_up, into=None) -> torch.Tensor:
         """silu(gate) * up of a stacked gate/up matrix ([2I, K]); into as in rms_norm."""
         if isinstance(gate_up, QuantWeight):
-            fused = gate_up.gate_up_silu(x)
+            fused = gate_up.gate_up_silu(x, self._gate_up_quantizes(x, into))
             return fused if fused is not None else self.silu_mul(gate_up.matmul(x))
         return self.silu_mul(self.linear(x, gate_up))
+
+    def _gate_up_quantizes(self, x: torch.Tensor, into) -> bool:
+        """Whether a quantized gate/up product also quantizes its result for `into`: not on this set."""
+        return False
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                into=None) -> torch.Tensor:
@@ -141,9 +145,7 @@ class TritonKernels(Kernels):
 
     def gate_up_silu(self, x, gate_up, into=None):
         if isinstance(gate_up, QuantWeight):
-            rows = x.numel() // x.shape[-1]
-            fused = gate_up.gate_up_silu(x, rows <= self._tk.GATE_UP_QUANTIZE_ROWS and self._int8_into(into, rows))
-            return fused if fused is not None else super().gate_up_silu(x, gate_up)
+            return super().gate_up_silu(x, gate_up, into)
         name = self._tk.projection_kernel(x, gate_up)
         slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731
         if name is None:
@@ -198,6 +200,10 @@ class TritonKernels(Kernels):
             return slow()
         quantize = self._int8_into(into, x.numel() // x.shape[-1])
         return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual, quantize), slow)
+
+    def _gate_up_quantizes(self, x, into):
+        rows = x.numel() // x.shape[-1]
+        return rows <= self._tk.GATE_UP_QUANTIZE_ROWS and self._int8_into(into, rows)
 
     def _int8_into(self, into, rows: int) -> bool:
         """Whether a kernel quantizes its `rows` rows of output for `into` (a quantized matrix taking int8 x)."""

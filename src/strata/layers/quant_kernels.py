@@ -1229,9 +1229,10 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     kernels = _build()
     word = _word_kernel(qtype, rows, k, data.numel())
     tuned = config is None and f"{word}_tuned" in kernels
+    # a 1-row GEMV takes a count in _counters for each block of 32 rows it quantizes
+    quantize = quantize and word is not None and out is None and n % 32 == 0 and (rows > 1 or n // 32 <= SPLIT_PROGRAMS)
+    yx8 = x8_buffers(rows, n, x.device)[0] if quantize else ()
     if word and rows == 1:
-        quantize = quantize and out is None and n % 32 == 0 and n // 32 <= SPLIT_PROGRAMS
-        yx8 = x8_buffers(1, n, x.device)[0] if quantize else ()
         _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config,
                    **({"cnt_ptr": _counters(x.device), "yq_ptr": yx8[0], "yd_ptr": yx8[1], "ys_ptr": yx8[2],
                        "QUANT": True} if quantize else {}))
@@ -1246,9 +1247,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting()}
-        quantize = quantize and out is None and n % 32 == 0
         if quantize:
-            yx8 = x8_buffers(rows, n, x.device)[0]
             extra.update(yq_ptr=yx8[0], yds_ptr=yx8[1], QUANT=True)
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)

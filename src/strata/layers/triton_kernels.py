@@ -285,6 +285,17 @@ def _build():
                             MP, q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
+    def _norm_columns(x_ptr, r_ptr, row, M, H, stride_x, stride_r, start, WIDTH: tl.constexpr, ADD: tl.constexpr):
+        """Columns start .. start + WIDTH of a norm's row (ADD: of x + r, rounded to x's type): their indices,
+        mask (past H, or the row past M) and values."""
+        c = start + tl.arange(0, WIDTH)
+        m = (c < H) & (c * 0 + row < M)
+        x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
+        if ADD:
+            x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        return c, m, x
+
+    @triton.jit
     def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, h_ptr, q_ptr, d_ptr, s_ptr, M, H, KB, MP, eps, stride_x,
                         stride_r, stride_s, stride_h, ADD: tl.constexpr, QUANT: tl.constexpr, SUMS: tl.constexpr,
                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
@@ -296,20 +307,11 @@ def _build():
         cache) to write and quantize, so that a row's work is spread over several multiprocessors."""
         settle(PDL)
         row = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, BLOCK)
-        m = (c < H) & (c * 0 + row < M)
-        x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
-        if ADD:
-            x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        c, m, x = _norm_columns(x_ptr, r_ptr, row, M, H, stride_x, stride_r, 0, BLOCK, ADD)
         x32 = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / H + eps)
         if CHUNK < BLOCK:
-            c = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-            m = (c < H) & (c * 0 + row < M)
-            x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
-            if ADD:
-                x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0).to(tl.float32)
-                     ).to(x.dtype)
+            c, m, x = _norm_columns(x_ptr, r_ptr, row, M, H, stride_x, stride_r, tl.program_id(1) * CHUNK, CHUNK, ADD)
             x32 = x.to(tl.float32)
         if ADD:
             tl.store(sum_ptr + row * stride_s + c, x, mask=m)
@@ -363,6 +365,7 @@ def _build():
             tl.store(v_cache_ptr + cell + i, tl.load(vsrc + i))
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
+    globals()["_norm_columns"] = _norm_columns  # called by name, as settle is
     return {"gemv": gemv_kernel, "expert_down_sum": expert_down_sum_kernel, "skinny": skinny_kernel,
             "attention_partial": attention_partial_kernel, "attention_combine": attention_combine_kernel,
             "route": route_kernel, "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
