@@ -7,6 +7,7 @@ usage: python tools/quant_sweep.py [--types Q4_K Q6_K Q8_0] [--rows 1 16] [--out
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -68,8 +69,8 @@ def main() -> None:
             n, k = SHAPES[mat]
             data = random_blocks(qtype, n, k, "cuda", gen)
             dense = qk.dequantize(data, qtype, k)
-            copies = [data] + [data.clone() for _ in range(-(-(256 << 20) // data.numel()) - 1 if args.cold else 0)]
-            turn = iter(range(1 << 62))
+            copies = [data] + [data.clone() for _ in range(qk.cdiv(256 << 20, data.numel()) - 1 if args.cold else 0)]
+            turn = itertools.count()
             for m in args.rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 want = x.float() @ dense.T
