@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from . import pdl
-from .triton_kernels import cdiv, pow2, precision
+from .triton_kernels import cdiv, head_jit, pow2, precision
 
 # GGML type ids and their (weights per block, bytes per block)
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
@@ -375,13 +376,17 @@ def _build():
 
     @triton.jit
     def _store_lane_rows(y_ptr, acc, first, N, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr,
-                         KS: tl.constexpr, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT: tl.constexpr):
+                         KS: tl.constexpr, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT: tl.constexpr, rope,
+                         ROPE: tl.constexpr):
         """Add up the lanes' (and a row's KS warps') partial sums of each row and store them (with GLU
         silu(gate) * up). QUANT (32 | N): each block of 32 rows also quantized as quantize_x would for one
         row (yq_ptr, yd_ptr, ys_ptr: its q, d and sums), for the int8-x product after: by the program that
         holds it, or where a program's rows are fewer than a block, by the one that stores its last rows
-        (counted by an atomic, reset after)."""
+        (counted by an atomic, reset after). ROPE (the head dim; ROPE | N): the rows are a fused q/k/v's
+        heads, and each head also goes where norm_rotate_store would put it (_rotate_head): by the program
+        that holds it, or by the one that stores its last rows, counted the same way."""
         RW: tl.constexpr = WARPS // KS
+        PER: tl.constexpr = RT * RW  # a program's rows
         rows = first + tl.arange(0, RW)
         out_ty = y_ptr.dtype.element_ty
         for r in tl.static_range(RT):
@@ -393,7 +398,6 @@ def _build():
             else:
                 tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
         if QUANT:
-            PER: tl.constexpr = RT * RW
             tl.debug_barrier()  # every thread's rows stored before they are read back (or the count released)
             j = tl.arange(0, 32)[None, :]
             if PER >= 32:
@@ -408,6 +412,37 @@ def _build():
                     kb = blk + tl.zeros([1], dtype=tl.int32)
                     quantize_blocks(v, kb * 0, kb, kb >= 0, N // 32, 1, yq_ptr, yd_ptr, ys_ptr, 16)
                     tl.atomic_xchg(cnt_ptr + blk, 0)  # ready for the next product
+        if ROPE:
+            tl.debug_barrier()  # every thread's rows stored before they are read back (or the count released)
+            if PER >= ROPE:
+                for j in tl.static_range(PER // ROPE):
+                    if first + j * ROPE < N:
+                        _rotate_head(y_ptr, first // ROPE + j, rope, ROPE)
+            else:
+                tl.static_assert(ROPE % PER == 0)
+                local = first // ROPE
+                if tl.atomic_add(cnt_ptr + local, 1, sem="acq_rel", scope="gpu") == ROPE // PER - 1:
+                    _rotate_head(y_ptr, local, rope, ROPE)
+                    tl.atomic_xchg(cnt_ptr + local, 0)  # ready for the next product
+
+    @triton.jit
+    def _rotate_head(y_ptr, local, rope, D: tl.constexpr):
+        """norm_rotate_store's work on head `local` of a 1-row fused q/k/v GEMV's result y (its rows local D ..
+        local D + D, the product's head h0 + local): a q head normed, rotated and written to q, a k head
+        normed, rotated and stored in the cache's cell, a v head stored there. rope: (q and k norm weights,
+        cos, sin, the cell's index, q, the K and V caches, eps, the caches' cell stride, the heads of q, of k,
+        this product's first head)."""
+        qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, eps, stride_cell, H, HK, h0 = rope
+        head = h0 + local
+        src = y_ptr + local * D
+        cell = tl.load(pos_ptr).to(tl.int64) * stride_cell
+        if head < H:
+            norm_rotate_head(src, q_ptr + head * D, qw_ptr, cos_ptr, sin_ptr, eps, D // 2, True)
+        elif head < H + HK:
+            norm_rotate_head(src, k_cache_ptr + cell + (head - H) * D, kw_ptr, cos_ptr, sin_ptr, eps, D // 2, True)
+        else:
+            i = tl.arange(0, D)
+            tl.store(v_cache_ptr + cell + (head - H - HK) * D + i, tl.load(src + i, cache_modifier=".cg"))
 
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
@@ -415,7 +450,7 @@ def _build():
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
                           KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          QUANT: tl.constexpr = False, rope=None, ROPE: tl.constexpr = 0):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -484,7 +519,8 @@ def _build():
                     a += d * dot - dmin * mins
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT, rope,
+                         ROPE)
 
     @triton.jit
     def _q6_bits(ql, qh, m):
@@ -533,7 +569,7 @@ def _build():
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
                           KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          QUANT: tl.constexpr = False, rope=None, ROPE: tl.constexpr = 0):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -591,7 +627,8 @@ def _build():
                               + sch * (xdh * ihi.to(tl.float32) - 32.0 * xsh))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT, rope,
+                         ROPE)
 
     @triton.jit
     def gemv_q8_0c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
@@ -599,7 +636,7 @@ def _build():
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
                           KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          QUANT: tl.constexpr = False, rope=None, ROPE: tl.constexpr = 0):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
         Q8_0's GEMV had until 58bdb13, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
@@ -658,7 +695,8 @@ def _build():
                     a += da * (xda * ia.to(tl.float32)) + db * (xdb * ib.to(tl.float32))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT, rope,
+                         ROPE)
 
     @triton.jit
     def _k_range(blocks, SPLIT: tl.constexpr):
@@ -956,7 +994,7 @@ def _build():
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
                 yq_ptr, yds_ptr, QUANT)
 
-    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
+    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _rotate_head, head_jit(),
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
                    _gemm_rows, _x_scales):  # called by name, as _halves is
@@ -1211,14 +1249,41 @@ def recall_x8(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     return x8
 
 
+@dataclass(frozen=True)
+class HeadStore:
+    """norm_rotate_store's arguments (triton_kernels.norm_rotate_store) for one row, q allocated: a 1-row
+    fused q/k/v GEMV given them does that work itself, each head as soon as its rows are stored."""
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    cos: torch.Tensor  # [1, 1, D], as sin
+    sin: torch.Tensor
+    cells: torch.Tensor  # [1]
+    q: torch.Tensor  # [1, H, D]
+    k_cache: torch.Tensor  # [cells, Hkv, D], as v_cache
+    v_cache: torch.Tensor
+    eps: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    def args(self, first_head: int) -> tuple:
+        """The GEMV's rope tuple (_rotate_head) for a product whose rows start at head first_head."""
+        return (self.q_weight, self.k_weight, self.cos, self.sin, self.cells, self.q, self.k_cache, self.v_cache,
+                self.eps, self.k_cache.stride(0), self.q.shape[-2], self.k_cache.shape[-2], first_head)
+
+
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
            config: tuple[int, ...] | None = None, x8: tuple | None = None,
-           out: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None, quantize: bool = False, heads: HeadStore | None = None,
+           first_head: int = 0) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
     column stride (a fused q/k/v's columns of one segment). quantize: a word GEMV or GEMM also quantizes its
-    result, for the int8-x product that reads it next (remember_x8), where it writes all of it. The 1-row
+    result, for the int8-x product that reads it next (remember_x8), where it writes all of it. heads (one
+    row on a word GEMV): the result, from head first_head on, also normed, rotated and stored as
+    norm_rotate_store would (HeadStore). The 1-row
     GEMVs launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify window measured 8%
     slower on the H200 (5.75 ms against 5.32) while its decode step gained 12%."""
     rows, k = x.shape
@@ -1232,10 +1297,14 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     # a 1-row GEMV takes a count in _counters for each block of 32 rows it quantizes
     quantize = quantize and word is not None and out is None and n % 32 == 0 and (rows > 1 or n // 32 <= SPLIT_PROGRAMS)
     yx8 = x8_buffers(rows, n, x.device)[0] if quantize else ()
+    assert heads is None or (word and rows == 1 and not (glu or quantize) and n % heads.head_dim == 0
+                             and n // heads.head_dim <= SPLIT_PROGRAMS)
     if word and rows == 1:
-        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config,
-                   **({"cnt_ptr": _counters(x.device), "yq_ptr": yx8[0], "yd_ptr": yx8[1], "ys_ptr": yx8[2],
-                       "QUANT": True} if quantize else {}))
+        epilogue = {"cnt_ptr": _counters(x.device), "yq_ptr": yx8[0], "yd_ptr": yx8[1], "ys_ptr": yx8[2],
+                    "QUANT": True} if quantize else {}
+        if heads is not None:
+            epilogue = {"cnt_ptr": _counters(x.device), "rope": heads.args(first_head), "ROPE": heads.head_dim}
+        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config, **epilogue)
         if quantize:
             remember_x8(y, yx8)
         return y
