@@ -130,6 +130,34 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     assert rel(got, as_computed(half, qtype, 2048) @ w.T) <= 2 ** -7
 
 
+@pytest.mark.parametrize("qtype,cols", [(T.Q4_K, 512), (T.Q6_K, 1024), (T.Q8_0, 1024), (T.Q8_0, 256)],
+                         ids=["Q4_K", "Q6_K", "Q8_0w", "Q8_0"])
+def test_word_gemms_dots_through_an_offset_give_the_same_bits(qtype, cols, monkeypatch):
+    """DOT_OFFSET: each word GEMM's int8 dots turned into float32 as differences along a chain of accumulators
+    started at 1.5 * 2**23 give the same bits as converting each sum, gate/up fused and over 2 K slices; also
+    where the chains' sums are largest: every weight at its type's largest magnitude (Q4_K's nibbles 15,
+    Q6_K's q - 32 = -32, Q8_0's -128) against x rows of one value (each q 127)."""
+    raw = blocks(qtype, 24, cols, 90 + qtype.value)
+    extreme = raw.reshape(24, cols // 256 if qtype != T.Q8_0 else cols // 32, -1).copy()
+    if qtype == T.Q4_K:
+        extreme[..., 16:] = 0xFF
+    elif qtype == T.Q6_K:
+        extreme[..., :192] = 0
+    else:
+        extreme[..., 2:] = 0x80
+    gen = torch.Generator().manual_seed(8)
+    for data, x in ((raw, torch.randn(5, cols, generator=gen).half()),
+                    (extreme.reshape(24, -1), torch.ones(5, cols, dtype=torch.float16))):
+        data = torch.from_numpy(np.ascontiguousarray(data))
+        outs = []
+        for offset in (False, True):
+            monkeypatch.setattr(qk, "DOT_OFFSET", offset)
+            outs.append((qk.matmul(x, data, int(qtype), 24, config=(8, 4, 1, 2)),
+                         qk.matmul(x, data, int(qtype), 12, glu=True, config=(8, 4, 1, 1))))
+        assert all(a.equal(b) for a, b in zip(*outs, strict=True))
+    assert outs[0][0].abs().max() > 0
+
+
 def test_q8_0_gemm_of_blocks_in_fours_where_512_does_not_divide_k():
     """K = 1280 (10 steps of 4 blocks; Qwen2.5-1.5B's down has 8960 columns): Q8_0's few-row GEMM falls back
     from 16 blocks a step to 4, on the same int8 x; K slices (3, then 2 uneven) and gate/up fused, to 1e-6."""

@@ -258,6 +258,25 @@ def _build():
         return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
+    def _idot(a, b, OFFSET: tl.constexpr, link=None, a2=None, b2=None):
+        """The int8 dot a @ b (+ a2 @ b2) as exact float32, and the link to pass to the next dot of a chain.
+        OFFSET: a chain's dots accumulate in the tensor core from the bits of 1.5 * 2**23 (link None: the
+        first), and each dot's float32 is the difference of its accumulator and the one before, read as
+        floats: no int-to-float conversion (a quarter-rate instruction on recent GPUs), no reset between
+        dots, exact while the chain's running sums stay within 2**22 in magnitude."""
+        if OFFSET:
+            if link is None:
+                link = tl.full([a.shape[0], b.shape[1]], 0x4B400000, dtype=tl.int32)
+            s = tl.dot(a, b, acc=link, out_dtype=tl.int32)
+        else:
+            s = tl.dot(a, b, out_dtype=tl.int32)
+        if a2 is not None:
+            s = tl.dot(a2, b2, acc=s, out_dtype=tl.int32)
+        if OFFSET:
+            return s.to(tl.float32, bitcast=True) - link.to(tl.float32, bitcast=True), s
+        return s.to(tl.float32), s
+
+    @triton.jit
     def _words(v):
         """[..., 4] (the last dim held by one thread) -> its four [...] slices, in order."""
         a, b = tl.split(tl.reshape(v, v.shape[:-1] + (2, 2)))
@@ -798,7 +817,8 @@ def _build():
     @triton.jit
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
+                           STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False,
+                           OFFSET: tl.constexpr = False):
         """Q4_K times a few rows of int8 x (quantize_x) on integer tensor cores: per sub-block, the int8 dot
         of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's scales serve 4 x rows)
         with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs."""
@@ -822,25 +842,31 @@ def _build():
                 a0, a1 = tl.split(lo2)
                 b0, b1 = tl.split(hi2)
                 quarters += ((a0, b0, a1, b1),)
+            links = (None, None)  # a chain a superblock: its 8 sums within 8 * 32 * 15 * 127
             for p in tl.static_range(4):
                 for h in tl.static_range(2):
                     xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h)
                     nxt = ()
+                    more = ()
                     for s in tl.static_range(2 if GLU else 1):
                         _, d, dmin, d_off, dmin_off, scs, mns = heads[s]
                         ds = _byte_times(scs[p // 2], 2 * (p % 2) + h, d, d_off)
                         dm = _byte_times(mns[p // 2], 2 * (p % 2) + h, dmin, dmin_off)
-                        isum = tl.dot(_bytes((quarters[s][p] >> (4 * h)) & 0x0F0F0F0F, ASM), xt, out_dtype=tl.int32)
-                        a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
+                        isum, link = _idot(_bytes((quarters[s][p] >> (4 * h)) & 0x0F0F0F0F, ASM), xt, OFFSET,
+                                           links[s])
+                        more += (link,)
+                        a = tl.fma(isum, ds[:, None] * xd[None, :], acc[s])
                         nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
                     acc = nxt if GLU else (nxt[0], acc[1])
+                    links = more if GLU else (more[0], None)
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
                 yq_ptr, yds_ptr, QUANT)
 
     @triton.jit
     def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
+                           yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False,
+                           OFFSET: tl.constexpr = False):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
@@ -850,9 +876,11 @@ def _build():
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 128, SPLIT)
         for g in range(lo, hi):
+            links = (None, None)  # a chain a step: its 4 sums within 4 * 32 * 128 * 127
             for blk in tl.static_range(4):
                 xt, xd, _ = _x_block(q_ptr, ds_ptr, K, 4 * g + blk)
                 nxt = ()
+                more = ()
                 for s in tl.static_range(2 if GLU else 1):
                     base = tl.multiple_of(offs[s] + g * 34, 2) + 17 * (blk // 2)  # the word of the pair's first d
                     if blk % 2 == 0:
@@ -862,9 +890,11 @@ def _build():
                     else:
                         _, d = _half2(tl.load(w32 + base + 8), True)
                         qw = tl.load(w32 + base[:, None] + 9 + j8)
-                    isum = tl.dot(_bytes(qw, ASM), xt, out_dtype=tl.int32)
-                    nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
+                    isum, link = _idot(_bytes(qw, ASM), xt, OFFSET, links[s])
+                    more += (link,)
+                    nxt += (tl.fma(isum, d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
+                links = more if GLU else (more[0], None)
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
                 yq_ptr, yds_ptr, QUANT)
 
@@ -879,7 +909,8 @@ def _build():
     @triton.jit
     def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                            STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
+                            STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False,
+                            OFFSET: tl.constexpr = False):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
         (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
@@ -900,6 +931,7 @@ def _build():
                 ats += (at,)
                 chunks += (_chunks4(tl.load(at + tl.arange(0, 32)[None, :])),)
             xnext = tl.load(xrow + 544 * g)
+            links = (None, None)  # chains of 8 blocks: their sums within 8 * 32 * 128 * 127
             for b in tl.static_range(16):
                 if b % 4 == 3:  # chunk b + 1 starts the next 128 bytes (or is the step's last 32)
                     more = ()
@@ -913,14 +945,17 @@ def _build():
                 xnext = tl.load(xrow + 544 * g + 32 * (b + 1))
                 xd, _ = _x_scales(ds_ptr, 16 * g + b)
                 nxt = ()
+                linked = ()
                 for s in tl.static_range(2 if GLU else 1):
                     dword = tl.load(w32 + offs[s] + g * 136 + 8 * b + b // 2)  # block b's d: step byte 34 b
                     d, _ = _half2(dword >> (16 * (b % 2)), True)
-                    isum = tl.dot(_bytes(chunks[s][b], ASM), tl.where(pos >= 2 * b, xb, 0), out_dtype=tl.int32)
-                    isum += tl.dot(_bytes(chunks[s][b + 1], ASM), tl.where(pos < 2 * b + 2, xnext, 0),
-                                   out_dtype=tl.int32)
-                    nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
+                    isum, link = _idot(_bytes(chunks[s][b], ASM), tl.where(pos >= 2 * b, xb, 0), OFFSET,
+                                       None if b % 8 == 0 else links[s], _bytes(chunks[s][b + 1], ASM),
+                                       tl.where(pos < 2 * b + 2, xnext, 0))
+                    linked += (link,)
+                    nxt += (tl.fma(isum, d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
+                links = linked if GLU else (linked[0], None)
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
                 yq_ptr, yds_ptr, QUANT)
 
@@ -942,7 +977,8 @@ def _build():
     @triton.jit
     def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
+                           STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False,
+                           OFFSET: tl.constexpr = False):
         """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
         of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
         int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
@@ -966,6 +1002,7 @@ def _build():
                     d, _ = _half2(dword >> 16 if odd else dword, True)
                     heads += ((base, scw, d),)
                 part = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
+                links = (None, None)  # a chain a superblock: each column's 8 sums within 8 * 16 * 32 * 127
                 for h2 in tl.static_range(2):
                     bits = ()
                     for s in tl.static_range(2 if GLU else 1):  # low 4 bits in ql bytes 64 h2 + 32 (mq % 2) + l,
@@ -977,16 +1014,23 @@ def _build():
                         x2 = tl.load(xcols + 32 * j, mask=xhalf, other=0)
                         xd, _ = _x_scales(ds_ptr, j)
                         nxt = ()
+                        more = ()
                         for s in tl.static_range(2 if GLU else 1):
                             qb = _bytes(_minus32(_q6_bits(bits[s][mq % 2], bits[s][2], mq)), ASM)
                             sw = heads[s][1][2 * h2 + mq // 2]  # scales 8 h2 + 2 mq, + 1: its bytes 2 (mq % 2), + 1
                             sc_lo = (sw << (24 - 16 * (mq % 2))) >> 24
                             sc_hi = (sw << (16 - 16 * (mq % 2))) >> 24
-                            ilo, ihi = tl.split(tl.permute(tl.reshape(tl.dot(qb, x2, out_dtype=tl.int32),
-                                                                      [BLOCK_N, 2, 16]), (0, 2, 1)))
-                            isum = ilo * sc_lo[:, None] + ihi * sc_hi[:, None]
-                            nxt += (tl.fma(isum.to(tl.float32), xd[None, :], part[s]),)
+                            halves, ints = _idot(qb, x2, OFFSET, links[s])
+                            more += (ints,)
+                            if OFFSET:  # exact: each product and their sum within 2**24
+                                flo, fhi = tl.split(tl.permute(tl.reshape(halves, [BLOCK_N, 2, 16]), (0, 2, 1)))
+                                isum = tl.fma(flo, sc_lo.to(tl.float32)[:, None], fhi * sc_hi.to(tl.float32)[:, None])
+                            else:
+                                ilo, ihi = tl.split(tl.permute(tl.reshape(ints, [BLOCK_N, 2, 16]), (0, 2, 1)))
+                                isum = (ilo * sc_lo[:, None] + ihi * sc_hi[:, None]).to(tl.float32)
+                            nxt += (tl.fma(isum, xd[None, :], part[s]),)
                         part = nxt if GLU else (nxt[0], part[1])
+                        links = more if GLU else (more[0], None)
                 nxt = ()
                 for s in tl.static_range(2 if GLU else 1):
                     nxt += (tl.fma(part[s], heads[s][2][:, None], acc[s]),)
@@ -994,7 +1038,7 @@ def _build():
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
                 yq_ptr, yds_ptr, QUANT)
 
-    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _rotate_head, head_jit(),
+    for helper in (_dp4a, _idot, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _rotate_head, head_jit(),
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
                    _gemm_rows, _x_scales):  # called by name, as _halves is
@@ -1151,6 +1195,12 @@ INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: 
 #: against 432.8, down 52.3 against 55.2, a fused q/k/v 22.6 against 21.0 (bench/results/skinny-q6k-int8-x-h100.json)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0"}
 X_ROWS = 16
+#: the word GEMMs take their int8 dots' float32 through an offset in the tensor core's accumulators (_idot)
+#: in place of an int-to-float conversion per sum: the same bits, and in the main loops (tools/sass_count.py,
+#: sm_90) no I2FP, a quarter-rate instruction, where there was 0.5 a weight, for 0.5 FADD and 0.4-0.8 MOV
+#: more (the accumulator kept or reset): Q4_K 5.54 -> 6.04 instructions a weight, Q6_K 6.66 -> 8.23, Q8_0
+#: 6.12 -> 6.43 and 5.14 -> 5.64. Whether that is faster depends on what bounds them: off until measured
+DOT_OFFSET = False
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
 #: (bench/results/moe-30b-Q4_K_M-word-gemvs-h200.json; tools/pdl_ab.py --knob ...EXPERT_WORD_GEMVS)
@@ -1315,7 +1365,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
-        extra = {"GLU": glu, "ASM": not _interpreting()}
+        extra = {"GLU": glu, "ASM": not _interpreting(), "OFFSET": DOT_OFFSET}
         if quantize:
             extra.update(yq_ptr=yx8[0], yds_ptr=yx8[1], QUANT=True)
         if tuned:
