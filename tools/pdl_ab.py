@@ -8,13 +8,16 @@ with the first's. Inductor's flag is set once per process, at the first setting'
         --knob strata.layers.triton_kernels.NORM_MAX_ROWS --settings 0 64 0 64
     PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --quant Q4_K_M --windows 16 \
         --knob strata.layers.triton_kernels.QUANTIZE_ROWS strata.layers.triton_kernels.NORM_MAX_ROWS \
-        --settings 1,64 16,64 1,0 --set 'strata.layers.quant_kernels.WORD_SKINNY_CONFIGS=[(64, 4, 2, 1)]'"""
+        --settings 1,64 16,64 1,0 --set 'strata.layers.quant_kernels.WORD_SKINNY_CONFIGS=[(64, 4, 2, 1)]'
+
+--out FILE.json also keeps every line's figures, the device and the command, for bench/results."""
 
 from __future__ import annotations
 
 import argparse
 import ast
 import importlib
+import json
 import os
 import statistics
 import sys
@@ -51,12 +54,14 @@ def main() -> None:
                     help="module constants fixed for every setting, set first (e.g. a shorter autotune list)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--out", default=None, help="a JSON file of the results")
     args = ap.parse_args()
     set_constants(args.set)
     target = random_target(args.shape, device="cuda", dtype=torch.bfloat16, quant=args.quant)
     prompt = torch.randint(0, target.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     opts = EngineConfig(static=True, max_len=512 + args.new_tokens + max(args.windows) + 1)
     first: dict[int, list[int]] = {}
+    rows: list[dict] = []
     knobs = [k.rsplit(".", 1) for k in args.knob or []]
     name = ",".join(n for _, n in knobs) or "STRATA_PDL"
     for setting in args.settings:
@@ -75,6 +80,13 @@ def main() -> None:
             same = all(r.output_ids == ids for r in runs) and first.setdefault(w, ids) == ids
             print(f"{args.shape} {args.quant or 'bf16'} W={w} {name}={setting}: {statistics.median(ms):.3f} ms "
                   f"a step (median of {args.runs}), outputs identical: {same}", flush=True)
+            rows.append({"window": w, "setting": setting, "ms_per_step": statistics.median(ms), "runs_ms": ms,
+                         "outputs_identical": same})
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": importlib.import_module("triton").__version__, "shape": args.shape, "quant": args.quant,
+            "new_tokens": args.new_tokens, "knobs": name, "set": args.set, "results": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
