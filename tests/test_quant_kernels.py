@@ -94,8 +94,8 @@ def test_dequantize_is_bit_exact_and_products_match(qtype):
     assert torch.equal(qk.gather(data, int(qtype), 512, tokens, torch.float32), w[tokens])
 
 
-@pytest.mark.parametrize("qtype,rows", [(T.Q4_K, 1), (T.Q4_K, 5), (T.Q5_K, 1), (T.Q6_K, 1), (T.Q6_K, 5), (T.Q8_0, 1),
-                                       (T.Q8_0, 5)],
+@pytest.mark.parametrize("qtype,rows", [(T.Q4_K, 1), (T.Q4_K, 5), (T.Q5_K, 1), (T.Q5_K, 5), (T.Q6_K, 1), (T.Q6_K, 5),
+                                       (T.Q8_0, 1), (T.Q8_0, 5)],
                          ids=lambda v: getattr(v, "name", f"rows {v}"))
 def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every
@@ -130,16 +130,16 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     assert rel(got, as_computed(half, qtype, 2048) @ w.T) <= 2 ** -7
 
 
-@pytest.mark.parametrize("qtype,cols", [(T.Q4_K, 512), (T.Q6_K, 1024), (T.Q8_0, 1024), (T.Q8_0, 256)],
-                         ids=["Q4_K", "Q6_K", "Q8_0w", "Q8_0"])
+@pytest.mark.parametrize("qtype,cols", [(T.Q4_K, 512), (T.Q5_K, 512), (T.Q6_K, 1024), (T.Q8_0, 1024), (T.Q8_0, 256)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q8_0w", "Q8_0"])
 def test_word_gemms_dots_through_an_offset_give_the_same_bits(qtype, cols, monkeypatch):
     """DOT_OFFSET: each word GEMM's int8 dots turned into float32 as differences along a chain of accumulators
     started at 1.5 * 2**23 give the same bits as converting each sum, gate/up fused and over 2 K slices; also
     where the chains' sums are largest: every weight at its type's largest magnitude (Q4_K's nibbles 15,
-    Q6_K's q - 32 = -32, Q8_0's -128) against x rows of one value (each q 127)."""
+    Q5_K's 31, Q6_K's q - 32 = -32, Q8_0's -128) against x rows of one value (each q 127)."""
     raw = blocks(qtype, 24, cols, 90 + qtype.value)
     extreme = raw.reshape(24, cols // 256 if qtype != T.Q8_0 else cols // 32, -1).copy()
-    if qtype == T.Q4_K:
+    if qtype in (T.Q4_K, T.Q5_K):
         extreme[..., 16:] = 0xFF
     elif qtype == T.Q6_K:
         extreme[..., :192] = 0

@@ -13,10 +13,10 @@ per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes
 before applying the scales. They run their lanes along K, so that a warp's loads are runs of consecutive
 bytes of a row: with a thread per (row, block), as Q8_0's GEMV had until 58bdb13, each load touched 32
 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
-The few-row GEMMs of Q4_K, Q6_K and Q8_0 (a verify window, a drafter block) take the same int8 x and run
-on integer tensor cores, their integer sums scaled as the GEMVs scale their dp4a sums: Q4_K's nibbles as
-int8 (skinny_q4k8_kernel), Q6_K's 6-bit values less 32 (skinny_q6k8_kernel), Q8_0's bytes
-(skinny_q8_0w_kernel, or skinny_q8_0_kernel where 512 does not divide K). Q4_K's and Q8_0's read a row's
+The few-row GEMMs of Q4_K, Q5_K, Q6_K and Q8_0 (a verify window, a drafter block) take the same int8 x and
+run on integer tensor cores, their integer sums scaled as the GEMVs scale their dp4a sums: Q4_K's nibbles
+(Q5_K's with their fifth bits) as int8 (skinny_q4k8_kernel), Q6_K's 6-bit values less 32
+(skinny_q6k8_kernel), Q8_0's bytes (skinny_q8_0w_kernel, or skinny_q8_0_kernel where 512 does not divide K). Q4_K's and Q8_0's read a row's
 weights in runs of 128 bytes a warp's load can take whole, for the same reason. Block layouts are the GGML
 formats' (ggml-common.h); d and other float16 fields sit at even offsets, so they are read through a
 float16 view of the same bytes."""
@@ -818,10 +818,14 @@ def _build():
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False,
-                           OFFSET: tl.constexpr = False):
-        """Q4_K times a few rows of int8 x (quantize_x) on integer tensor cores: per sub-block, the int8 dot
-        of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's scales serve 4 x rows)
-        with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs."""
+                           OFFSET: tl.constexpr = False, QTYPE: tl.constexpr = 12):
+        """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
+        sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
+        scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
+        sub-block j) with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum -
+        dmin m xs."""
+        FIVE: tl.constexpr = QTYPE == 13
+        SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
         rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         i4 = tl.arange(0, 4)[None, :]
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
@@ -829,20 +833,23 @@ def _build():
         for sb in tl.range(lo, hi, num_stages=STAGES):
             heads = ()
             for s in tl.static_range(2 if GLU else 1):
-                base = tl.multiple_of(offs[s] + sb * 36, 4)[:, None]
+                base = tl.multiple_of(offs[s] + sb * SB, 4)[:, None]
                 w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
                 d, dmin = _half2(w0, True)
                 heads += ((base, d, dmin, d * -8388608.0, dmin * -8388608.0,
                            (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)),
                            (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
             quarters = ()
+            fifths = ()
             for s in tl.static_range(2 if GLU else 1):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's load
-                q4 = tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 32)[None, :])
+                q4 = tl.load(w32 + heads[s][0] + SB - 32 + tl.arange(0, 32)[None, :])
                 lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [BLOCK_N, 2, 2, 8]), (0, 3, 1, 2)))
                 a0, a1 = tl.split(lo2)
                 b0, b1 = tl.split(hi2)
                 quarters += ((a0, b0, a1, b1),)
-            links = (None, None)  # a chain a superblock: its 8 sums within 8 * 32 * 15 * 127
+                if FIVE:  # qh word c: the fifth bits of the weights of each quarter's word c
+                    fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
+            links = (None, None)  # a chain a superblock: its 8 sums within 8 * 32 * 31 * 127
             for p in tl.static_range(4):
                 for h in tl.static_range(2):
                     xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h)
@@ -852,8 +859,10 @@ def _build():
                         _, d, dmin, d_off, dmin_off, scs, mns = heads[s]
                         ds = _byte_times(scs[p // 2], 2 * (p % 2) + h, d, d_off)
                         dm = _byte_times(mns[p // 2], 2 * (p % 2) + h, dmin, dmin_off)
-                        isum, link = _idot(_bytes((quarters[s][p] >> (4 * h)) & 0x0F0F0F0F, ASM), xt, OFFSET,
-                                           links[s])
+                        nib = (quarters[s][p] >> (4 * h)) & 0x0F0F0F0F
+                        if FIVE:
+                            nib = nib | (((fifths[s] >> (2 * p + h)) & 0x01010101) << 4)
+                        isum, link = _idot(_bytes(nib, ASM), xt, OFFSET, links[s])
                         more += (link,)
                         a = tl.fma(isum, ds[:, None] * xd[None, :], acc[s])
                         nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
@@ -1054,7 +1063,7 @@ def _build():
         kernels["gemv_tuned"] = autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
             key=["N", "K", "QTYPE", "GLU", "EXPERTS"])(gemv_kernel)
-        for skinny in (*WORD_KERNELS.values(), "skinny_q8_0w"):
+        for skinny in {*WORD_KERNELS.values(), "skinny_q8_0w"}:
             kernels[f"{skinny}_tuned"] = autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k, **_loop_stages(skinny, st)}, num_warps=w,
                                num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
@@ -1192,8 +1201,11 @@ INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: 
 #: the types with a few-row GEMM of their own on 32-bit words, on int8 x (X_ROWS rows of quantize_x's) and
 #: integer tensor cores, as their GEMVs compute (Q8_0's is skinny_q8_0w where 512 | K: _word_kernel). Q6_K's
 #: (skinny_q6k8) ran as fast as the float-tile kernel it replaced on an H100, 16 rows: the LM head 435.5 us
-#: against 432.8, down 52.3 against 55.2, a fused q/k/v 22.6 against 21.0 (bench/results/skinny-q6k-int8-x-h100.json)
-WORD_KERNELS = {Q4_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0"}
+#: against 432.8, down 52.3 against 55.2, a fused q/k/v 22.6 against 21.0 (bench/results/skinny-q6k-int8-x-h100.json).
+#: Q5_K's runs in Q4_K's kernel (QTYPE 13), as its GEMV does, in place of the byte kernel on float x (which
+#: computed a verify differently from its int8-x decode); 6.05 instructions a weight against Q4_K's 5.54
+#: (tools/sass_count.py's count, sm_90), its speed not yet measured
+WORD_KERNELS = {Q4_K: "skinny_q4k8", Q5_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0"}
 X_ROWS = 16
 #: the word GEMMs take their int8 dots' float32 through an offset in the tensor core's accumulators (_idot)
 #: in place of an int-to-float conversion per sum: the same bits, and in the main loops (tools/sass_count.py,
@@ -1365,7 +1377,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
-        extra = {"GLU": glu, "ASM": not _interpreting(), "OFFSET": DOT_OFFSET}
+        extra = {"GLU": glu, "ASM": not _interpreting(), "OFFSET": DOT_OFFSET,
+                 **({"QTYPE": qtype} if word == "skinny_q4k8" else {})}
         if quantize:
             extra.update(yq_ptr=yx8[0], yds_ptr=yx8[1], QUANT=True)
         if tuned:
