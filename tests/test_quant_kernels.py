@@ -385,9 +385,9 @@ def test_a_norm_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype, c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_attention_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype, monkeypatch):
     """attention(quantize=True) of one query row leaves quantize_x's exact result of its output (8 heads of
-    64 over 2 K/V heads: each program's head is two blocks of 32); a window of rows does not quantize, but
-    for ATTENTION_QUANTIZE_ROWS, then leaving the few-row GEMMs' x (its padding rows zeros, written by
-    programs past the window's rows, here over a buffer full of garbage)."""
+    64 over 2 K/V heads: each program's head is two blocks of 32); a window of rows quantizes only within
+    ATTENTION_QUANTIZE_ROWS (at 1 it does not; at 16, the default, it leaves the few-row GEMMs' x, its
+    padding rows zeros, written by programs past the window's rows, here over a buffer full of garbage)."""
     from strata.layers import triton_kernels as tk
 
     gen = torch.Generator().manual_seed(13)
@@ -401,6 +401,7 @@ def test_attention_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype
         assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
     window = torch.randn(5, 8, 64, generator=gen).to(dtype)
     late = torch.arange(90).unsqueeze(0) <= torch.arange(80, 85).unsqueeze(1)
+    monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 1)
     five = tk.attention(window, k, v, late, quantize=True)
     assert qk.recall_x8(five) is None
     monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 16)

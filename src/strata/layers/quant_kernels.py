@@ -1203,15 +1203,16 @@ INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: 
 #: (skinny_q6k8) ran as fast as the float-tile kernel it replaced on an H100, 16 rows: the LM head 435.5 us
 #: against 432.8, down 52.3 against 55.2, a fused q/k/v 22.6 against 21.0 (bench/results/skinny-q6k-int8-x-h100.json).
 #: Q5_K's runs in Q4_K's kernel (QTYPE 13), as its GEMV does, in place of the byte kernel on float x (which
-#: computed a verify differently from its int8-x decode); 6.05 instructions a weight against Q4_K's 5.54
-#: (tools/sass_count.py's count, sm_90), its speed not yet measured
+#: computed a verify differently from its int8-x decode); a random 8B-shaped Q5_K_M verify of 16 rows took
+#: 5.520 ms against 17.028 on an H100 (bench/results/q5k-word-gemm-ab-h100.json)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q5_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0"}
 X_ROWS = 16
 #: the word GEMMs take their int8 dots' float32 through an offset in the tensor core's accumulators (_idot)
 #: in place of an int-to-float conversion per sum: the same bits, and in the main loops (tools/sass_count.py,
 #: sm_90) no I2FP, a quarter-rate instruction, where there was 0.5 a weight, for 0.5 FADD and 0.4-0.8 MOV
 #: more (the accumulator kept or reset): Q4_K 5.54 -> 6.04 instructions a weight, Q6_K 6.66 -> 8.23, Q8_0
-#: 6.12 -> 6.43 and 5.14 -> 5.64. Whether that is faster depends on what bounds them: off until measured
+#: 6.12 -> 6.43 and 5.14 -> 5.64. Slower on an H100: a 16-row Q4_K_M verify 5.339 / 5.330 ms against 5.106 /
+#: 5.110 (bench/results/fold-knobs-ab-h100.json)
 DOT_OFFSET = False
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200

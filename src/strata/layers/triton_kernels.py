@@ -614,7 +614,8 @@ def pow2(n: int) -> int:
 ATTENTION_BLOCK = 64  # cells a program's loop step reads
 #: one query row's attention combines its partials in the partial kernel, each K/V head's last program doing
 #: it (attention_partial_kernel's FOLD; no attention_combine launch), where its G rows' partials of every
-#: split, FOLD_VALUES float32 values at most, fit one program's registers. Off until measured on a GPU
+#: split, FOLD_VALUES float32 values at most, fit one program's registers. Slower on an H100: 2.603 / 2.611 ms
+#: a step against 2.576 / 2.569 (bench/results/fold-knobs-one-row-ab-h100.json)
 ATTENTION_FOLD = False
 FOLD_VALUES = 8192
 ATTENTION_TARGET_SPLITS = 16
@@ -692,10 +693,13 @@ NORM_MAX_DIM = 16384
 #: With a row's columns spread over programs (NORM_CHUNK) 16 rows gain too (below)
 QUANTIZE_ROWS = 16
 #: query rows up to which attention (its combining programs) quantizes its output for an int8-x o projection
-#: (one row: on, in the 2.321 ms step above; a few rows, the padded x of the few-row GEMMs: not yet measured)
-ATTENTION_QUANTIZE_ROWS = 1
+#: (one row: in the 2.321 ms step above; 16, the padded x of the few-row GEMMs: an H100 verify 5.091 / 5.087
+#: ms against 5.133 / 5.138, bench/results/verify-quantize-ab-h100.json)
+ATTENTION_QUANTIZE_ROWS = 16
 #: rows up to which a quantized gate/up product (the 1-row GEMV, the few-row GEMM) quantizes silu(gate) * up
-#: for an int8-x down (quant_kernels.matmul's quantize; 0: never, until measured)
+#: for an int8-x down (quant_kernels.matmul's quantize; 0: never). Slower either way on an H100: a 1-row step
+#: 2.712 / 2.708 ms against 2.576 / 2.569 (bench/results/fold-knobs-one-row-ab-h100.json), a 16-row verify
+#: 5.174 / 5.174 against 5.133 / 5.138 (verify-quantize-ab-h100.json)
 GATE_UP_QUANTIZE_ROWS = 0
 #: columns of a row each rms_norm program writes and quantizes (a power of two; 0: the whole row), every
 #: program reading the whole row for its sum of squares. H100, Q4_K_M 8B shape, one process, two alternations
@@ -738,8 +742,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 #: a 1-row q/k/v product over quantized weights does norm_rotate_store's work itself, each head's by the
-#: GEMV program that stores its last rows (quant_kernels.HeadStore): one launch fewer a layer. Off until
-#: measured on a GPU
+#: GEMV program that stores its last rows (quant_kernels.HeadStore): one launch fewer a layer, but slower on
+#: an H100, 2.682 / 2.688 ms a step against 2.576 / 2.569 (bench/results/fold-knobs-one-row-ab-h100.json)
 QKV_ROTATE = False
 
 
