@@ -13,7 +13,6 @@ from gguf import quants
 
 from strata.layers import quant_kernels as qk
 from strata.layers.ops import silu_mul
-from strata.layers.ops import split_qkv as ops_split
 from strata.layers.quant import QuantWeight, Segment, weight_bytes
 
 from conftest import write_hf_drafter
@@ -130,34 +129,6 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     assert rel(got, as_computed(half, qtype, 2048) @ w.T) <= 2 ** -7
 
 
-@pytest.mark.parametrize("qtype,cols", [(T.Q4_K, 512), (T.Q5_K, 512), (T.Q6_K, 1024), (T.Q8_0, 1024), (T.Q8_0, 256)],
-                         ids=["Q4_K", "Q5_K", "Q6_K", "Q8_0w", "Q8_0"])
-def test_word_gemms_dots_through_an_offset_give_the_same_bits(qtype, cols, monkeypatch):
-    """DOT_OFFSET: each word GEMM's int8 dots turned into float32 as differences along a chain of accumulators
-    started at 1.5 * 2**23 give the same bits as converting each sum, gate/up fused and over 2 K slices; also
-    where the chains' sums are largest: every weight at its type's largest magnitude (Q4_K's nibbles 15,
-    Q5_K's 31, Q6_K's q - 32 = -32, Q8_0's -128) against x rows of one value (each q 127)."""
-    raw = blocks(qtype, 24, cols, 90 + qtype.value)
-    extreme = raw.reshape(24, cols // 256 if qtype != T.Q8_0 else cols // 32, -1).copy()
-    if qtype in (T.Q4_K, T.Q5_K):
-        extreme[..., 16:] = 0xFF
-    elif qtype == T.Q6_K:
-        extreme[..., :192] = 0
-    else:
-        extreme[..., 2:] = 0x80
-    gen = torch.Generator().manual_seed(8)
-    for data, x in ((raw, torch.randn(5, cols, generator=gen).half()),
-                    (extreme.reshape(24, -1), torch.ones(5, cols, dtype=torch.float16))):
-        data = torch.from_numpy(np.ascontiguousarray(data))
-        outs = []
-        for offset in (False, True):
-            monkeypatch.setattr(qk, "DOT_OFFSET", offset)
-            outs.append((qk.matmul(x, data, int(qtype), 24, config=(8, 4, 1, 2)),
-                         qk.matmul(x, data, int(qtype), 12, glu=True, config=(8, 4, 1, 1))))
-        assert all(a.equal(b) for a, b in zip(*outs, strict=True))
-    assert outs[0][0].abs().max() > 0
-
-
 def test_q8_0_gemm_of_blocks_in_fours_where_512_does_not_divide_k():
     """K = 1280 (10 steps of 4 blocks; Qwen2.5-1.5B's down has 8960 columns): Q8_0's few-row GEMM falls back
     from 16 blocks a step to 4, on the same int8 x; K slices (3, then 2 uneven) and gate/up fused, to 1e-6."""
@@ -202,42 +173,6 @@ def test_a_product_quantizes_its_result_for_the_product_after_it_bit_for_bit(qty
         for a, b in zip(got, qk.quantize_x(y), strict=True):
             assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
         assert not qk._counters(x.device).any()
-
-
-@pytest.mark.parametrize("config", [(2, 4, 1, 2), (1, 64, 1, 1)], ids=["4-rows", "64-rows"])
-def test_a_qkv_gemv_norms_rotates_and_stores_its_heads_bit_for_bit(config, monkeypatch):
-    """A 1-row fused q/k/v of two types (Q4_K q and k, Q6_K v, as Q4_K_M makes; 3 q, 2 k and 2 v heads of 32)
-    given a HeadStore leaves q and the cell's k and v exactly as norm_rotate_store leaves them from the plain
-    product, over caches full of garbage: 4 rows a program (a head's 8 programs counted, the last doing it),
-    then 64 (two heads a program, the last program's second past the q/k rows)."""
-    from strata.layers import triton_kernels as tk
-
-    monkeypatch.setattr(qk, "LANE_K_CONFIGS", [config])
-    h, hk, d, k = 3, 2, 32, 512
-    w = QuantWeight([Segment(int(T.Q4_K), torch.from_numpy(blocks(T.Q4_K, (h + hk) * d, k, 80).copy())),
-                     Segment(int(T.Q6_K), torch.from_numpy(blocks(T.Q6_K, hk * d, k, 81).copy()))], k, torch.bfloat16)
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(1, k, generator=gen).bfloat16()
-    q_w, k_w = (torch.rand(2, d, generator=gen) + 0.5).bfloat16()
-    angle = torch.randn(1, 1, d // 2, generator=gen)
-    cos, sin = torch.cat([angle.cos()] * 2, -1).bfloat16(), torch.cat([angle.sin()] * 2, -1).bfloat16()
-    cells = torch.tensor([5])
-    results = []
-    for fused in (False, True):
-        kc, vc = torch.full((12, hk, d), 7.0, dtype=torch.bfloat16), torch.full((12, hk, d), 7.0, dtype=torch.bfloat16)
-        if fused:
-            monkeypatch.setattr(tk, "QKV_ROTATE", True)
-            assert tk.qkv_rotate_fits(x, w, None, q_w, cos, sin, kc, vc)
-            q = tk.qkv_rotate_store(x, w, None, q_w, k_w, cos, sin, 1e-6, h, kc, vc, cells)
-        else:
-            qkv, v = ops_split(w.matmul(x), h, hk, d)
-            q = tk.norm_rotate_store(qkv, v, q_w, k_w, cos, sin, 1e-6, h, kc, vc, cells)
-        results.append((q, kc, vc))
-    for got, want in zip(*results, strict=True):
-        assert got.shape == want.shape and got.equal(want)
-    assert not results[1][1][torch.arange(12) != 5].ne(7).any()  # only the cell written
-    assert not qk._counters(x.device).any()
-    assert not tk.qkv_rotate_fits(x, w[:d + 16], None, q_w, cos, sin, kc, vc)  # a head cut in two
 
 
 def test_quant_weight_segments_slices_and_bytes():
@@ -421,8 +356,7 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
     rows that go into q/k/v, gate/up and the head (where those take int8 x; a MoE layer's experts: one
     row), attention its rows for o and the dense gate/up its rows for down (ATTENTION_QUANTIZE_ROWS,
     GATE_UP_QUANTIZE_ROWS), quantize_x's kernel runs that many times less, and every logit is the same as
-    with it run for every product; so too with the 1-row q/k/v GEMVs doing norm_rotate_store's work
-    (QKV_ROTATE: its kernel not launched) and 1-row attention combining in its one launch (ATTENTION_FOLD)."""
+    with it run for every product."""
     from strata.layers import triton_kernels as tk
     from strata.layers.kernels import TritonKernels
     from strata.models.random_init import random_target
@@ -445,8 +379,6 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
             return lambda *a, **kw: launches.append(1) or self.kernel[grid](*a, **kw)
 
     monkeypatch.setitem(qk._build(), "quantize_x", Counted(qk._build()["quantize_x"]))
-    rotations = []
-    monkeypatch.setattr(tk, "norm_rotate_store", lambda *a, real=tk.norm_rotate_store: rotations.append(1) or real(*a))
     recall = qk.recall_x8
     monkeypatch.setattr(qk, "recall_x8", lambda x: (lambda got: recalled.append(got is not None) or got)(recall(x)))
     for tokens in (torch.tensor([11]), torch.tensor([11, 200, 3, 97])):
@@ -455,16 +387,12 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
             monkeypatch.setattr(tk, "QUANTIZE_ROWS", 16 if fused else 0)  # both layouts (16: the default)
             monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 16)
             monkeypatch.setattr(tk, "GATE_UP_QUANTIZE_ROWS", 16)
-            monkeypatch.setattr(tk, "QKV_ROTATE", fused)
-            monkeypatch.setattr(tk, "ATTENTION_FOLD", fused)
             launches.clear()
             recalled.clear()
-            rotations.clear()
             outs.append(forward_at(target, tokens, 0, target.make_cache(16), kv_len=16,
                                    kernels=TritonKernels(compiled=False)).logits)
             counts.append((len(launches), sum(recalled)))
         assert outs[1].equal(outs[0])
-        assert len(rotations) == (0 if fused and len(tokens) == 1 else 1)
         # one row: the norms' for q/k/v, gate/up (or the experts') and the head, attention's for o, the dense
         # gate/up's for down; four rows: the norms' for the few-row GEMMs that take int8 x (q/k/v, the dense
         # gate/up), attention's for o, the dense gate/up's for down

@@ -91,38 +91,6 @@ def test_attention_matches_grouped_matmuls(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_one_row_attention_folded_into_one_launch_gives_the_same_bits(dtype, monkeypatch):
-    """ATTENTION_FOLD: one query row's partials combined by each K/V head's program that stores the last of
-    them (no attention_combine launch) give the same bits as that kernel, and so do its quantized rows (3
-    heads a group: a fold of 4 rows, the fourth past the group), over 11 splits and over 2; the counts are
-    left at zero."""
-    from strata.layers import quant_kernels as qk
-
-    gen = torch.Generator().manual_seed(5)
-    q = torch.randn(1, 6, 64, generator=gen).to(dtype)
-    combines = []
-    real = tk._build()["attention_combine"]
-    monkeypatch.setitem(tk._build(), "attention_combine",
-                        type("Counted", (), {"__getitem__": lambda _, grid: combines.append(1) or real[grid]})())
-    for cells in (700, 90):
-        k, v = torch.randn(2, cells, 2, 64, generator=gen).to(dtype)
-        mask = torch.ones(1, cells, dtype=torch.bool)
-        for quantize in (False, True):
-            runs = []
-            for fold in (False, True):
-                monkeypatch.setattr(tk, "ATTENTION_FOLD", fold)
-                combines.clear()
-                out = tk.attention(q, k, v, mask, quantize=quantize)
-                runs.append((out, qk.recall_x8(out) if quantize else (), len(combines)))
-            (plain, plain_x8, one), (folded, folded_x8, none) = runs
-            assert (one, none) == (1, 0) and folded.equal(plain)
-            assert len(folded_x8) == (3 if quantize else 0)
-            assert all(a.equal(b) for a, b in zip(folded_x8, plain_x8, strict=True))
-            assert not qk._counters(q.device).any()
-    close(folded, attend_grouped(q, k, v, mask), dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rms_norms_match_the_reference(dtype, monkeypatch):
     """The one-launch RMSNorm and residual add + RMSNorm against ops: a ragged row (200 columns in a block of
     256), one row and a window of rows, a residual sum bit for bit, a float32 weight over float16 rows; a

@@ -2,7 +2,7 @@
 with no GPU: each kernel compiled by Triton for sm_90, disassembled with the cuobjdump Triton ships, and its
 main loop (the longest backward branch) counted against the weights a thread takes per trip.
 
-usage: python tools/sass_count.py [--dot-offset]   (the word GEMMs with quant_kernels.DOT_OFFSET on)"""
+usage: python tools/sass_count.py"""
 
 from __future__ import annotations
 
@@ -71,8 +71,7 @@ def main() -> None:
         for block_n, warps, stages, split in qk.WORD_SKINNY_CONFIGS[:3:2]:
             loop = qk._loop_stages(skinny, stages)
             sass = compile_sass(kernels[skinny], {**skinny8_sig, **{k: "constexpr" for k in loop}},
-                                {"GLU": False, "BLOCK_N": block_n, "SPLIT": split, "ASM": True,
-                                 "OFFSET": "--dot-offset" in sys.argv, **loop}, warps,
+                                {"GLU": False, "BLOCK_N": block_n, "SPLIT": split, "ASM": True, **loop}, warps,
                                 (0, 1, 2, 8, 9), stages)
             # a trip: a K step (GEMM_STEP_COLUMNS) of BLOCK_N rows, each weight against 16 x rows
             runs.append((f"{skinny}_kernel {name} {block_n, warps, stages, split}", loop_ops(sass),

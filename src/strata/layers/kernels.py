@@ -52,13 +52,6 @@ class Kernels:
             return w.matmul(x, b)
         return F.linear(x, w, b)
 
-    def qkv_rotate_store(self, h: torch.Tensor, qkv, bias: torch.Tensor | None, q_weight, k_weight,
-                         cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
-        """h's fused q/k/v projection (qkv [(H + 2 Hkv) D, hidden], bias) through norm_rotate_store: returns q."""
-        qk, v = ops.split_qkv(self.linear(h, qkv, bias), heads, k_cache.shape[-2], k_cache.shape[-1])
-        return self.norm_rotate_store(qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)
-
     def experts(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor, reduce=None, repeats: bool = False) -> torch.Tensor:
         """Routed rows h [N, H] through their experts (ops.experts_routed's contract): over each expert's rows
@@ -216,13 +209,6 @@ class TritonKernels(Kernels):
         """Whether a kernel quantizes its `rows` rows of output for `into` (a quantized matrix taking int8 x)."""
         return rows <= self._tk.QUANTIZE_ROWS and isinstance(into, (QuantWeight, QuantExperts)) and \
             into.takes_int8(rows)
-
-    def qkv_rotate_store(self, h, qkv, bias, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells):
-        args = (h, qkv, bias, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)
-        slow = lambda: super(TritonKernels, self).qkv_rotate_store(*args)  # noqa: E731
-        if self._tk.qkv_rotate_fits(h, qkv, bias, q_weight, cos, sin, k_cache, v_cache):
-            return self._either("qkv_rotate_store", lambda: self._tk.qkv_rotate_store(*args), slow)
-        return slow()
 
     def norm_rotate_store(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells):
         args = (qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)

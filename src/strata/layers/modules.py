@@ -108,21 +108,20 @@ class Attention(nn.Module):
     def forward(self, h: torch.Tensor, step: Step, kv: LayerKV, mask: torch.Tensor) -> torch.Tensor:
         """h [..., T, hidden] -> attention output [..., T, heads * head_dim]; the rows' K/V are stored first."""
         kernels, heads, d = step.kernels, self.heads, self.head_dim
-        q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        store = (q_w, k_w, step.rope.cos, step.rope.sin, self.eps, heads, kv.k, kv.v, step.cells)
+        out = self.qkv_proj(h, kernels)
         gate = None
-        if self.gated or step.probe is not None:
-            out = self.qkv_proj(h, kernels)
-            if self.gated:
-                qg = out[..., :2 * heads * d].unflatten(-1, (heads, 2 * d))
-                gate = qg[..., d:].flatten(-2)
-                out = torch.cat([qg[..., :d].flatten(-2), out[..., 2 * heads * d:]], dim=-1)
-            qk, v = ops.split_qkv(out, heads, self.kv_heads, d)
-            if step.probe is not None:
-                qk = torch.cat([step.probed(self.index, "q_raw", qk[..., :heads, :]), qk[..., heads:, :]], dim=-2)
-            q = kernels.norm_rotate_store(qk, v, *store)
-        else:
-            q = kernels.qkv_rotate_store(h, self.qkv_proj.weight, self.qkv_proj.bias, *store)
+        if self.gated:
+            qg = out[..., :2 * heads * d].unflatten(-1, (heads, 2 * d))
+            gate = qg[..., d:].flatten(-2)
+            out = torch.cat([qg[..., :d].flatten(-2), out[..., 2 * heads * d:]], dim=-1)
+        qk_width = (heads + self.kv_heads) * d
+        qk = out[..., :qk_width].unflatten(-1, (heads + self.kv_heads, d))
+        v = out[..., qk_width:].unflatten(-1, (self.kv_heads, d))
+        if step.probe is not None:
+            qk = torch.cat([step.probed(self.index, "q_raw", qk[..., :heads, :]), qk[..., heads:, :]], dim=-2)
+        q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        q = kernels.norm_rotate_store(qk, v, q_w, k_w, step.rope.cos, step.rope.sin, self.eps, heads, kv.k, kv.v,
+                                      step.cells)
         if step.probe is not None:
             q = step.probed(self.index, "q_roped", q)
             step.probe_cells(self.index, "k", kv.k)

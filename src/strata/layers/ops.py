@@ -42,12 +42,6 @@ def store(k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: 
     v_cache.index_copy_(-3, cells, v.to(v_cache.dtype))
 
 
-def split_qkv(out: torch.Tensor, heads: int, kv_heads: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fused q/k/v projection's output [..., (H + 2 Hkv) D] as views qk [..., H + Hkv, D] and v [..., Hkv, D]."""
-    width = (heads + kv_heads) * d
-    return out[..., :width].unflatten(-1, (heads + kv_heads, d)), out[..., width:].unflatten(-1, (kv_heads, d))
-
-
 def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                       k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:

@@ -71,18 +71,9 @@ class QuantWeight:
         return rows <= KERNEL_MAX_ROWS and any(qk.int8_x(s.qtype, rows, self.cols, s.data.numel())
                                                for s in self.segments)
 
-    def stores_heads(self, head_dim: int) -> bool:
-        """Whether a 1-row product can put its heads of head_dim rows where norm_rotate_store would
-        (matmul's heads): every segment on a word GEMV, and whole heads."""
-        return all(qk.int8_x(s.qtype, 1, self.cols, s.data.numel()) and s.rows % head_dim == 0
-                   for s in self.segments) and self.shape[0] // head_dim <= qk.SPLIT_PROGRAMS
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-               heads: qk.HeadStore | None = None) -> torch.Tensor:
-        """x [..., cols] @ W^T (+ bias). heads (one row, no bias, stores_heads): the result's heads also
-        normed, rotated and stored as norm_rotate_store would, each segment's by its own GEMV."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., cols] @ W^T (+ bias)."""
         flat = x.reshape(-1, self.cols)
-        assert heads is None or (bias is None and flat.shape[0] == 1)
         if flat.shape[0] > KERNEL_MAX_ROWS:
             y = torch.nn.functional.linear(flat, self.dequantize())
         else:
@@ -91,13 +82,12 @@ class QuantWeight:
                 x8 = qk.quantize_x(flat)
             if len(self.segments) == 1:
                 s = self.segments[0]
-                y = qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, heads=heads)
+                y = qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8)
             else:  # each segment writes its own columns: no concatenation after
                 y = torch.empty(flat.shape[0], self.shape[0], device=flat.device, dtype=flat.dtype)
                 at = 0
                 for s in self.segments:
-                    qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=y[:, at:at + s.rows], heads=heads,
-                              first_head=at // heads.head_dim if heads else 0)
+                    qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=y[:, at:at + s.rows])
                     at += s.rows
         if bias is not None:
             y = y + bias

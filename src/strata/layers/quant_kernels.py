@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from . import pdl
-from .triton_kernels import cdiv, head_jit, pow2, precision
+from .triton_kernels import cdiv, pow2, precision
 
 # GGML type ids and their (weights per block, bytes per block)
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
@@ -258,25 +257,6 @@ def _build():
         return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def _idot(a, b, OFFSET: tl.constexpr, link=None, a2=None, b2=None):
-        """The int8 dot a @ b (+ a2 @ b2) as exact float32, and the link to pass to the next dot of a chain.
-        OFFSET: a chain's dots accumulate in the tensor core from the bits of 1.5 * 2**23 (link None: the
-        first), and each dot's float32 is the difference of its accumulator and the one before, read as
-        floats: no int-to-float conversion (a quarter-rate instruction on recent GPUs), no reset between
-        dots, exact while the chain's running sums stay within 2**22 in magnitude."""
-        if OFFSET:
-            if link is None:
-                link = tl.full([a.shape[0], b.shape[1]], 0x4B400000, dtype=tl.int32)
-            s = tl.dot(a, b, acc=link, out_dtype=tl.int32)
-        else:
-            s = tl.dot(a, b, out_dtype=tl.int32)
-        if a2 is not None:
-            s = tl.dot(a2, b2, acc=s, out_dtype=tl.int32)
-        if OFFSET:
-            return s.to(tl.float32, bitcast=True) - link.to(tl.float32, bitcast=True), s
-        return s.to(tl.float32), s
-
-    @triton.jit
     def _words(v):
         """[..., 4] (the last dim held by one thread) -> its four [...] slices, in order."""
         a, b = tl.split(tl.reshape(v, v.shape[:-1] + (2, 2)))
@@ -395,17 +375,13 @@ def _build():
 
     @triton.jit
     def _store_lane_rows(y_ptr, acc, first, N, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr,
-                         KS: tl.constexpr, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT: tl.constexpr, rope,
-                         ROPE: tl.constexpr):
+                         KS: tl.constexpr, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT: tl.constexpr):
         """Add up the lanes' (and a row's KS warps') partial sums of each row and store them (with GLU
         silu(gate) * up). QUANT (32 | N): each block of 32 rows also quantized as quantize_x would for one
         row (yq_ptr, yd_ptr, ys_ptr: its q, d and sums), for the int8-x product after: by the program that
         holds it, or where a program's rows are fewer than a block, by the one that stores its last rows
-        (counted by an atomic, reset after). ROPE (the head dim; ROPE | N): the rows are a fused q/k/v's
-        heads, and each head also goes where norm_rotate_store would put it (_rotate_head): by the program
-        that holds it, or by the one that stores its last rows, counted the same way."""
+        (counted by an atomic, reset after)."""
         RW: tl.constexpr = WARPS // KS
-        PER: tl.constexpr = RT * RW  # a program's rows
         rows = first + tl.arange(0, RW)
         out_ty = y_ptr.dtype.element_ty
         for r in tl.static_range(RT):
@@ -417,6 +393,7 @@ def _build():
             else:
                 tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
         if QUANT:
+            PER: tl.constexpr = RT * RW
             tl.debug_barrier()  # every thread's rows stored before they are read back (or the count released)
             j = tl.arange(0, 32)[None, :]
             if PER >= 32:
@@ -431,37 +408,6 @@ def _build():
                     kb = blk + tl.zeros([1], dtype=tl.int32)
                     quantize_blocks(v, kb * 0, kb, kb >= 0, N // 32, 1, yq_ptr, yd_ptr, ys_ptr, 16)
                     tl.atomic_xchg(cnt_ptr + blk, 0)  # ready for the next product
-        if ROPE:
-            tl.debug_barrier()  # every thread's rows stored before they are read back (or the count released)
-            if PER >= ROPE:
-                for j in tl.static_range(PER // ROPE):
-                    if first + j * ROPE < N:
-                        _rotate_head(y_ptr, first // ROPE + j, rope, ROPE)
-            else:
-                tl.static_assert(ROPE % PER == 0)
-                local = first // ROPE
-                if tl.atomic_add(cnt_ptr + local, 1, sem="acq_rel", scope="gpu") == ROPE // PER - 1:
-                    _rotate_head(y_ptr, local, rope, ROPE)
-                    tl.atomic_xchg(cnt_ptr + local, 0)  # ready for the next product
-
-    @triton.jit
-    def _rotate_head(y_ptr, local, rope, D: tl.constexpr):
-        """norm_rotate_store's work on head `local` of a 1-row fused q/k/v GEMV's result y (its rows local D ..
-        local D + D, the product's head h0 + local): a q head normed, rotated and written to q, a k head
-        normed, rotated and stored in the cache's cell, a v head stored there. rope: (q and k norm weights,
-        cos, sin, the cell's index, q, the K and V caches, eps, the caches' cell stride, the heads of q, of k,
-        this product's first head)."""
-        qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, eps, stride_cell, H, HK, h0 = rope
-        head = h0 + local
-        src = y_ptr + local * D
-        cell = tl.load(pos_ptr).to(tl.int64) * stride_cell
-        if head < H:
-            norm_rotate_head(src, q_ptr + head * D, qw_ptr, cos_ptr, sin_ptr, eps, D // 2, True)
-        elif head < H + HK:
-            norm_rotate_head(src, k_cache_ptr + cell + (head - H) * D, kw_ptr, cos_ptr, sin_ptr, eps, D // 2, True)
-        else:
-            i = tl.arange(0, D)
-            tl.store(v_cache_ptr + cell + (head - H - HK) * D + i, tl.load(src + i, cache_modifier=".cg"))
 
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
@@ -469,7 +415,7 @@ def _build():
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
                           KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False, rope=None, ROPE: tl.constexpr = 0):
+                          QUANT: tl.constexpr = False):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -538,8 +484,7 @@ def _build():
                     a += d * dot - dmin * mins
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT, rope,
-                         ROPE)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
 
     @triton.jit
     def _q6_bits(ql, qh, m):
@@ -588,7 +533,7 @@ def _build():
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
                           KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False, rope=None, ROPE: tl.constexpr = 0):
+                          QUANT: tl.constexpr = False):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -646,8 +591,7 @@ def _build():
                               + sch * (xdh * ihi.to(tl.float32) - 32.0 * xsh))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT, rope,
-                         ROPE)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
 
     @triton.jit
     def gemv_q8_0c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
@@ -655,7 +599,7 @@ def _build():
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
                           KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False, rope=None, ROPE: tl.constexpr = 0):
+                          QUANT: tl.constexpr = False):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
         Q8_0's GEMV had until 58bdb13, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
@@ -714,8 +658,7 @@ def _build():
                     a += da * (xda * ia.to(tl.float32)) + db * (xdb * ib.to(tl.float32))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT, rope,
-                         ROPE)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
 
     @triton.jit
     def _k_range(blocks, SPLIT: tl.constexpr):
@@ -818,7 +761,7 @@ def _build():
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False,
-                           OFFSET: tl.constexpr = False, QTYPE: tl.constexpr = 12):
+                           QTYPE: tl.constexpr = 12):
         """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
         sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
         scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
@@ -849,12 +792,10 @@ def _build():
                 quarters += ((a0, b0, a1, b1),)
                 if FIVE:  # qh word c: the fifth bits of the weights of each quarter's word c
                     fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
-            links = (None, None)  # a chain a superblock: its 8 sums within 8 * 32 * 31 * 127
             for p in tl.static_range(4):
                 for h in tl.static_range(2):
                     xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h)
                     nxt = ()
-                    more = ()
                     for s in tl.static_range(2 if GLU else 1):
                         _, d, dmin, d_off, dmin_off, scs, mns = heads[s]
                         ds = _byte_times(scs[p // 2], 2 * (p % 2) + h, d, d_off)
@@ -862,20 +803,17 @@ def _build():
                         nib = (quarters[s][p] >> (4 * h)) & 0x0F0F0F0F
                         if FIVE:
                             nib = nib | (((fifths[s] >> (2 * p + h)) & 0x01010101) << 4)
-                        isum, link = _idot(_bytes(nib, ASM), xt, OFFSET, links[s])
-                        more += (link,)
-                        a = tl.fma(isum, ds[:, None] * xd[None, :], acc[s])
+                        isum = tl.dot(_bytes(nib, ASM), xt, out_dtype=tl.int32)
+                        a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
                         nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
                     acc = nxt if GLU else (nxt[0], acc[1])
-                    links = more if GLU else (more[0], None)
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
                 yq_ptr, yds_ptr, QUANT)
 
     @triton.jit
     def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False,
-                           OFFSET: tl.constexpr = False):
+                           yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
@@ -885,11 +823,9 @@ def _build():
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 128, SPLIT)
         for g in range(lo, hi):
-            links = (None, None)  # a chain a step: its 4 sums within 4 * 32 * 128 * 127
             for blk in tl.static_range(4):
                 xt, xd, _ = _x_block(q_ptr, ds_ptr, K, 4 * g + blk)
                 nxt = ()
-                more = ()
                 for s in tl.static_range(2 if GLU else 1):
                     base = tl.multiple_of(offs[s] + g * 34, 2) + 17 * (blk // 2)  # the word of the pair's first d
                     if blk % 2 == 0:
@@ -899,11 +835,9 @@ def _build():
                     else:
                         _, d = _half2(tl.load(w32 + base + 8), True)
                         qw = tl.load(w32 + base[:, None] + 9 + j8)
-                    isum, link = _idot(_bytes(qw, ASM), xt, OFFSET, links[s])
-                    more += (link,)
-                    nxt += (tl.fma(isum, d[:, None] * xd[None, :], acc[s]),)
+                    isum = tl.dot(_bytes(qw, ASM), xt, out_dtype=tl.int32)
+                    nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-                links = more if GLU else (more[0], None)
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
                 yq_ptr, yds_ptr, QUANT)
 
@@ -918,8 +852,7 @@ def _build():
     @triton.jit
     def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                            STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False,
-                            OFFSET: tl.constexpr = False):
+                            STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
         (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
@@ -940,7 +873,6 @@ def _build():
                 ats += (at,)
                 chunks += (_chunks4(tl.load(at + tl.arange(0, 32)[None, :])),)
             xnext = tl.load(xrow + 544 * g)
-            links = (None, None)  # chains of 8 blocks: their sums within 8 * 32 * 128 * 127
             for b in tl.static_range(16):
                 if b % 4 == 3:  # chunk b + 1 starts the next 128 bytes (or is the step's last 32)
                     more = ()
@@ -954,17 +886,14 @@ def _build():
                 xnext = tl.load(xrow + 544 * g + 32 * (b + 1))
                 xd, _ = _x_scales(ds_ptr, 16 * g + b)
                 nxt = ()
-                linked = ()
                 for s in tl.static_range(2 if GLU else 1):
                     dword = tl.load(w32 + offs[s] + g * 136 + 8 * b + b // 2)  # block b's d: step byte 34 b
                     d, _ = _half2(dword >> (16 * (b % 2)), True)
-                    isum, link = _idot(_bytes(chunks[s][b], ASM), tl.where(pos >= 2 * b, xb, 0), OFFSET,
-                                       None if b % 8 == 0 else links[s], _bytes(chunks[s][b + 1], ASM),
-                                       tl.where(pos < 2 * b + 2, xnext, 0))
-                    linked += (link,)
-                    nxt += (tl.fma(isum, d[:, None] * xd[None, :], acc[s]),)
+                    isum = tl.dot(_bytes(chunks[s][b], ASM), tl.where(pos >= 2 * b, xb, 0), out_dtype=tl.int32)
+                    isum += tl.dot(_bytes(chunks[s][b + 1], ASM), tl.where(pos < 2 * b + 2, xnext, 0),
+                                   out_dtype=tl.int32)
+                    nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-                links = linked if GLU else (linked[0], None)
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
                 yq_ptr, yds_ptr, QUANT)
 
@@ -986,8 +915,7 @@ def _build():
     @triton.jit
     def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False,
-                           OFFSET: tl.constexpr = False):
+                           STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
         """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
         of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
         int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
@@ -1011,7 +939,6 @@ def _build():
                     d, _ = _half2(dword >> 16 if odd else dword, True)
                     heads += ((base, scw, d),)
                 part = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
-                links = (None, None)  # a chain a superblock: each column's 8 sums within 8 * 16 * 32 * 127
                 for h2 in tl.static_range(2):
                     bits = ()
                     for s in tl.static_range(2 if GLU else 1):  # low 4 bits in ql bytes 64 h2 + 32 (mq % 2) + l,
@@ -1023,23 +950,16 @@ def _build():
                         x2 = tl.load(xcols + 32 * j, mask=xhalf, other=0)
                         xd, _ = _x_scales(ds_ptr, j)
                         nxt = ()
-                        more = ()
                         for s in tl.static_range(2 if GLU else 1):
                             qb = _bytes(_minus32(_q6_bits(bits[s][mq % 2], bits[s][2], mq)), ASM)
                             sw = heads[s][1][2 * h2 + mq // 2]  # scales 8 h2 + 2 mq, + 1: its bytes 2 (mq % 2), + 1
                             sc_lo = (sw << (24 - 16 * (mq % 2))) >> 24
                             sc_hi = (sw << (16 - 16 * (mq % 2))) >> 24
-                            halves, ints = _idot(qb, x2, OFFSET, links[s])
-                            more += (ints,)
-                            if OFFSET:  # exact: each product and their sum within 2**24
-                                flo, fhi = tl.split(tl.permute(tl.reshape(halves, [BLOCK_N, 2, 16]), (0, 2, 1)))
-                                isum = tl.fma(flo, sc_lo.to(tl.float32)[:, None], fhi * sc_hi.to(tl.float32)[:, None])
-                            else:
-                                ilo, ihi = tl.split(tl.permute(tl.reshape(ints, [BLOCK_N, 2, 16]), (0, 2, 1)))
-                                isum = (ilo * sc_lo[:, None] + ihi * sc_hi[:, None]).to(tl.float32)
-                            nxt += (tl.fma(isum, xd[None, :], part[s]),)
+                            ilo, ihi = tl.split(tl.permute(tl.reshape(tl.dot(qb, x2, out_dtype=tl.int32),
+                                                                      [BLOCK_N, 2, 16]), (0, 2, 1)))
+                            isum = ilo * sc_lo[:, None] + ihi * sc_hi[:, None]
+                            nxt += (tl.fma(isum.to(tl.float32), xd[None, :], part[s]),)
                         part = nxt if GLU else (nxt[0], part[1])
-                        links = more if GLU else (more[0], None)
                 nxt = ()
                 for s in tl.static_range(2 if GLU else 1):
                     nxt += (tl.fma(part[s], heads[s][2][:, None], acc[s]),)
@@ -1047,7 +967,7 @@ def _build():
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
                 yq_ptr, yds_ptr, QUANT)
 
-    for helper in (_dp4a, _idot, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _rotate_head, head_jit(),
+    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
                    _gemm_rows, _x_scales):  # called by name, as _halves is
@@ -1207,13 +1127,6 @@ INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: 
 #: 5.520 ms against 17.028 on an H100 (bench/results/q5k-word-gemm-ab-h100.json)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q5_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0"}
 X_ROWS = 16
-#: the word GEMMs take their int8 dots' float32 through an offset in the tensor core's accumulators (_idot)
-#: in place of an int-to-float conversion per sum: the same bits, and in the main loops (tools/sass_count.py,
-#: sm_90) no I2FP, a quarter-rate instruction, where there was 0.5 a weight, for 0.5 FADD and 0.4-0.8 MOV
-#: more (the accumulator kept or reset): Q4_K 5.54 -> 6.04 instructions a weight, Q6_K 6.66 -> 8.23, Q8_0
-#: 6.12 -> 6.43 and 5.14 -> 5.64. Slower on an H100: a 16-row Q4_K_M verify 5.339 / 5.330 ms against 5.106 /
-#: 5.110 (bench/results/fold-knobs-ab-h100.json)
-DOT_OFFSET = False
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
 #: (bench/results/moe-30b-Q4_K_M-word-gemvs-h200.json; tools/pdl_ab.py --knob ...EXPERT_WORD_GEMVS)
@@ -1312,41 +1225,14 @@ def recall_x8(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     return x8
 
 
-@dataclass(frozen=True)
-class HeadStore:
-    """norm_rotate_store's arguments (triton_kernels.norm_rotate_store) for one row, q allocated: a 1-row
-    fused q/k/v GEMV given them does that work itself, each head as soon as its rows are stored."""
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    cos: torch.Tensor  # [1, 1, D], as sin
-    sin: torch.Tensor
-    cells: torch.Tensor  # [1]
-    q: torch.Tensor  # [1, H, D]
-    k_cache: torch.Tensor  # [cells, Hkv, D], as v_cache
-    v_cache: torch.Tensor
-    eps: float
-
-    @property
-    def head_dim(self) -> int:
-        return self.q.shape[-1]
-
-    def args(self, first_head: int) -> tuple:
-        """The GEMV's rope tuple (_rotate_head) for a product whose rows start at head first_head."""
-        return (self.q_weight, self.k_weight, self.cos, self.sin, self.cells, self.q, self.k_cache, self.v_cache,
-                self.eps, self.k_cache.stride(0), self.q.shape[-2], self.k_cache.shape[-2], first_head)
-
-
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
            config: tuple[int, ...] | None = None, x8: tuple | None = None,
-           out: torch.Tensor | None = None, quantize: bool = False, heads: HeadStore | None = None,
-           first_head: int = 0) -> torch.Tensor:
+           out: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
     column stride (a fused q/k/v's columns of one segment). quantize: a word GEMV or GEMM also quantizes its
-    result, for the int8-x product that reads it next (remember_x8), where it writes all of it. heads (one
-    row on a word GEMV): the result, from head first_head on, also normed, rotated and stored as
-    norm_rotate_store would (HeadStore). The 1-row
+    result, for the int8-x product that reads it next (remember_x8), where it writes all of it. The 1-row
     GEMVs launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify window measured 8%
     slower on the H200 (5.75 ms against 5.32) while its decode step gained 12%."""
     rows, k = x.shape
@@ -1360,14 +1246,10 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     # a 1-row GEMV takes a count in _counters for each block of 32 rows it quantizes
     quantize = quantize and word is not None and out is None and n % 32 == 0 and (rows > 1 or n // 32 <= SPLIT_PROGRAMS)
     yx8 = x8_buffers(rows, n, x.device)[0] if quantize else ()
-    assert heads is None or (word and rows == 1 and not (glu or quantize) and n % heads.head_dim == 0
-                             and n // heads.head_dim <= SPLIT_PROGRAMS)
     if word and rows == 1:
-        epilogue = {"cnt_ptr": _counters(x.device), "yq_ptr": yx8[0], "yd_ptr": yx8[1], "ys_ptr": yx8[2],
-                    "QUANT": True} if quantize else {}
-        if heads is not None:
-            epilogue = {"cnt_ptr": _counters(x.device), "rope": heads.args(first_head), "ROPE": heads.head_dim}
-        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config, **epilogue)
+        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config,
+                   **({"cnt_ptr": _counters(x.device), "yq_ptr": yx8[0], "yd_ptr": yx8[1], "ys_ptr": yx8[2],
+                       "QUANT": True} if quantize else {}))
         if quantize:
             remember_x8(y, yx8)
         return y
@@ -1378,8 +1260,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
-        extra = {"GLU": glu, "ASM": not _interpreting(), "OFFSET": DOT_OFFSET,
-                 **({"QTYPE": qtype} if word == "skinny_q4k8" else {})}
+        extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {})}
         if quantize:
             extra.update(yq_ptr=yx8[0], yds_ptr=yx8[1], QUANT=True)
         if tuned:

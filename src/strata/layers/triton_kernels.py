@@ -18,8 +18,7 @@ write into three kernels. The kernels here do each of those in one launch:
   inductor's group for the 8B and 30B rows is a looped reduction (`triton_red_*`, the row read twice);
   on the H200 decode steps were 0.9-2.5% faster.
 - `norm_rotate_store`: per-head q/k RMSNorm and NeoX RoPE, q written out, k and v stored at their
-  positions in the cache (or, `qkv_rotate_store`, the same done by a quantized 1-row q/k/v GEMV's programs
-  as they store each head: no launch of its own).
+  positions in the cache.
 
 On Hopper they launch with programmatic dependent launch (pdl.py): each is launched while the one before
 it drains, and waits for it before its first read. They follow the rounding of the reference ops (ops.py)
@@ -49,37 +48,6 @@ def available(device: torch.device) -> bool:
 
 
 @functools.cache
-def head_jit():
-    """norm_rotate_head, the Triton function that norms and rotates one head of one row: norm_rotate_store's
-    programs call it, and so do the 1-row q/k/v GEMVs that do its work themselves (quant_kernels)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def norm_rotate_head(src, dst, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, CG: tl.constexpr):
-        """The head of 2 HALF values at src (CG: loaded past L1, another program having written them) normed
-        by w_ptr's weights and rotated by its row's cos/sin (NeoX halves), into dst in src's type, rounding
-        as ops.norm_rotate_store."""
-        D: tl.constexpr = 2 * HALF
-        i = tl.arange(0, HALF)
-        ty = src.dtype.element_ty
-        x1 = tl.load(src + i, cache_modifier=".cg" if CG else "").to(tl.float32)
-        x2 = tl.load(src + HALF + i, cache_modifier=".cg" if CG else "").to(tl.float32)
-        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-        n1 = (x1 * inv).to(ty).to(tl.float32) * tl.load(w_ptr + i).to(tl.float32)
-        n2 = (x2 * inv).to(ty).to(tl.float32) * tl.load(w_ptr + HALF + i).to(tl.float32)
-        n1 = n1.to(ty).to(tl.float32)
-        n2 = n2.to(ty).to(tl.float32)
-        r1 = n1 * tl.load(cos_ptr + i).to(tl.float32) - n2 * tl.load(sin_ptr + i).to(tl.float32)
-        r2 = n2 * tl.load(cos_ptr + HALF + i).to(tl.float32) + n1 * tl.load(sin_ptr + HALF + i).to(tl.float32)
-        tl.store(dst + i, r1.to(ty))
-        tl.store(dst + HALF + i, r2.to(ty))
-
-    globals()["tl"] = tl  # Triton and its interpreter resolve a jitted function's names in its module's globals
-    return norm_rotate_head
-
-
-@functools.cache
 def _build():
     import triton
     import triton.language as tl
@@ -88,7 +56,6 @@ def _build():
 
     globals()["settle"] = pdl.jit()  # the kernels call it by name: Triton resolves names in module globals
     globals()["quantize_blocks"] = quant_kernels._build()["quantize_blocks"]
-    globals()["norm_rotate_head"] = head_jit()
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, N, K, stride_x, stride_e, stride_w, stride_y, up_offset,
@@ -250,13 +217,8 @@ def _build():
     def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
                                  stride_mask, chunk, scale, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
                                  D: tl.constexpr, R: tl.constexpr, RT: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 PRECISION: tl.constexpr, PDL: tl.constexpr = False, FOLD: tl.constexpr = 0,
-                                 cnt_ptr=None, out_ptr=None, xq_ptr=None, xd_ptr=None, xs_ptr=None,
-                                 SPLITS: tl.constexpr = 2, QUANT: tl.constexpr = False, SUMS: tl.constexpr = 16):
-        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells.
-        FOLD (a power of two, at most R, one row block): the K/V head's program that stores the last partials
-        (an atomic count per head, reset after) combines its first FOLD rows as attention_combine_kernel would
-        (their out, and with QUANT their quantized rows), in place of that kernel's launch."""
+                                 PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells."""
         settle(PDL)
         kvh = tl.program_id(0)
         split = tl.program_id(1)
@@ -292,19 +254,13 @@ def _build():
         tl.store(m_ptr + part, m_i)
         tl.store(l_ptr + part, l_i)
         tl.store(o_ptr + part[:, None] * D + d[None, :], acc)
-        if FOLD:
-            tl.debug_barrier()  # every thread's partials stored before the count is released
-            if tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                _combine(o_ptr, m_ptr, l_ptr, out_ptr, xq_ptr, xd_ptr, xs_ptr, kvh, tl.arange(0, FOLD), splits, T, T,
-                         G, HK, D, RT, SPLITS, QUANT, SUMS)
-                tl.atomic_xchg(cnt_ptr + kvh, 0)  # ready for the next layer's
 
     @triton.jit
     def _combine(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, kvh, r, splits, T, MP, G: tl.constexpr,
                  HK: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr,
                  SUMS: tl.constexpr):
-        """Query rows r [RV] of K/V head kvh from their partials over the splits (loaded past L1: other programs
-        may have stored them), written to out. QUANT: each row's head also quantized as quantize_x would for
+        """Query rows r [RV] of K/V head kvh from their partials over the splits, summed split by split,
+        written to out. QUANT: each row's head also quantized as quantize_x would for
         the T rows (quant_kernels.quantize_blocks, SUMS its layout), rows T .. MP written as the zero rows of
         its padding; rows past MP write nothing."""
         t = r // G
@@ -394,15 +350,39 @@ def _build():
         t = tl.program_id(0)
         head = tl.program_id(1)
         D: tl.constexpr = 2 * HALF
+        i = tl.arange(0, HALF)
         src = qk_ptr + t * stride_qk + head * D
+        x1 = tl.load(src + i).to(tl.float32)
+        x2 = tl.load(src + HALF + i).to(tl.float32)
+        ty = qk_ptr.dtype.element_ty
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
         if head < H:
-            norm_rotate_head(src, q_out_ptr + (t * H + head) * D, qw_ptr, cos_ptr + t * D, sin_ptr + t * D, eps, HALF,
-                             False)
+            w1 = tl.load(qw_ptr + i).to(tl.float32)
+            w2 = tl.load(qw_ptr + HALF + i).to(tl.float32)
+        else:
+            w1 = tl.load(kw_ptr + i).to(tl.float32)
+            w2 = tl.load(kw_ptr + HALF + i).to(tl.float32)
+        n1 = (x1 * inv).to(ty).to(tl.float32) * w1
+        n2 = (x2 * inv).to(ty).to(tl.float32) * w2
+        n1 = n1.to(ty).to(tl.float32)
+        n2 = n2.to(ty).to(tl.float32)
+        cos1 = tl.load(cos_ptr + t * D + i).to(tl.float32)
+        cos2 = tl.load(cos_ptr + t * D + HALF + i).to(tl.float32)
+        sin1 = tl.load(sin_ptr + t * D + i).to(tl.float32)
+        sin2 = tl.load(sin_ptr + t * D + HALF + i).to(tl.float32)
+        r1 = (n1 * cos1 - n2 * sin1).to(ty)
+        r2 = (n2 * cos2 + n1 * sin2).to(ty)
+        if head < H:
+            dst = q_out_ptr + (t * H + head) * D
+            tl.store(dst + i, r1)
+            tl.store(dst + HALF + i, r2)
         else:
             cell = tl.load(pos_ptr + t).to(tl.int64) * stride_cell + (head - H) * D
-            norm_rotate_head(src, k_cache_ptr + cell, kw_ptr, cos_ptr + t * D, sin_ptr + t * D, eps, HALF, False)
-            i = tl.arange(0, D)
-            tl.store(v_cache_ptr + cell + i, tl.load(v_ptr + t * stride_v + (head - H) * D + i))
+            tl.store(k_cache_ptr + cell + i, r1)
+            tl.store(k_cache_ptr + cell + HALF + i, r2)
+            vsrc = v_ptr + t * stride_v + (head - H) * D
+            tl.store(v_cache_ptr + cell + i, tl.load(vsrc + i))
+            tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
     globals()["_norm_columns"] = _norm_columns  # called by name, as settle is
     globals()["_combine"] = _combine
@@ -612,12 +592,6 @@ def pow2(n: int) -> int:
 
 
 ATTENTION_BLOCK = 64  # cells a program's loop step reads
-#: one query row's attention combines its partials in the partial kernel, each K/V head's last program doing
-#: it (attention_partial_kernel's FOLD; no attention_combine launch), where its G rows' partials of every
-#: split, FOLD_VALUES float32 values at most, fit one program's registers. Slower on an H100: 2.603 / 2.611 ms
-#: a step against 2.576 / 2.569 (bench/results/fold-knobs-one-row-ab-h100.json)
-ATTENTION_FOLD = False
-FOLD_VALUES = 8192
 ATTENTION_TARGET_SPLITS = 16
 ATTENTION_MAX_ROWS = 64  # query rows (window rows x heads of a group) one program holds
 #: the head dim the two sizes above are for; a larger one shrinks both in proportion (at 256, 64 x 64 tiles
@@ -645,7 +619,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     bool (True = visible). Returns [T, H*D]. Every query must see at least one cell. More query rows than
     a program holds (a tree's verify) are split over programs too, in the same launch. quantize (up to
     ATTENTION_QUANTIZE_ROWS rows, 32 | D): the output also quantized for the int8-x product that reads it
-    next (as rms_norm's). One row with ATTENTION_FOLD: one launch, the partials combined in it."""
+    next (as rms_norm's)."""
     from . import quant_kernels as qk
 
     t, h, d = q.shape
@@ -663,20 +637,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     m = torch.empty(hk, splits, row_blocks * rows, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     q = q.contiguous()
+    kernels["attention_partial"][(hk, splits, row_blocks)](
+        q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
+        RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4, **pdl.options(q.device))
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
     quantize = quantize and t <= ATTENTION_QUANTIZE_ROWS and d % 32 == 0
     buffers, mp, sums = qk.x8_buffers(t, h * d, q.device) if quantize else ((out, out, out), t, 16)
-    combine = {"SPLITS": max(2, pow2(splits)), "QUANT": quantize, "SUMS": sums}
-    fold = pow2(g) if ATTENTION_FOLD and t == 1 and combine["SPLITS"] * pow2(g) * d <= FOLD_VALUES else 0
-    extra = {"FOLD": fold, "cnt_ptr": qk._counters(q.device), "out_ptr": out, "xq_ptr": buffers[0],
-             "xd_ptr": buffers[1], "xs_ptr": buffers[2], **combine} if fold else {}
-    kernels["attention_partial"][(hk, splits, row_blocks)](
-        q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
-        RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4, **extra, **pdl.options(q.device))
-    if not fold:
-        kernels["attention_combine"][(hk, mp * g)](o, m, l, out, *buffers, splits, t, mp, G=g, HK=hk, D=d,
-                                                   RT=row_blocks * rows, **combine, num_warps=2,
-                                                   **pdl.options(q.device))
+    kernels["attention_combine"][(hk, mp * g)](o, m, l, out, *buffers, splits, t, mp, G=g, HK=hk, D=d,
+                                               RT=row_blocks * rows, SPLITS=max(2, pow2(splits)), QUANT=quantize,
+                                               SUMS=sums, num_warps=2, **pdl.options(q.device))
     if quantize:
         qk.remember_x8(out, buffers)
     return out
@@ -739,40 +708,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if quantize:
         qk.remember_x8(out, buffers)
     return out if residual is None else (total, out)
-
-
-#: a 1-row q/k/v product over quantized weights does norm_rotate_store's work itself, each head's by the
-#: GEMV program that stores its last rows (quant_kernels.HeadStore): one launch fewer a layer, but slower on
-#: an H100, 2.682 / 2.688 ms a step against 2.576 / 2.569 (bench/results/fold-knobs-one-row-ab-h100.json)
-QKV_ROTATE = False
-
-
-def qkv_rotate_fits(h: torch.Tensor, qkv, bias: torch.Tensor | None, q_weight: torch.Tensor | None,
-                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether qkv_rotate_store takes this projection: QKV_ROTATE, one row, no bias, q/k norms, a quantized
-    matrix whose every segment runs on a word GEMV in whole heads of a power-of-two head dim, one row's
-    cos/sin and caches with each cell's heads contiguous."""
-    from .quant import QuantWeight
-
-    d = k_cache.shape[-1]
-    return (QKV_ROTATE and isinstance(qkv, QuantWeight) and bias is None and q_weight is not None
-            and h.numel() == h.shape[-1] and d & (d - 1) == 0 and qkv.stores_heads(d)
-            and cos.numel() == sin.numel() == d and cos.is_contiguous() and sin.is_contiguous()
-            and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k_cache.stride(-2) == d)
-
-
-def qkv_rotate_store(h: torch.Tensor, qkv, bias: torch.Tensor | None, q_weight: torch.Tensor,
-                     k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
-    """Kernels.qkv_rotate_store where qkv_rotate_fits: the GEMVs norm, rotate and store the heads themselves
-    (no norm_rotate_store launch). Returns q [1, H, D]."""
-    from .quant_kernels import HeadStore
-
-    d = k_cache.shape[-1]
-    q = torch.empty(*h.shape[:-1], heads, d, device=h.device, dtype=h.dtype)
-    qkv.matmul(h, heads=HeadStore(q_weight.contiguous(), k_weight.contiguous(), cos, sin, cells, q, k_cache,
-                                  v_cache, eps))
-    return q
 
 
 def norm_rotate_store_fits(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
