@@ -145,36 +145,6 @@ def test_q8_0_gemm_of_blocks_in_fours_where_512_does_not_divide_k():
     assert not qk._counters(x.device).any()
 
 
-@pytest.mark.parametrize("qtype,cols,rows", [(T.Q4_K, 512, 5), (T.Q6_K, 1024, 5), (T.Q8_0, 1024, 5), (T.Q8_0, 256, 5),
-                                            (T.Q4_K, 512, 1), (T.Q6_K, 512, 1), (T.Q8_0, 512, 1)],
-                         ids=lambda v: getattr(v, "name", str(v)))
-def test_a_product_quantizes_its_result_for_the_product_after_it_bit_for_bit(qtype, cols, rows, monkeypatch):
-    """matmul(quantize=True) leaves quantize_x's exact result of its output for the next product, over
-    buffers full of garbage, gate/up fused over 96 rows (three blocks of 32), the output the same as
-    without. A few rows, each word GEMM (Q8_0's of 16 blocks a step and of 4), its padding rows zeros: 64
-    rows a program (the second program's last block past N), then 32 rows a program in 2 K slices. One row,
-    each word GEMV: 4 rows a program, 2 warps taking each row's steps in turns (a block's 8 programs counted,
-    the last quantizing it), then 64 rows a program (blocks of its own, the second program's last past N)."""
-    raw = blocks(qtype, 192, cols, 70 + qtype.value)
-    data = torch.from_numpy(raw.copy())
-    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(7)).half()
-    if rows == 1:
-        x = x.bfloat16()
-    real = qk.x8_buffers
-    configs = ((64, 4, 1, 1), (32, 4, 1, 2)) if rows > 1 else ((2, 4, 1, 2), (1, 64, 1, 1))
-    for config in configs:
-        plain = qk.matmul(x, data, int(qtype), 96, glu=True, config=config)
-        monkeypatch.setattr(qk, "x8_buffers", lambda rows, k, device: (
-            tuple(t.fill_(7) for t in real(rows, k, device)[0]), *real(rows, k, device)[1:]))
-        y = qk.matmul(x, data, int(qtype), 96, glu=True, config=config, quantize=True)
-        monkeypatch.undo()
-        got = qk.recall_x8(y)
-        assert got is not None and y.equal(plain)
-        for a, b in zip(got, qk.quantize_x(y), strict=True):
-            assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
-        assert not qk._counters(x.device).any()
-
-
 def test_quant_weight_segments_slices_and_bytes():
     """A fused q/k/v of two types (as Q4_K_M makes), sliced by rows as a drafter's context path does."""
     a, b = blocks(T.Q4_K, 4, 256, 1), blocks(T.Q6_K, 2, 256, 2)
@@ -354,9 +324,8 @@ def test_attention_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype
 def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, shape):
     """A Q4_K_M layer's 1-row and 4-row static steps through the Triton set: with the norms quantizing the
     rows that go into q/k/v, gate/up and the head (where those take int8 x; a MoE layer's experts: one
-    row), attention its rows for o and the dense gate/up its rows for down (ATTENTION_QUANTIZE_ROWS,
-    GATE_UP_QUANTIZE_ROWS), quantize_x's kernel runs that many times less, and every logit is the same as
-    with it run for every product."""
+    row) and attention its rows for o (ATTENTION_QUANTIZE_ROWS), quantize_x's kernel runs that many times
+    less, and every logit is the same as with it run for every product."""
     from strata.layers import triton_kernels as tk
     from strata.layers.kernels import TritonKernels
     from strata.models.random_init import random_target
@@ -386,17 +355,15 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
         for fused in (False, True):
             monkeypatch.setattr(tk, "QUANTIZE_ROWS", 16 if fused else 0)  # both layouts (16: the default)
             monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 16)
-            monkeypatch.setattr(tk, "GATE_UP_QUANTIZE_ROWS", 16)
             launches.clear()
             recalled.clear()
             outs.append(forward_at(target, tokens, 0, target.make_cache(16), kv_len=16,
                                    kernels=TritonKernels(compiled=False)).logits)
             counts.append((len(launches), sum(recalled)))
         assert outs[1].equal(outs[0])
-        # one row: the norms' for q/k/v, gate/up (or the experts') and the head, attention's for o, the dense
-        # gate/up's for down; four rows: the norms' for the few-row GEMMs that take int8 x (q/k/v, the dense
-        # gate/up), attention's for o, the dense gate/up's for down
-        fewer = (4 if moe else 5) if len(tokens) == 1 else 2 if moe else 4
+        # one row: the norms' for q/k/v, gate/up (or the experts') and the head, attention's for o; four rows:
+        # the norms' for the few-row GEMMs that take int8 x (q/k/v, the dense gate/up), attention's for o
+        fewer = 4 if len(tokens) == 1 else 2 if moe else 3
         assert counts[0][1] == 0 and counts[1][1] == fewer and counts[1][0] == counts[0][0] - fewer, counts
 
 

@@ -86,16 +86,12 @@ class Kernels:
         these methods."""
         return layer.mix(proj, first, state, self)
 
-    def gate_up_silu(self, x: torch.Tensor, gate_up, into=None) -> torch.Tensor:
-        """silu(gate) * up of a stacked gate/up matrix ([2I, K]); into as in rms_norm."""
+    def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
+        """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
         if isinstance(gate_up, QuantWeight):
-            fused = gate_up.gate_up_silu(x, self._gate_up_quantizes(x, into))
+            fused = gate_up.gate_up_silu(x)
             return fused if fused is not None else self.silu_mul(gate_up.matmul(x))
         return self.silu_mul(self.linear(x, gate_up))
-
-    def _gate_up_quantizes(self, x: torch.Tensor, into) -> bool:
-        """Whether a quantized gate/up product also quantizes its result for `into`: not on this set."""
-        return False
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                into=None) -> torch.Tensor:
@@ -143,9 +139,9 @@ class TritonKernels(Kernels):
             return F.linear(x, w, b)
         return self._either(name, lambda: getattr(self._tk, name)(x, w, b), lambda: F.linear(x, w, b))
 
-    def gate_up_silu(self, x, gate_up, into=None):
+    def gate_up_silu(self, x, gate_up):
         if isinstance(gate_up, QuantWeight):
-            return super().gate_up_silu(x, gate_up, into)
+            return super().gate_up_silu(x, gate_up)
         name = self._tk.projection_kernel(x, gate_up)
         slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731
         if name is None:
@@ -200,10 +196,6 @@ class TritonKernels(Kernels):
             return slow()
         quantize = self._int8_into(into, x.numel() // x.shape[-1])
         return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual, quantize), slow)
-
-    def _gate_up_quantizes(self, x, into):
-        rows = x.numel() // x.shape[-1]
-        return rows <= self._tk.GATE_UP_QUANTIZE_ROWS and self._int8_into(into, rows)
 
     def _int8_into(self, into, rows: int) -> bool:
         """Whether a kernel quantizes its `rows` rows of output for `into` (a quantized matrix taking int8 x)."""

@@ -16,10 +16,10 @@ cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
 The few-row GEMMs of Q4_K, Q5_K, Q6_K and Q8_0 (a verify window, a drafter block) take the same int8 x and
 run on integer tensor cores, their integer sums scaled as the GEMVs scale their dp4a sums: Q4_K's nibbles
 (Q5_K's with their fifth bits) as int8 (skinny_q4k8_kernel), Q6_K's 6-bit values less 32
-(skinny_q6k8_kernel), Q8_0's bytes (skinny_q8_0w_kernel, or skinny_q8_0_kernel where 512 does not divide K). Q4_K's and Q8_0's read a row's
-weights in runs of 128 bytes a warp's load can take whole, for the same reason. Block layouts are the GGML
-formats' (ggml-common.h); d and other float16 fields sit at even offsets, so they are read through a
-float16 view of the same bytes."""
+(skinny_q6k8_kernel), Q8_0's bytes (skinny_q8_0w_kernel, or skinny_q8_0_kernel where 512 does not divide
+K). Q4_K's and Q8_0's read a row's weights in runs of 128 bytes a warp's load can take whole, for the same
+reason. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit at even
+offsets, so they are read through a float16 view of the same bytes."""
 
 from __future__ import annotations
 
@@ -375,12 +375,9 @@ def _build():
 
     @triton.jit
     def _store_lane_rows(y_ptr, acc, first, N, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr,
-                         KS: tl.constexpr, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT: tl.constexpr):
+                         KS: tl.constexpr):
         """Add up the lanes' (and a row's KS warps') partial sums of each row and store them (with GLU
-        silu(gate) * up). QUANT (32 | N): each block of 32 rows also quantized as quantize_x would for one
-        row (yq_ptr, yd_ptr, ys_ptr: its q, d and sums), for the int8-x product after: by the program that
-        holds it, or where a program's rows are fewer than a block, by the one that stores its last rows
-        (counted by an atomic, reset after)."""
+        silu(gate) * up)."""
         RW: tl.constexpr = WARPS // KS
         rows = first + tl.arange(0, RW)
         out_ty = y_ptr.dtype.element_ty
@@ -392,30 +389,13 @@ def _build():
                 tl.store(y_ptr + at_r, _silu_mul(y0, y1, out_ty).to(out_ty), mask=at_r < N)
             else:
                 tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
-        if QUANT:
-            PER: tl.constexpr = RT * RW
-            tl.debug_barrier()  # every thread's rows stored before they are read back (or the count released)
-            j = tl.arange(0, 32)[None, :]
-            if PER >= 32:
-                kb = first // 32 + tl.arange(0, PER // 32)
-                v = tl.load(y_ptr + kb[:, None] * 32 + j, mask=(kb < N // 32)[:, None], other=0.0)
-                quantize_blocks(v.to(tl.float32), kb * 0, kb, kb < N // 32, N // 32, 1, yq_ptr, yd_ptr, ys_ptr, 16)
-            else:
-                tl.static_assert(32 % PER == 0)
-                blk = first // 32
-                if tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel", scope="gpu") == 32 // PER - 1:
-                    v = tl.load(y_ptr + blk * 32 + j, cache_modifier=".cg").to(tl.float32)
-                    kb = blk + tl.zeros([1], dtype=tl.int32)
-                    quantize_blocks(v, kb * 0, kb, kb >= 0, N // 32, 1, yq_ptr, yd_ptr, ys_ptr, 16)
-                    tl.atomic_xchg(cnt_ptr + blk, 0)  # ready for the next product
 
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -484,7 +464,7 @@ def _build():
                     a += d * dot - dmin * mins
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
 
     @triton.jit
     def _q6_bits(ql, qh, m):
@@ -532,8 +512,7 @@ def _build():
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -591,15 +570,14 @@ def _build():
                               + sch * (xdh * ihi.to(tl.float32) - 32.0 * xsh))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
 
     @triton.jit
     def gemv_q8_0c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
         Q8_0's GEMV had until 58bdb13, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
@@ -658,7 +636,7 @@ def _build():
                     a += da * (xda * ia.to(tl.float32)) + db * (xdb * ib.to(tl.float32))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, QUANT)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
 
     @triton.jit
     def _k_range(blocks, SPLIT: tl.constexpr):
@@ -668,13 +646,10 @@ def _build():
         return lo, tl.minimum(lo + per, blocks)
 
     @triton.jit
-    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr,
-                yq_ptr, yds_ptr, QUANT: tl.constexpr):
+    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr):
         """Store the few-row GEMMs' [BLOCK_M, BLOCK_N] results (acc: (gate or all, up)), with GLU silu(gate) * up.
         With SPLIT > 1 each program holds a K slice's partial sums: it writes them to the workspace, and the
-        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores. QUANT: the
-        stored values also quantized as quantize_x would for the next few-row product (yq_ptr, yds_ptr: its
-        q and ds; BLOCK_M rows, those past M zeros as their x rows were)."""
+        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores."""
         BLOCK_M: tl.constexpr = acc[0].shape[0]
         BLOCK_N: tl.constexpr = acc[0].shape[1]
         m = tl.arange(0, BLOCK_M)
@@ -704,12 +679,6 @@ def _build():
                 y = _silu_mul(y, a1, out_ty)
             tl.store(y_ptr + m[:, None] * stride_y + rows[None, :], y.to(out_ty),
                      mask=(m < M)[:, None] & (rows < N)[None, :])
-            if QUANT:
-                B: tl.constexpr = BLOCK_N // 32
-                i = tl.arange(0, BLOCK_M * B)
-                kb = tl.program_id(0) * B + i % B
-                quantize_blocks(tl.reshape(y.to(out_ty).to(tl.float32), (BLOCK_M * B, 32)), i // B, kb,
-                                kb < N // 32, N // 32, BLOCK_M, yq_ptr, yds_ptr, yds_ptr, 32)
 
     @triton.jit
     def _gemm_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr):
@@ -760,7 +729,7 @@ def _build():
     @triton.jit
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False,
+                           STAGES: tl.constexpr,
                            QTYPE: tl.constexpr = 12):
         """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
         sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
@@ -807,13 +776,11 @@ def _build():
                         a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
                         nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
                     acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                yq_ptr, yds_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
@@ -838,8 +805,7 @@ def _build():
                     isum = tl.dot(_bytes(qw, ASM), xt, out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                yq_ptr, yds_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def _chunks4(t):
@@ -852,7 +818,7 @@ def _build():
     @triton.jit
     def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                            STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
+                            STAGES: tl.constexpr):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
         (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
@@ -894,8 +860,7 @@ def _build():
                                    out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                yq_ptr, yds_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def _words_from(w32, base, k0: tl.constexpr, n: tl.constexpr, odd):
@@ -915,7 +880,7 @@ def _build():
     @triton.jit
     def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, yq_ptr=None, yds_ptr=None, QUANT: tl.constexpr = False):
+                           STAGES: tl.constexpr):
         """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
         of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
         int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
@@ -964,8 +929,7 @@ def _build():
                 for s in tl.static_range(2 if GLU else 1):
                     nxt += (tl.fma(part[s], heads[s][2][:, None], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                yq_ptr, yds_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
@@ -1105,9 +1069,8 @@ _COUNTERS: dict = {}
 
 
 def _counters(device) -> torch.Tensor:
-    """The split GEMMs' arrival counts, one per block of rows (and a quantizing GEMV's, one per block of 32
-    rows): zero between products (the last to arrive resets its own), so one buffer serves every product on
-    the device's stream."""
+    """The split GEMMs' arrival counts, one per block of rows: zero between products (the last slice resets
+    its own), so one buffer serves every product on the device's stream."""
     key = str(device)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
@@ -1227,13 +1190,11 @@ def recall_x8(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
            config: tuple[int, ...] | None = None, x8: tuple | None = None,
-           out: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
-    column stride (a fused q/k/v's columns of one segment). quantize: a word GEMV or GEMM also quantizes its
-    result, for the int8-x product that reads it next (remember_x8), where it writes all of it. The 1-row
-    GEMVs launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify window measured 8%
+    column stride (a fused q/k/v's columns of one segment). The 1-row GEMVs launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify window measured 8%
     slower on the H200 (5.75 ms against 5.32) while its decode step gained 12%."""
     rows, k = x.shape
     _check(data, qtype, k)
@@ -1243,15 +1204,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     kernels = _build()
     word = _word_kernel(qtype, rows, k, data.numel())
     tuned = config is None and f"{word}_tuned" in kernels
-    # a 1-row GEMV takes a count in _counters for each block of 32 rows it quantizes
-    quantize = quantize and word is not None and out is None and n % 32 == 0 and (rows > 1 or n // 32 <= SPLIT_PROGRAMS)
-    yx8 = x8_buffers(rows, n, x.device)[0] if quantize else ()
     if word and rows == 1:
-        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config,
-                   **({"cnt_ptr": _counters(x.device), "yq_ptr": yx8[0], "yd_ptr": yx8[1], "ys_ptr": yx8[2],
-                       "QUANT": True} if quantize else {}))
-        if quantize:
-            remember_x8(y, yx8)
+        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config)
         return y
     if word:
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
@@ -1261,8 +1215,6 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {})}
-        if quantize:
-            extra.update(yq_ptr=yx8[0], yds_ptr=yx8[1], QUANT=True)
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
@@ -1270,8 +1222,6 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
             assert _split_fits(word, block_n, split, n, k), (word, shapes[0], n, k)
             kernels[word][(cdiv(n, block_n), split)](*args, BLOCK_N=block_n, SPLIT=split, num_warps=warps,
                                                      num_stages=stages, **_loop_stages(word, stages), **extra)
-        if quantize:
-            remember_x8(y, yx8)
         return y
     tab = _table(x.device)
     name = "gemv" if rows == 1 else "skinny"
