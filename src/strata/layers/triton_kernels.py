@@ -256,52 +256,40 @@ def _build():
         tl.store(o_ptr + part[:, None] * D + d[None, :], acc)
 
     @triton.jit
-    def _combine(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, kvh, r, splits, T, MP, G: tl.constexpr,
-                 HK: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr,
-                 SUMS: tl.constexpr):
-        """Query rows r [RV] of K/V head kvh from their partials over the splits, summed split by split,
-        written to out. QUANT: each row's head also quantized as quantize_x would for
-        the T rows (quant_kernels.quantize_blocks, SUMS its layout), rows T .. MP written as the zero rows of
-        its padding; rows past MP write nothing."""
+    def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, splits, T, MP, G: tl.constexpr,
+                                 HK: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr,
+                                 QUANT: tl.constexpr = False, SUMS: tl.constexpr = 16, PDL: tl.constexpr = False):
+        """One query row of one K/V head per program: its partials summed split by split. QUANT: its head's D
+        values also quantized as quantize_x would for the T rows (quant_kernels.quantize_blocks, SUMS its
+        layout), the programs of rows T .. MP writing the zero rows of its padding."""
+        settle(PDL)
+        kvh = tl.program_id(0)
+        r = tl.program_id(1) + tl.zeros([1], dtype=tl.int32)  # [1]: the masks below stay tensors
         t = r // G
         d = tl.arange(0, D)
-        m_max = tl.full(r.shape, float("-inf"), dtype=tl.float32)
+        m_max = tl.full([1], float("-inf"), dtype=tl.float32)
         m_s = ()
-        for i in tl.static_range(SPLITS):  # split by split, so that any RV sums in the same order
+        for i in tl.static_range(SPLITS):
             m_i = tl.load(m_ptr + (kvh * splits + i) * RT + r, mask=(t < T) & (t * 0 + i < splits),
-                          other=float("-inf"), cache_modifier=".cg")
+                          other=float("-inf"))
             m_s += (m_i,)
             m_max = tl.maximum(m_max, m_i)
-        l_sum = tl.zeros(r.shape, dtype=tl.float32)
-        acc = tl.zeros([r.shape[0], D], dtype=tl.float32)
+        l_sum = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([1, D], dtype=tl.float32)
         for i in tl.static_range(SPLITS):
             ok = (t < T) & (t * 0 + i < splits)
             scale = tl.where(ok, tl.exp(m_s[i] - m_max), 0.0)
             part = (kvh * splits + i) * RT + r
-            l_sum += tl.load(l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg") * scale
-            acc += tl.load(o_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
-                           cache_modifier=".cg") * scale[:, None]
-        out = acc / l_sum[:, None]
+            l_sum += tl.load(l_ptr + part, mask=ok, other=0.0) * scale
+            acc += tl.load(o_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0) * scale[:, None]
         head = kvh * G + r % G
         live = (t < T)[:, None] & (d >= 0)[None, :]
-        out = tl.where(live, out, 0.0).to(out_ptr.dtype.element_ty)
+        out = tl.where(live, acc / l_sum[:, None], 0.0).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + ((t * (HK * G) + head) * D)[:, None] + d[None, :], out, mask=live)
         if QUANT:
-            B: tl.constexpr = r.shape[0] * (D // 32)
-            kb = tl.reshape(head[:, None] * (D // 32) + tl.arange(0, D // 32)[None, :], (B,))
-            row = tl.reshape(t[:, None] + 0 * tl.arange(0, D // 32)[None, :], (B,))
-            quantize_blocks(tl.reshape(out.to(tl.float32), (B, 32)), row, kb, row < MP, HK * G * D // 32, MP, q_ptr,
-                            d_ptr, s_ptr, SUMS)
-
-    @triton.jit
-    def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, splits, T, MP, G: tl.constexpr,
-                                 HK: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr,
-                                 QUANT: tl.constexpr = False, SUMS: tl.constexpr = 16, PDL: tl.constexpr = False):
-        """One query row of one K/V head per program (_combine): all its partials loaded at once; the programs
-        of rows T .. MP write the zero rows of a quantized output's padding."""
-        settle(PDL)
-        _combine(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, tl.program_id(0),
-                 tl.program_id(1) + tl.zeros([1], dtype=tl.int32), splits, T, MP, G, HK, D, RT, SPLITS, QUANT, SUMS)
+            kb = head * (D // 32) + tl.arange(0, D // 32)
+            quantize_blocks(tl.reshape(out.to(tl.float32), (D // 32, 32)), kb * 0 + t, kb, kb >= 0, HK * G * D // 32,
+                            MP, q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
     def _norm_columns(x_ptr, r_ptr, row, M, H, stride_x, stride_r, start, WIDTH: tl.constexpr, ADD: tl.constexpr):
@@ -385,7 +373,6 @@ def _build():
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
     globals()["_norm_columns"] = _norm_columns  # called by name, as settle is
-    globals()["_combine"] = _combine
     return {"gemv": gemv_kernel, "expert_down_sum": expert_down_sum_kernel, "skinny": skinny_kernel,
             "attention_partial": attention_partial_kernel, "attention_combine": attention_combine_kernel,
             "route": route_kernel, "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
