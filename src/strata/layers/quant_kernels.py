@@ -1194,8 +1194,9 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
-    column stride (a fused q/k/v's columns of one segment). The 1-row GEMVs launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify window measured 8%
-    slower on the H200 (5.75 ms against 5.32) while its decode step gained 12%."""
+    column stride (a fused q/k/v's columns of one segment). The 1-row GEMVs launch with PDL (pdl.py), the
+    few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower on the H200 (5.75 ms against
+    5.32) while its decode step gained 12%."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()
