@@ -48,7 +48,7 @@ def as_computed(x: torch.Tensor, qtype, cols: int) -> torch.Tensor:
     return (q.double() * d.double()).reshape(x.shape)
 
 
-def test_quantize_x_blocks_of_32():
+def test_quantize_x_blocks_of_32(monkeypatch):
     """int8 x for the 1-row GEMVs: the values, scales and 16-value sums of the torch twin, bit for bit, a
     block of zeros and one of large values among them."""
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(3))
@@ -65,6 +65,8 @@ def test_quantize_x_blocks_of_32():
     assert not rows[:, :2].any() and torch.equal(rows[:, 2:].flatten(), q[:1024])
     # a few rows: X_ROWS of them, zeros past the third; each block's d and sum side by side
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4))
+    assert qk.quantize_x(x)[2].numel() == 1  # no float16 x for the int8 GEMMs
+    monkeypatch.setattr(qk, "F16_GEMMS", True)
     q, ds, xh = qk.quantize_x(x)
     tq, td = int8_twin(x)
     assert q.shape == (qk.X_ROWS * (1024 + 32 * 34),) and ds.shape == (32, qk.X_ROWS, 2)
@@ -338,12 +340,14 @@ def test_attention_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype
     five = tk.attention(window, k, v, late, quantize=True)
     assert qk.recall_x8(five) is None
     monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 16)
+    monkeypatch.setattr(qk, "F16_GEMMS", True)  # its float16 x written too
     garbage = [torch.full_like(b, 7) for b in qk.x8_buffers(5, 512, five.device)[0]]
     monkeypatch.setattr(qk, "x8_buffers", lambda rows, k, device: (garbage, 16, 32))
     again = tk.attention(window, k, v, late, quantize=True)
     got = qk.recall_x8(again)
     assert got is not None and again.equal(five)
     monkeypatch.undo()
+    monkeypatch.setattr(qk, "F16_GEMMS", True)
     for a, b in zip(got, qk.quantize_x(five), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
 

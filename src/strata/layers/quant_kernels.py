@@ -323,12 +323,12 @@ def _build():
         if SUMS == 32:  # the few-row GEMMs': d and the sum side by side, one 8-byte load
             tl.store(d_ptr + 2 * (kb * MP + row), d, mask=ok)
             tl.store(d_ptr + 2 * (kb * MP + row) + 1, tl.sum(q, axis=1) * d, mask=ok)
-            # and d q in float16, each block [32, MP] with its values in _f16_bytes' order
-            e = (j % 2) * 2 + (j % 4) // 2
-            c = j // 4
-            k2 = 16 * (c // 4) + 8 * (e // 2) + 2 * (c % 4) + e % 2
-            tl.store(s_ptr + ((kb * 32)[:, None] + k2) * MP + row[:, None], (q * d[:, None]).to(tl.float16),
-                     mask=ok[:, None])
+            if s_ptr.dtype.element_ty == tl.float16:  # F16_GEMMS: d q in float16 too, each block [32, MP]
+                e = (j % 2) * 2 + (j % 4) // 2  # with its values in _f16_bytes' order
+                c = j // 4
+                k2 = 16 * (c // 4) + 8 * (e // 2) + 2 * (c % 4) + e % 2
+                tl.store(s_ptr + ((kb * 32)[:, None] + k2) * MP + row[:, None], (q * d[:, None]).to(tl.float16),
+                         mask=ok[:, None])
         else:
             tl.store(d_ptr + kb * MP + row, d, mask=ok)
             sums = tl.sum(tl.reshape(q, (B, 2, 16)), axis=2) * d[:, None]
@@ -1299,13 +1299,15 @@ def int8_x(qtype: int, rows: int, cols: int, nbytes: int = 0) -> bool:
 
 def x8_buffers(rows: int, k: int, device) -> tuple[tuple[torch.Tensor, ...], int, int]:
     """Where quantize_x's result for [rows, k] goes: ((q, d, s), MP, SUMS); q flat, its MP rows (k apart)
-    then their copies in Q8_0's row layout (k / 32 * 34 bytes apart)."""
+    then their copies in Q8_0's row layout (k / 32 * 34 bytes apart); s for a few rows their float16 d q
+    where F16_GEMMS takes it, else a placeholder."""
     mp, sums = (1, 16) if rows == 1 else (X_ROWS, 32)
     assert rows <= mp, rows
     return ((torch.empty(mp * (k + k // 32 * 34), dtype=torch.int8, device=device),
              torch.empty(k // 32, mp, 2 if rows > 1 else 1, dtype=torch.float32, device=device),
              torch.empty(k // 16, dtype=torch.float32, device=device) if rows == 1 else
-             torch.empty(k * mp, dtype=torch.float16, device=device)), mp, sums)
+             torch.empty(k * mp, dtype=torch.float16, device=device) if F16_GEMMS else
+             torch.zeros(1, dtype=torch.float32, device=device)), mp, sums)
 
 
 def x8_result(buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
