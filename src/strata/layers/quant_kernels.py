@@ -983,6 +983,14 @@ def _build():
         return ((P | 0x80808080) - 0x20202020) ^ 0x80808080
 
     @triton.jit
+    def _q6_head(w32, row, sb2, odd: tl.constexpr):
+        """Superblock 2 sb2 + odd of rows starting at word row [R] (pairs of them from 4-byte boundaries): its
+        start (word), its 16 int8 scales as 4 words and the word of its d (bytes 208, 209: of an odd one the
+        word's high half)."""
+        base = row + sb2 * 105 + 52 * odd
+        return base, _words(_words_from(w32, base, 48, 4, odd).to(tl.int32, bitcast=True)), tl.load(w32 + base + 52)
+
+    @triton.jit
     def skinny_q6k8_kernel(q_ptr, ds_ptr, xh_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr):
@@ -1003,9 +1011,7 @@ def _build():
                 sb = 2 * sb2 + odd
                 heads = ()
                 for s in tl.static_range(2 if GLU else 1):
-                    base = offs[s] + sb2 * 105 + 52 * odd
-                    scw = _words(_words_from(w32, base, 48, 4, odd).to(tl.int32, bitcast=True))  # 16 int8 scales
-                    dword = tl.load(w32 + base + 52)  # d: bytes 208, 209 (of an odd one: the word's high half)
+                    base, scw, dword = _q6_head(w32, offs[s], sb2, odd)
                     d, _ = _half2(dword >> 16 if odd else dword, True)
                     heads += ((base, scw, d),)
                 part = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
@@ -1053,9 +1059,7 @@ def _build():
                 sb = 2 * sb2 + odd
                 heads = ()
                 for s in tl.static_range(2 if GLU else 1):
-                    base = offs[s] + sb2 * 105 + 52 * odd
-                    scw = _words(_words_from(w32, base, 48, 4, odd).to(tl.int32, bitcast=True))
-                    dword = tl.load(w32 + base + 52)
+                    base, scw, dword = _q6_head(w32, offs[s], sb2, odd)
                     if ASM:  # d in both halves of a word
                         d = ((dword >> 16) if odd else (dword & 0xFFFF)) * 0x10001
                     else:
@@ -1095,7 +1099,7 @@ def _build():
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
-                   _gemm_rows, _x_scales, _f16_bytes, _f16_scale):  # called by name, as _halves is
+                   _gemm_rows, _x_scales, _f16_bytes, _f16_scale, _q6_head):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
