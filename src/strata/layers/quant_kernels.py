@@ -733,6 +733,28 @@ def _build():
         return xt, xd, xs
 
     @triton.jit
+    def _q4k_head(w32, row, sb, SB: tl.constexpr):
+        """Superblock sb (SB words) of rows starting at word row [R]: its start (word, [R, 1]), its d and dmin
+        word, and its 6-bit scales and mins, each as 2 words of 4 bytes (sub-blocks 0-3, 4-7)."""
+        base = tl.multiple_of(row + sb * SB, 4)[:, None]
+        w0, w1, w2, w3 = _words(tl.load(w32 + base + tl.arange(0, 4)[None, :]))
+        return (base, w0, (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)),
+                (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)))
+
+    @triton.jit
+    def _q4k_quarters(w32, base, SB: tl.constexpr, FIVE: tl.constexpr):
+        """The 128 qs bytes of the superblocks at base [R, 1] (8 lanes a row, 4 rows a warp's load) as their
+        4 quarters of 32 bytes, [R, 8] words each (quarter p: sub-block 2 p in the low nibbles, 2 p + 1 in the
+        high); with FIVE (Q5_K) the qh words, word c holding the fifth bits of each quarter's word c."""
+        R: tl.constexpr = base.shape[0]
+        q4 = tl.load(w32 + base + SB - 32 + tl.arange(0, 32)[None, :])
+        lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [R, 2, 2, 8]), (0, 3, 1, 2)))
+        a0, a1 = tl.split(lo2)
+        b0, b1 = tl.split(hi2)
+        fifths = tl.load(w32 + base + 4 + tl.arange(0, 8)[None, :]) if FIVE else a0
+        return (a0, b0, a1, b1), fifths
+
+    @triton.jit
     def skinny_q4k8_kernel(q_ptr, ds_ptr, xh_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr,
@@ -745,28 +767,20 @@ def _build():
         FIVE: tl.constexpr = QTYPE == 13
         SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
         rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
-        i4 = tl.arange(0, 4)[None, :]
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 256, SPLIT)
         for sb in tl.range(lo, hi, num_stages=STAGES):
             heads = ()
             for s in tl.static_range(2 if GLU else 1):
-                base = tl.multiple_of(offs[s] + sb * SB, 4)[:, None]
-                w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
+                base, w0, scs, mns = _q4k_head(w32, offs[s], sb, SB)
                 d, dmin = _half2(w0, True)
-                heads += ((base, d, dmin, d * -8388608.0, dmin * -8388608.0,
-                           (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)),
-                           (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
+                heads += ((base, d, dmin, d * -8388608.0, dmin * -8388608.0, scs, mns),)
             quarters = ()
             fifths = ()
-            for s in tl.static_range(2 if GLU else 1):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's load
-                q4 = tl.load(w32 + heads[s][0] + SB - 32 + tl.arange(0, 32)[None, :])
-                lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [BLOCK_N, 2, 2, 8]), (0, 3, 1, 2)))
-                a0, a1 = tl.split(lo2)
-                b0, b1 = tl.split(hi2)
-                quarters += ((a0, b0, a1, b1),)
-                if FIVE:  # qh word c: the fifth bits of the weights of each quarter's word c
-                    fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
+            for s in tl.static_range(2 if GLU else 1):
+                qs, qh = _q4k_quarters(w32, heads[s][0], SB, FIVE)
+                quarters += (qs,)
+                fifths += (qh,)
             for p in tl.static_range(4):
                 for h in tl.static_range(2):
                     xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h)
@@ -787,18 +801,16 @@ def _build():
     @triton.jit
     def _f16_bytes(nib, s, m, ASM: tl.constexpr, LOW: tl.constexpr = False):
         """Words nib [R, C] of 4 bytes each (values < 256; LOW: their low nibbles) -> float16 [R, 4 C], byte b
-        times s plus m (float16, [R] or [R, C]), rounded once, in the order a float16 tensor-core operand holds
-        them in a thread's registers:
+        times s plus m ([R], as _f16_scale makes them), rounded once, in the order a float16 tensor-core operand
+        holds them in a thread's registers:
         bytes b0 b2 of word c at k, k + 1 and b1 b3 at k + 8, k + 9, k = 16 (c // 4) + 2 (c % 4) (on the
         device a pair is one lop3 into float16 1024 + b, less 1024, then one fma)."""
         R: tl.constexpr = nib.shape[0]
         C: tl.constexpr = nib.shape[1]
         if ASM:
-            s2 = s if s.dtype == tl.int32 else (s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 0x10001
-            m2 = m if m.dtype == tl.int32 else (m.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 0x10001
             w4 = tl.reshape(tl.broadcast_to(tl.join(nib, nib >> 8)[:, :, :, None], [R, C, 2, 2]), [R, C, 4])
-            s4 = tl.broadcast_to(s2[:, None, None] if len(s.shape) == 1 else s2[:, :, None], [R, C, 4])
-            m4 = tl.broadcast_to(m2[:, None, None] if len(m.shape) == 1 else m2[:, :, None], [R, C, 4])
+            s4 = tl.broadcast_to(s[:, None, None], [R, C, 4])
+            m4 = tl.broadcast_to(m[:, None, None], [R, C, 4])
             v = tl.inline_asm_elementwise(
                 "{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 t, $1, " + ("0x000F000F" if LOW else "0x00FF00FF")
                 + ", k, 0xEA; sub.rn.f16x2 t, t, k; fma.rn.f16x2 $0, t, $3, $5; }",
@@ -807,9 +819,8 @@ def _build():
             if LOW:
                 nib = nib & 0x0F0F0F0F
             b = tl.reshape(tl.permute(tl.reshape(_bytes(nib, False), [R, C, 2, 2]), (0, 1, 3, 2)), [R, C, 4])
-            s3 = s.to(tl.float32)[:, None, None] if len(s.shape) == 1 else s.to(tl.float32)[:, :, None]
-            m3 = m.to(tl.float32)[:, None, None] if len(m.shape) == 1 else m.to(tl.float32)[:, :, None]
-            v = ((b.to(tl.int32) & 0xFF).to(tl.float32) * s3 + m3).to(tl.float16)
+            v = ((b.to(tl.int32) & 0xFF).to(tl.float32) * s.to(tl.float32)[:, None, None]
+                 + m.to(tl.float32)[:, None, None]).to(tl.float16)
         return tl.reshape(tl.permute(tl.reshape(v, [R, C // 4, 4, 2, 2]), (0, 1, 3, 2, 4)), [R, 4 * C])
 
     @triton.jit
@@ -840,34 +851,26 @@ def _build():
         FIVE: tl.constexpr = QTYPE == 13
         SB: tl.constexpr = 44 if FIVE else 36
         rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
-        i4 = tl.arange(0, 4)[None, :]
         xcols = xh_ptr + tl.arange(0, 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 256, SPLIT)
         for sb in tl.range(lo, hi, num_stages=STAGES):
             heads = ()
             for s in tl.static_range(2 if GLU else 1):
-                base = tl.multiple_of(offs[s] + sb * SB, 4)[:, None]
-                w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
+                base, w0, scs, mns = _q4k_head(w32, offs[s], sb, SB)
                 if ASM:  # d and -dmin in both halves of a word
                     d = (w0 & 0xFFFF) * 0x10001
                     mdmin = ((w0 >> 16) * 0x10001) ^ 0x80008000  # the sign bits
                 else:
                     d, dmin = _half2(w0, True)
                     mdmin = -dmin
-                heads += ((base, d, mdmin,
-                           (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)),
-                           (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
+                heads += ((base, d, mdmin, scs, mns),)
             quarters = ()
             fifths = ()
             for s in tl.static_range(2 if GLU else 1):
-                q4 = tl.load(w32 + heads[s][0] + SB - 32 + tl.arange(0, 32)[None, :])
-                lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [BLOCK_N, 2, 2, 8]), (0, 3, 1, 2)))
-                a0, a1 = tl.split(lo2)
-                b0, b1 = tl.split(hi2)
-                quarters += ((a0, b0, a1, b1),)
-                if FIVE:
-                    fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
+                qs, qh = _q4k_quarters(w32, heads[s][0], SB, FIVE)
+                quarters += (qs,)
+                fifths += (qh,)
             for p in tl.static_range(4):
                 for h in tl.static_range(2):
                     xh = tl.load(xcols + (8 * sb + 2 * p + h) * 512)
@@ -1088,10 +1091,7 @@ def _build():
                                         [sc], dtype=tl.int32, is_pure=True, pack=1)
                                 else:
                                     m = sc * -32.0
-                                ql, _, qh = bits[s][u]
-                                if mq % 2:
-                                    ql = bits[s][u][1]
-                                a = _f16_bytes(_q6_bits(ql, qh, mq), sc, m, ASM)
+                                a = _f16_bytes(_q6_bits(bits[s][u][mq % 2], bits[s][u][2], mq), sc, m, ASM)
                                 nxt += (tl.dot(a, xh, acc[s], out_dtype=tl.float32),)
                             acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
@@ -1099,7 +1099,8 @@ def _build():
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
-                   _gemm_rows, _x_scales, _f16_bytes, _f16_scale, _q6_head):  # called by name, as _halves is
+                   _gemm_rows, _x_scales, _f16_bytes, _f16_scale, _q6_head, _q4k_head,
+                   _q4k_quarters):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
@@ -1263,7 +1264,8 @@ X_ROWS = 16
 EXPERT_WORD_GEMVS = True
 
 
-#: the few-row Q4_K and Q5_K products on float16 tensor cores (skinny_q4kh) in place of int8 ones (skinny_q4k8)
+#: the few-row Q4_K, Q5_K (skinny_q4kh) and Q6_K (skinny_q6kh) products on float16 tensor cores in place of
+#: their int8 ones (skinny_q4k8, skinny_q6k8); not yet measured on a GPU
 F16_GEMMS = False
 
 
@@ -1310,8 +1312,20 @@ def x8_buffers(rows: int, k: int, device) -> tuple[tuple[torch.Tensor, ...], int
     return ((torch.empty(mp * (k + k // 32 * 34), dtype=torch.int8, device=device),
              torch.empty(k // 32, mp, 2 if rows > 1 else 1, dtype=torch.float32, device=device),
              torch.empty(k // 16, dtype=torch.float32, device=device) if rows == 1 else
-             torch.empty(k * mp, dtype=torch.float16, device=device) if F16_GEMMS else
-             torch.zeros(1, dtype=torch.float32, device=device)), mp, sums)
+             torch.empty(k * mp, dtype=torch.float16, device=device) if F16_GEMMS else _placeholder(device)), mp,
+            sums)
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(device) -> torch.Tensor:
+    """The float32 zero the int8 GEMMs get for quantize_x's float16 x, which they never read: one a device,
+    not an allocation (and a fill) every product."""
+    key = str(device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _PLACEHOLDERS[key]
 
 
 def x8_result(buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
