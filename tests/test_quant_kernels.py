@@ -132,7 +132,7 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
-    assert not qk.counters(x.device).any()  # the split products left their counts at zero
+    assert not qk._counters(x.device).any()  # the split products left their counts at zero
     # half-precision x (bfloat16 for the GEMV, float16 for the GEMM), the output rounded to it
     half = x.bfloat16() if rows == 1 else x.half()
     got = qk.matmul(half, data, int(qtype), 10).double()
@@ -156,7 +156,7 @@ def test_float16_gemms(qtype, monkeypatch):
     assert 1e-6 < rel(got, want[:, :9]) <= 2 ** -10
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=(8, 4, 1, 2)).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 2 ** -10
-    assert not qk.counters(x.device).any()
+    assert not qk._counters(x.device).any()
 
 
 def test_q8_0_gemm_of_blocks_in_fours_where_512_does_not_divide_k():
@@ -172,7 +172,7 @@ def test_q8_0_gemm_of_blocks_in_fours_where_512_does_not_divide_k():
     assert rel(qk.matmul(x, data, int(T.Q8_0), 9, config=(8, 4, 1, 3)).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(T.Q8_0), 5, glu=True, config=(8, 4, 1, 2)).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
-    assert not qk.counters(x.device).any()
+    assert not qk._counters(x.device).any()
 
 
 def test_quant_weight_segments_slices_and_bytes():
@@ -350,41 +350,6 @@ def test_attention_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype
     monkeypatch.setattr(qk, "F16_GEMMS", True)
     for a, b in zip(got, qk.quantize_x(five), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
-
-
-def test_attention_in_one_launch_equals_two_bit_for_bit(monkeypatch):
-    """ATTENTION_ONE_LAUNCH: the last chunk of a head to finish combines the partials in the partial kernel.
-    Its output, and the quantized x it leaves (1 row; 5 rows with their 11 padding rows over garbage, held
-    by programs whose rows are all padding), equal the two-launch result's exactly, also for a tree's rows
-    over two row blocks, and the arrival counts are back at zero."""
-    from strata.layers import triton_kernels as tk
-
-    gen = torch.Generator().manual_seed(17)
-    k, v = torch.randn(2, 300, 2, 64, generator=gen)
-    cases = [(torch.randn(1, 8, 64, generator=gen), torch.ones(1, 300, dtype=torch.bool), True),
-             (torch.randn(5, 8, 64, generator=gen), torch.arange(300).unsqueeze(0) <= torch.arange(280, 285)[:, None],
-              True),
-             (torch.randn(9, 8, 64, generator=gen), torch.rand(9, 300, generator=gen) < 0.3, False)]
-    cases[2][1][:, 0] = True
-    monkeypatch.setattr(tk, "ATTENTION_MAX_ROWS", 16)  # the tree's 36 rows in 3 blocks, the window's 64 in 4
-    monkeypatch.setattr(tk, "ATTENTION_TARGET_SPLITS", 8)
-    for q, mask, quantize in cases:
-        results = []
-        for one in (False, True):
-            monkeypatch.setattr(tk, "ATTENTION_ONE_LAUNCH", one)
-            garbage = [torch.full_like(b, 7) for b in qk.x8_buffers(q.shape[0], 512, q.device)[0]]
-            fill = qk.x8_buffers
-            monkeypatch.setattr(qk, "x8_buffers", lambda rows, k, device: (garbage, *fill(rows, k, device)[1:]))
-            out = tk.attention(q, k, v, mask, quantize=quantize)
-            monkeypatch.setattr(qk, "x8_buffers", fill)
-            results.append((out, qk.recall_x8(out) if quantize else ()))
-            assert not qk.counters(q.device).any()
-        (two, x_two), (one, x_one) = results
-        assert one.equal(two) and len(x_one) == len(x_two)
-        for a, b in zip(x_one, x_two):
-            assert a.equal(b)
-        if q.shape[0] == 5:  # the padding rows rewritten as zeros
-            assert not x_one[0][:16 * 512].view(16, 512)[5:].any() and not x_one[1][:, 5:].any()
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])

@@ -1236,10 +1236,9 @@ def _prune_split(name: str, configs, named_args, **kwargs):
 _COUNTERS: dict = {}
 
 
-def counters(device) -> torch.Tensor:
-    """The split GEMMs' arrival counts, one per block of rows (one-launch attention's, one per head and row
-    block): zero between launches (the last to arrive resets its own), so one buffer serves every launch on
-    the device's stream."""
+def _counters(device) -> torch.Tensor:
+    """The split GEMMs' arrival counts, one per block of rows: zero between products (the last slice resets
+    its own), so one buffer serves every product on the device's stream."""
     key = str(device)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
@@ -1402,7 +1401,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
         partials = max([2 * 16 * sp * cdiv(n, b) * b for b, _, _, sp in shapes
                         if sp > 1 and _split_fits(word, b, sp, n, k)] or [1])  # the workspace the slices need
-        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), counters(x.device), rows, n, k,
+        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word.startswith("skinny_q4k") else {})}

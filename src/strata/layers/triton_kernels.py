@@ -214,15 +214,11 @@ def _build():
         tl.store(e_ptr + row * K + rank, idx.to(tl.int64), mask=live)
 
     @triton.jit
-    def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, cnt_ptr, out_ptr, xq_ptr,
-                                 xd_ptr, xs_ptr, S, stride_cell, stride_mask, chunk, scale, MP, T: tl.constexpr,
-                                 G: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                                 RT: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-                                 SPLITS: tl.constexpr, ONE_LAUNCH: tl.constexpr, QUANT: tl.constexpr,
-                                 SUMS: tl.constexpr, PDL: tl.constexpr = False):
-        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells.
-        ONE_LAUNCH: the chunk that finishes last (counted by an atomic a head and row block) also combines
-        the rows' partials, as attention_combine_kernel would."""
+    def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
+                                 stride_mask, chunk, scale, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
+                                 D: tl.constexpr, R: tl.constexpr, RT: tl.constexpr, BLOCK_S: tl.constexpr,
+                                 PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells."""
         settle(PDL)
         kvh = tl.program_id(0)
         split = tl.program_id(1)
@@ -237,7 +233,7 @@ def _build():
         l_i = tl.zeros([R], dtype=tl.float32)
         acc = tl.zeros([R, D], dtype=tl.float32)
         start = split * chunk
-        for s0 in range(start, tl.where(tl.program_id(2) * R < T * G, start + chunk, start), BLOCK_S):
+        for s0 in range(start, start + chunk, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             smask = s < S
             kv_off = s[:, None].to(tl.int64) * stride_cell + kvh * D + d[None, :]
@@ -258,61 +254,42 @@ def _build():
         tl.store(m_ptr + part, m_i)
         tl.store(l_ptr + part, l_i)
         tl.store(o_ptr + part[:, None] * D + d[None, :], acc)
-        if ONE_LAUNCH:
-            tl.debug_barrier()  # every thread's partials written before the count is released
-            slot = cnt_ptr + kvh * tl.num_programs(2) + tl.program_id(2)
-            if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                _combine_rows(o_ptr, m_ptr, l_ptr, out_ptr, xq_ptr, xd_ptr, xs_ptr, kvh, splits, r, T, MP, G, HK, D,
-                              RT, SPLITS, QUANT, SUMS)
-                tl.atomic_xchg(slot, 0)  # ready for the next launch
-
-    @triton.jit
-    def _combine_rows(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, kvh, splits, r, T, MP, G: tl.constexpr,
-                      HK: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr,
-                      QUANT: tl.constexpr, SUMS: tl.constexpr):
-        """Query rows r (of RT) of K/V head kvh: their partials summed split by split into rows of out [T, H D].
-        QUANT: each row's head also quantized as quantize_x would for the T rows (quant_kernels.quantize_blocks,
-        SUMS its layout), rows T .. MP as zero rows of its padding. Partials are read past L1: other programs
-        wrote them."""
-        t = r // G
-        d = tl.arange(0, D)
-        m_max = tl.full(r.shape, float("-inf"), dtype=tl.float32)
-        m_s = ()
-        for i in tl.static_range(SPLITS):
-            m_i = tl.load(m_ptr + (kvh * splits + i) * RT + r, mask=(t < T) & (t * 0 + i < splits),
-                          other=float("-inf"), cache_modifier=".cg")
-            m_s += (m_i,)
-            m_max = tl.maximum(m_max, m_i)
-        l_sum = tl.zeros(r.shape, dtype=tl.float32)
-        acc = tl.zeros([r.shape[0], D], dtype=tl.float32)
-        for i in tl.static_range(SPLITS):
-            ok = (t < T) & (t * 0 + i < splits)
-            scale = tl.where(ok, tl.exp(m_s[i] - m_max), 0.0)
-            part = (kvh * splits + i) * RT + r
-            l_sum += tl.load(l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg") * scale
-            acc += tl.load(o_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
-                           cache_modifier=".cg") * scale[:, None]
-        head = kvh * G + r % G
-        live = (t < T)[:, None] & (d >= 0)[None, :]
-        out = tl.where(live, acc / l_sum[:, None], 0.0).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + ((t * (HK * G) + head) * D)[:, None] + d[None, :], out, mask=live)
-        if QUANT:
-            NB: tl.constexpr = r.shape[0] * (D // 32)
-            kb = head[:, None] * (D // 32) + tl.arange(0, D // 32)[None, :]
-            quantize_blocks(tl.reshape(out.to(tl.float32), (NB, 32)), tl.reshape(t[:, None] + kb * 0, (NB,)),
-                            tl.reshape(kb, (NB,)), tl.reshape((t < MP)[:, None] & (kb >= 0), (NB,)),
-                            HK * G * D // 32, MP, q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
     def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, splits, T, MP, G: tl.constexpr,
                                  HK: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr,
                                  QUANT: tl.constexpr = False, SUMS: tl.constexpr = 16, PDL: tl.constexpr = False):
-        """One query row of one K/V head per program (_combine_rows), the programs of rows T .. MP writing the
-        zero rows of the quantized x's padding."""
+        """One query row of one K/V head per program: its partials summed split by split. QUANT: its head's D
+        values also quantized as quantize_x would for the T rows (quant_kernels.quantize_blocks, SUMS its
+        layout), the programs of rows T .. MP writing the zero rows of its padding."""
         settle(PDL)
-        r = tl.program_id(1) + tl.zeros([1], dtype=tl.int32)  # [1]: the masks stay tensors
-        _combine_rows(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, tl.program_id(0), splits, r, T, MP, G, HK,
-                      D, RT, SPLITS, QUANT, SUMS)
+        kvh = tl.program_id(0)
+        r = tl.program_id(1) + tl.zeros([1], dtype=tl.int32)  # [1]: the masks below stay tensors
+        t = r // G
+        d = tl.arange(0, D)
+        m_max = tl.full([1], float("-inf"), dtype=tl.float32)
+        m_s = ()
+        for i in tl.static_range(SPLITS):
+            m_i = tl.load(m_ptr + (kvh * splits + i) * RT + r, mask=(t < T) & (t * 0 + i < splits),
+                          other=float("-inf"))
+            m_s += (m_i,)
+            m_max = tl.maximum(m_max, m_i)
+        l_sum = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([1, D], dtype=tl.float32)
+        for i in tl.static_range(SPLITS):
+            ok = (t < T) & (t * 0 + i < splits)
+            scale = tl.where(ok, tl.exp(m_s[i] - m_max), 0.0)
+            part = (kvh * splits + i) * RT + r
+            l_sum += tl.load(l_ptr + part, mask=ok, other=0.0) * scale
+            acc += tl.load(o_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0) * scale[:, None]
+        head = kvh * G + r % G
+        live = (t < T)[:, None] & (d >= 0)[None, :]
+        out = tl.where(live, acc / l_sum[:, None], 0.0).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + ((t * (HK * G) + head) * D)[:, None] + d[None, :], out, mask=live)
+        if QUANT:
+            kb = head * (D // 32) + tl.arange(0, D // 32)
+            quantize_blocks(tl.reshape(out.to(tl.float32), (D // 32, 32)), kb * 0 + t, kb, kb >= 0, HK * G * D // 32,
+                            MP, q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
     def _norm_columns(x_ptr, r_ptr, row, M, H, stride_x, stride_r, start, WIDTH: tl.constexpr, ADD: tl.constexpr):
@@ -396,7 +373,6 @@ def _build():
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
     globals()["_norm_columns"] = _norm_columns  # called by name, as settle is
-    globals()["_combine_rows"] = _combine_rows
     return {"gemv": gemv_kernel, "expert_down_sum": expert_down_sum_kernel, "skinny": skinny_kernel,
             "attention_partial": attention_partial_kernel, "attention_combine": attention_combine_kernel,
             "route": route_kernel, "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
@@ -636,39 +612,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     t, h, d = q.shape
     s, hk, _ = k.shape
     g = h // hk
-    quantize = quantize and t <= ATTENTION_QUANTIZE_ROWS and d % 32 == 0
-    buffers, mp, sums = qk.x8_buffers(t, h * d, q.device) if quantize else (None, t, 16)
     max_rows, block = attention_tiles(d)
     rows = min(max_rows, max(16, pow2(t * g)))
-    # one launch: the padding rows among the programs' rows too, those of none of the t rows reading no cells
-    row_blocks = cdiv(max(t, mp if ATTENTION_ONE_LAUNCH else t) * g, rows)
+    row_blocks = cdiv(t * g, rows)
     blocks = cdiv(s, block)
     # the programs' count, and their float32 partials, stay near a decode's when row blocks multiply them
-    chunk = block * cdiv(blocks, max(1, ATTENTION_TARGET_SPLITS // cdiv(t * g, rows)))
+    chunk = block * cdiv(blocks, max(1, ATTENTION_TARGET_SPLITS // row_blocks))
     splits = cdiv(s, chunk)
     kernels = _build()
     o = torch.empty(hk, splits, row_blocks * rows, d, device=q.device, dtype=torch.float32)
     m = torch.empty(hk, splits, row_blocks * rows, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     q = q.contiguous()
-    out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
-    buffers = buffers or (out, out, out)
-    one = ATTENTION_ONE_LAUNCH and hk * row_blocks <= qk.SPLIT_PROGRAMS
-    common = dict(G=g, HK=hk, D=d, RT=row_blocks * rows, SPLITS=max(2, pow2(splits)), QUANT=quantize, SUMS=sums,
-                  **pdl.options(q.device))
     kernels["attention_partial"][(hk, splits, row_blocks)](
-        q, k, v, mask, o, m, l, qk.counters(q.device), out, *buffers, s, k.stride(0), mask.stride(0), chunk,
-        d ** -0.5, mp, T=t, R=rows, BLOCK_S=block, PRECISION=precision(q), ONE_LAUNCH=one, num_warps=4, **common)
-    if not one:
-        kernels["attention_combine"][(hk, mp * g)](o, m, l, out, *buffers, splits, t, mp, num_warps=2, **common)
+        q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
+        RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4, **pdl.options(q.device))
+    out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
+    quantize = quantize and t <= ATTENTION_QUANTIZE_ROWS and d % 32 == 0
+    buffers, mp, sums = qk.x8_buffers(t, h * d, q.device) if quantize else ((out, out, out), t, 16)
+    kernels["attention_combine"][(hk, mp * g)](o, m, l, out, *buffers, splits, t, mp, G=g, HK=hk, D=d,
+                                               RT=row_blocks * rows, SPLITS=max(2, pow2(splits)), QUANT=quantize,
+                                               SUMS=sums, num_warps=2, **pdl.options(q.device))
     if quantize:
         qk.remember_x8(out, buffers)
     return out
 
-
-#: attention in one launch: the last of a head's chunks to finish combines the partials (attention_partial's
-#: ONE_LAUNCH) in place of attention_combine_kernel's launch after it
-ATTENTION_ONE_LAUNCH = False
 
 #: rows up to which the norms run on rms_norm_kernel (a decode step, a verify window, a drafter block; 0:
 #: never); hidden sizes up to NORM_MAX_DIM
