@@ -48,7 +48,7 @@ def as_computed(x: torch.Tensor, qtype, cols: int) -> torch.Tensor:
     return (q.double() * d.double()).reshape(x.shape)
 
 
-def test_quantize_x_blocks_of_32(monkeypatch):
+def test_quantize_x_blocks_of_32():
     """int8 x for the 1-row GEMVs: the values, scales and 16-value sums of the torch twin, bit for bit, a
     block of zeros and one of large values among them."""
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(3))
@@ -65,9 +65,7 @@ def test_quantize_x_blocks_of_32(monkeypatch):
     assert not rows[:, :2].any() and torch.equal(rows[:, 2:].flatten(), q[:1024])
     # a few rows: X_ROWS of them, zeros past the third; each block's d and sum side by side
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4))
-    assert qk.quantize_x(x)[2].numel() == 1  # no float16 x for the int8 GEMMs
-    monkeypatch.setattr(qk, "F16_GEMMS", True)
-    q, ds, xh = qk.quantize_x(x)
+    q, ds = qk.quantize_x(x)
     tq, td = int8_twin(x)
     assert q.shape == (qk.X_ROWS * (1024 + 32 * 34),) and ds.shape == (32, qk.X_ROWS, 2)
     rows, tails = q[:qk.X_ROWS * 1024].view(qk.X_ROWS, 1024), q[qk.X_ROWS * 1024:].view(qk.X_ROWS, 32, 34)
@@ -75,14 +73,6 @@ def test_quantize_x_blocks_of_32(monkeypatch):
     assert not tails[:, :, :2].any() and torch.equal(tails[:, :, 2:].reshape(qk.X_ROWS, 1024), rows)
     assert torch.equal(ds[:, :3, 0], td.reshape(3, 32).T)
     assert torch.equal(ds[:, :3, 1], (tq.sum(1, keepdim=True) * td).reshape(3, 32).T)
-    # and d q in float16 for the float16 GEMM, each block [32, X_ROWS] in _f16_bytes' order: word c's bytes
-    # b0 b2 at k, k + 1 and b1 b3 at k + 8, k + 9, k = 16 (c // 4) + 2 (c % 4)
-    c, e = torch.arange(32) // 4, torch.tensor([0, 2, 1, 3]).repeat(8)
-    k = 16 * (c // 4) + 8 * (e // 2) + 2 * (c % 4) + e % 2
-    dq = (tq * td).half().reshape(3, 32, 32)  # [row, block, value]
-    assert xh.dtype == torch.float16 and xh.shape == (qk.X_ROWS * 1024,)
-    blocks16 = xh.view(32, 32, qk.X_ROWS)
-    assert torch.equal(blocks16[:, k, :3], dq.permute(1, 2, 0)) and not blocks16[:, :, 3:].any()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -137,26 +127,6 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     half = x.bfloat16() if rows == 1 else x.half()
     got = qk.matmul(half, data, int(qtype), 10).double()
     assert rel(got, as_computed(half, qtype, 2048) @ w.T) <= 2 ** -7
-
-
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
-def test_float16_gemms(qtype, monkeypatch):
-    """F16_GEMMS: the few-row Q4_K / Q5_K (skinny_q4kh) and Q6_K (skinny_q6kh, its odd superblocks 2 bytes
-    off a word) GEMMs on float16 tensor cores, each weight (d sc q - dmin m, (q - 32) d sc) rounded to float16
-    and x as quantize_x's d q rounded to it: within 2^-10 of the same int8 x in float64, K in 3 slices (the
-    last empty for Q6_K), gate/up fused over 2."""
-    monkeypatch.setattr(qk, "F16_GEMMS", True)
-    raw = blocks(qtype, 10, 2048, 40 + qtype.value)
-    w = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)).double()
-    data = torch.from_numpy(raw.copy())
-    assert qk._word_kernel(int(qtype), 5, 2048) == ("skinny_q6kh" if qtype == T.Q6_K else "skinny_q4kh")
-    x = torch.randn(5, 2048, generator=torch.Generator().manual_seed(2))
-    want = as_computed(x, qtype, 2048) @ w.T
-    got = qk.matmul(x, data, int(qtype), 9, config=(8, 4, 1, 3)).double()
-    assert 1e-6 < rel(got, want[:, :9]) <= 2 ** -10
-    got = qk.matmul(x, data, int(qtype), 5, glu=True, config=(8, 4, 1, 2)).double()
-    assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 2 ** -10
-    assert not qk._counters(x.device).any()
 
 
 def test_q8_0_gemm_of_blocks_in_fours_where_512_does_not_divide_k():
@@ -311,7 +281,7 @@ def test_a_norm_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype, c
         plain_total, plain_h = tk.rms_norm(x, w, 1e-6, res)
         assert total.equal(plain_total) and h.equal(plain_h)
         want = qk.quantize_x(h)
-        assert len(got) == len(want) == 3
+        assert len(got) == len(want) == (3 if rows == 1 else 2)
         for a, b in zip(got, want):
             assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
         assert qk.recall_x8(torch.randn(rows, 512).to(dtype)) is None
@@ -340,14 +310,12 @@ def test_attention_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype
     five = tk.attention(window, k, v, late, quantize=True)
     assert qk.recall_x8(five) is None
     monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 16)
-    monkeypatch.setattr(qk, "F16_GEMMS", True)  # its float16 x written too
     garbage = [torch.full_like(b, 7) for b in qk.x8_buffers(5, 512, five.device)[0]]
     monkeypatch.setattr(qk, "x8_buffers", lambda rows, k, device: (garbage, 16, 32))
     again = tk.attention(window, k, v, late, quantize=True)
     got = qk.recall_x8(again)
     assert got is not None and again.equal(five)
     monkeypatch.undo()
-    monkeypatch.setattr(qk, "F16_GEMMS", True)
     for a, b in zip(got, qk.quantize_x(five), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
 
@@ -609,4 +577,4 @@ def test_the_autotuners_keep_their_measurements_on_disk():
     out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).resolve().parents[1] / "src")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["11", "True"], out.stdout
+    assert out.stdout.split() == ["9", "True"], out.stdout

@@ -323,12 +323,6 @@ def _build():
         if SUMS == 32:  # the few-row GEMMs': d and the sum side by side, one 8-byte load
             tl.store(d_ptr + 2 * (kb * MP + row), d, mask=ok)
             tl.store(d_ptr + 2 * (kb * MP + row) + 1, tl.sum(q, axis=1) * d, mask=ok)
-            if s_ptr.dtype.element_ty == tl.float16:  # F16_GEMMS: d q in float16 too, each block [32, MP]
-                e = (j % 2) * 2 + (j % 4) // 2  # with its values in _f16_bytes' order
-                c = j // 4
-                k2 = 16 * (c // 4) + 8 * (e // 2) + 2 * (c % 4) + e % 2
-                tl.store(s_ptr + ((kb * 32)[:, None] + k2) * MP + row[:, None], (q * d[:, None]).to(tl.float16),
-                         mask=ok[:, None])
         else:
             tl.store(d_ptr + kb * MP + row, d, mask=ok)
             sums = tl.sum(tl.reshape(q, (B, 2, 16)), axis=2) * d[:, None]
@@ -733,29 +727,7 @@ def _build():
         return xt, xd, xs
 
     @triton.jit
-    def _q4k_head(w32, row, sb, SB: tl.constexpr):
-        """Superblock sb (SB words) of rows starting at word row [R]: its start (word, [R, 1]), its d and dmin
-        word, and its 6-bit scales and mins, each as 2 words of 4 bytes (sub-blocks 0-3, 4-7)."""
-        base = tl.multiple_of(row + sb * SB, 4)[:, None]
-        w0, w1, w2, w3 = _words(tl.load(w32 + base + tl.arange(0, 4)[None, :]))
-        return (base, w0, (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)),
-                (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)))
-
-    @triton.jit
-    def _q4k_quarters(w32, base, SB: tl.constexpr, FIVE: tl.constexpr):
-        """The 128 qs bytes of the superblocks at base [R, 1] (8 lanes a row, 4 rows a warp's load) as their
-        4 quarters of 32 bytes, [R, 8] words each (quarter p: sub-block 2 p in the low nibbles, 2 p + 1 in the
-        high); with FIVE (Q5_K) the qh words, word c holding the fifth bits of each quarter's word c."""
-        R: tl.constexpr = base.shape[0]
-        q4 = tl.load(w32 + base + SB - 32 + tl.arange(0, 32)[None, :])
-        lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [R, 2, 2, 8]), (0, 3, 1, 2)))
-        a0, a1 = tl.split(lo2)
-        b0, b1 = tl.split(hi2)
-        fifths = tl.load(w32 + base + 4 + tl.arange(0, 8)[None, :]) if FIVE else a0
-        return (a0, b0, a1, b1), fifths
-
-    @triton.jit
-    def skinny_q4k8_kernel(q_ptr, ds_ptr, xh_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
+    def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr,
                            QTYPE: tl.constexpr = 12):
@@ -767,20 +739,28 @@ def _build():
         FIVE: tl.constexpr = QTYPE == 13
         SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
         rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
+        i4 = tl.arange(0, 4)[None, :]
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 256, SPLIT)
         for sb in tl.range(lo, hi, num_stages=STAGES):
             heads = ()
             for s in tl.static_range(2 if GLU else 1):
-                base, w0, scs, mns = _q4k_head(w32, offs[s], sb, SB)
+                base = tl.multiple_of(offs[s] + sb * SB, 4)[:, None]
+                w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
                 d, dmin = _half2(w0, True)
-                heads += ((base, d, dmin, d * -8388608.0, dmin * -8388608.0, scs, mns),)
+                heads += ((base, d, dmin, d * -8388608.0, dmin * -8388608.0,
+                           (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)),
+                           (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
             quarters = ()
             fifths = ()
-            for s in tl.static_range(2 if GLU else 1):
-                qs, qh = _q4k_quarters(w32, heads[s][0], SB, FIVE)
-                quarters += (qs,)
-                fifths += (qh,)
+            for s in tl.static_range(2 if GLU else 1):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's load
+                q4 = tl.load(w32 + heads[s][0] + SB - 32 + tl.arange(0, 32)[None, :])
+                lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [BLOCK_N, 2, 2, 8]), (0, 3, 1, 2)))
+                a0, a1 = tl.split(lo2)
+                b0, b1 = tl.split(hi2)
+                quarters += ((a0, b0, a1, b1),)
+                if FIVE:  # qh word c: the fifth bits of the weights of each quarter's word c
+                    fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
             for p in tl.static_range(4):
                 for h in tl.static_range(2):
                     xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h)
@@ -799,95 +779,7 @@ def _build():
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
-    def _f16_bytes(nib, s, m, ASM: tl.constexpr, LOW: tl.constexpr = False):
-        """Words nib [R, C] of 4 bytes each (values < 256; LOW: their low nibbles) -> float16 [R, 4 C], byte b
-        times s plus m ([R], as _f16_scale makes them), rounded once, in the order a float16 tensor-core operand
-        holds them in a thread's registers:
-        bytes b0 b2 of word c at k, k + 1 and b1 b3 at k + 8, k + 9, k = 16 (c // 4) + 2 (c % 4) (on the
-        device a pair is one lop3 into float16 1024 + b, less 1024, then one fma)."""
-        R: tl.constexpr = nib.shape[0]
-        C: tl.constexpr = nib.shape[1]
-        if ASM:
-            w4 = tl.reshape(tl.broadcast_to(tl.join(nib, nib >> 8)[:, :, :, None], [R, C, 2, 2]), [R, C, 4])
-            s4 = tl.broadcast_to(s[:, None, None], [R, C, 4])
-            m4 = tl.broadcast_to(m[:, None, None], [R, C, 4])
-            v = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 t, $1, " + ("0x000F000F" if LOW else "0x00FF00FF")
-                + ", k, 0xEA; sub.rn.f16x2 t, t, k; fma.rn.f16x2 $0, t, $3, $5; }",
-                "=r,r,r,r,r,r,r", [w4, s4, m4], dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            if LOW:
-                nib = nib & 0x0F0F0F0F
-            b = tl.reshape(tl.permute(tl.reshape(_bytes(nib, False), [R, C, 2, 2]), (0, 1, 3, 2)), [R, C, 4])
-            v = ((b.to(tl.int32) & 0xFF).to(tl.float32) * s.to(tl.float32)[:, None, None]
-                 + m.to(tl.float32)[:, None, None]).to(tl.float16)
-        return tl.reshape(tl.permute(tl.reshape(v, [R, C // 4, 4, 2, 2]), (0, 1, 3, 2, 4)), [R, 4 * C])
-
-    @triton.jit
-    def _f16_scale(w, k: tl.constexpr, d, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
-        """Byte k of w (SIGNED: as int8) times d, rounded to float16 once: as _f16_bytes takes its s and m (on
-        the device both halves of a 32-bit word, d given so, float16 multiplying the byte made float16 by a
-        prmt into 1024 + b (SIGNED: 1152 + b) less that; else float16)."""
-        if ASM:
-            v = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, k; mov.b32 k, 0x64006400; prmt.b32 t, $1, 0, "
-                + ("0x4040" if k == 0 else "0x4141" if k == 1 else "0x4242" if k == 2 else "0x4343") + "; "
-                + ("xor.b32 t, t, 0x00800080; or.b32 t, t, k; mov.b32 k, 0x64806480; " if SIGNED else
-                   "or.b32 t, t, k; ") + "sub.rn.f16x2 t, t, k; mul.rn.f16x2 $0, t, $2; }",
-                "=r,r,r", [w, d], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            b = ((w << (24 - 8 * k)) >> 24) if SIGNED else ((w >> (8 * k)) & 0xFF)
-            v = (b.to(tl.float32) * d).to(tl.float16)
-        return v
-
-    @triton.jit
-    def skinny_q4kh_kernel(q_ptr, ds_ptr, xh_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr,
-                           QTYPE: tl.constexpr = 12):
-        """Q4_K (12) or Q5_K (13) times a few rows of x on float16 tensor cores: each sub-block's weights as
-        float16 d sc q - dmin m (_f16_bytes), dotted with x as quantize_x left it (xd q in float16, its 32
-        values of a block in _f16_bytes' order: xh), one float32 accumulator over all of K."""
-        FIVE: tl.constexpr = QTYPE == 13
-        SB: tl.constexpr = 44 if FIVE else 36
-        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
-        xcols = xh_ptr + tl.arange(0, 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
-        acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
-        lo, hi = _k_range(K // 256, SPLIT)
-        for sb in tl.range(lo, hi, num_stages=STAGES):
-            heads = ()
-            for s in tl.static_range(2 if GLU else 1):
-                base, w0, scs, mns = _q4k_head(w32, offs[s], sb, SB)
-                if ASM:  # d and -dmin in both halves of a word
-                    d = (w0 & 0xFFFF) * 0x10001
-                    mdmin = ((w0 >> 16) * 0x10001) ^ 0x80008000  # the sign bits
-                else:
-                    d, dmin = _half2(w0, True)
-                    mdmin = -dmin
-                heads += ((base, d, mdmin, scs, mns),)
-            quarters = ()
-            fifths = ()
-            for s in tl.static_range(2 if GLU else 1):
-                qs, qh = _q4k_quarters(w32, heads[s][0], SB, FIVE)
-                quarters += (qs,)
-                fifths += (qh,)
-            for p in tl.static_range(4):
-                for h in tl.static_range(2):
-                    xh = tl.load(xcols + (8 * sb + 2 * p + h) * 512)
-                    nxt = ()
-                    for s in tl.static_range(2 if GLU else 1):
-                        _, d, mdmin, scs, mns = heads[s]
-                        ds = _f16_scale(scs[p // 2], 2 * (p % 2) + h, d, ASM)
-                        dm = _f16_scale(mns[p // 2], 2 * (p % 2) + h, mdmin, ASM)
-                        nib = quarters[s][p] >> (4 * h)  # its low nibbles
-                        if FIVE:
-                            nib = (nib & 0x0F0F0F0F) | (((fifths[s] >> (2 * p + h)) & 0x01010101) << 4)
-                        nxt += (tl.dot(_f16_bytes(nib, ds, dm, ASM, not FIVE), xh, acc[s], out_dtype=tl.float32),)
-                    acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
-
-    @triton.jit
-    def skinny_q8_0_kernel(q_ptr, ds_ptr, xh_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
+    def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
@@ -924,7 +816,7 @@ def _build():
         return c0, c1, c2, c3
 
     @triton.jit
-    def skinny_q8_0w_kernel(q_ptr, ds_ptr, xh_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
+    def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                             STAGES: tl.constexpr):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
@@ -986,15 +878,7 @@ def _build():
         return ((P | 0x80808080) - 0x20202020) ^ 0x80808080
 
     @triton.jit
-    def _q6_head(w32, row, sb2, odd: tl.constexpr):
-        """Superblock 2 sb2 + odd of rows starting at word row [R] (pairs of them from 4-byte boundaries): its
-        start (word), its 16 int8 scales as 4 words and the word of its d (bytes 208, 209: of an odd one the
-        word's high half)."""
-        base = row + sb2 * 105 + 52 * odd
-        return base, _words(_words_from(w32, base, 48, 4, odd).to(tl.int32, bitcast=True)), tl.load(w32 + base + 52)
-
-    @triton.jit
-    def skinny_q6k8_kernel(q_ptr, ds_ptr, xh_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
+    def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr):
         """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
@@ -1014,7 +898,9 @@ def _build():
                 sb = 2 * sb2 + odd
                 heads = ()
                 for s in tl.static_range(2 if GLU else 1):
-                    base, scw, dword = _q6_head(w32, offs[s], sb2, odd)
+                    base = offs[s] + sb2 * 105 + 52 * odd
+                    scw = _words(_words_from(w32, base, 48, 4, odd).to(tl.int32, bitcast=True))  # 16 int8 scales
+                    dword = tl.load(w32 + base + 52)  # d: bytes 208, 209 (of an odd one: the word's high half)
                     d, _ = _half2(dword >> 16 if odd else dword, True)
                     heads += ((base, scw, d),)
                 part = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
@@ -1045,76 +931,23 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
-    @triton.jit
-    def skinny_q6kh_kernel(q_ptr, ds_ptr, xh_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr):
-        """Q6_K times a few rows of x on float16 tensor cores, superblocks in pairs as skinny_q6k8_kernel takes
-        them: each x block's weights (a quarter of a half superblock, two sub-blocks of 16) as float16
-        (q - 32) d sc (_f16_bytes, d sc rounded to float16 first), dotted with quantize_x's d q in float16, one
-        float32 accumulator over all of K."""
-        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
-        xcols = xh_ptr + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
-        acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
-        lo, hi = _k_range(K // 512, SPLIT)
-        for sb2 in tl.range(lo, hi, num_stages=STAGES):
-            for odd in tl.static_range(2):
-                sb = 2 * sb2 + odd
-                heads = ()
-                for s in tl.static_range(2 if GLU else 1):
-                    base, scw, dword = _q6_head(w32, offs[s], sb2, odd)
-                    if ASM:  # d in both halves of a word
-                        d = ((dword >> 16) if odd else (dword & 0xFFFF)) * 0x10001
-                    else:
-                        d, _ = _half2(dword >> 16 if odd else dword, True)
-                    heads += ((base, scw, d),)
-                for h2 in tl.static_range(2):
-                    bits = ()
-                    for s in tl.static_range(2 if GLU else 1):  # each x block's two sub-blocks of 16 apart
-                        base = heads[s][0]
-                        pair = ()
-                        for u in tl.static_range(2):
-                            pair += ((_words_from(w32, base, 16 * h2 + 4 * u, 4, odd),
-                                      _words_from(w32, base, 16 * h2 + 8 + 4 * u, 4, odd),
-                                      _words_from(w32, base, 32 + 8 * h2 + 4 * u, 4, odd)),)
-                        bits += (pair,)
-                    for mq in tl.static_range(4):
-                        for u in tl.static_range(2):
-                            xh = tl.load(xcols + (8 * sb + 4 * h2 + mq) * 512 + 256 * u)
-                            nxt = ()
-                            for s in tl.static_range(2 if GLU else 1):
-                                sw = heads[s][1][2 * h2 + mq // 2]  # scale 8 h2 + 2 mq + u: byte 2 (mq % 2) + u
-                                sc = _f16_scale(sw, 2 * (mq % 2) + u, heads[s][2], ASM, True)
-                                if ASM:
-                                    m = tl.inline_asm_elementwise(  # -32 sc
-                                        "{ .reg .b32 c; mov.b32 c, 0xD000D000; mul.rn.f16x2 $0, $1, c; }", "=r,r",
-                                        [sc], dtype=tl.int32, is_pure=True, pack=1)
-                                else:
-                                    m = sc * -32.0
-                                a = _f16_bytes(_q6_bits(bits[s][u][mq % 2], bits[s][u][2], mq), sc, m, ASM)
-                                nxt += (tl.dot(a, xh, acc[s], out_dtype=tl.float32),)
-                            acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
-
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
-                   _gemm_rows, _x_scales, _f16_bytes, _f16_scale, _q6_head, _q4k_head,
-                   _q4k_quarters):  # called by name, as _halves is
+                   _gemm_rows, _x_scales):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "quantize_x": quantize_x_kernel, "quantize_blocks": quantize_blocks, "gemv_q4k8c": gemv_q4k8c_kernel,
                "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0c": gemv_q8_0c_kernel,
-               "skinny_q4k8": skinny_q4k8_kernel, "skinny_q4kh": skinny_q4kh_kernel,
-               "skinny_q6kh": skinny_q6kh_kernel, "skinny_q8_0": skinny_q8_0_kernel,
+               "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel,
                "skinny_q8_0w": skinny_q8_0w_kernel, "skinny_q6k8": skinny_q6k8_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         autotune = functools.partial(triton.autotune, **_disk_cache(triton))
         kernels["gemv_tuned"] = autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
             key=["N", "K", "QTYPE", "GLU", "EXPERTS"])(gemv_kernel)
-        for skinny in {*WORD_KERNELS.values(), "skinny_q8_0w", "skinny_q4kh", "skinny_q6kh"}:
+        for skinny in {*WORD_KERNELS.values(), "skinny_q8_0w"}:
             kernels[f"{skinny}_tuned"] = autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k, **_loop_stages(skinny, st)}, num_warps=w,
                                num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
@@ -1219,8 +1052,7 @@ def _loop_stages(word: str, stages: int) -> dict:
 
 
 #: the columns of W a word GEMM's K loop takes a step: a superblock (Q4_K), two (Q6_K), 16 or 4 blocks of 32 (Q8_0)
-GEMM_STEP_COLUMNS = {"skinny_q4k8": 256, "skinny_q4kh": 256, "skinny_q6k8": 512, "skinny_q6kh": 512,
-                     "skinny_q8_0w": 512, "skinny_q8_0": 128}
+GEMM_STEP_COLUMNS = {"skinny_q4k8": 256, "skinny_q6k8": 512, "skinny_q8_0w": 512, "skinny_q8_0": 128}
 
 
 def _split_fits(name: str, block_n: int, split: int, n: int, k: int) -> bool:
@@ -1264,11 +1096,6 @@ X_ROWS = 16
 EXPERT_WORD_GEMVS = True
 
 
-#: the few-row Q4_K, Q5_K (skinny_q4kh) and Q6_K (skinny_q6kh) products on float16 tensor cores in place of
-#: their int8 ones (skinny_q4k8, skinny_q6k8); not yet measured on a GPU
-F16_GEMMS = False
-
-
 def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0) -> str | None:
     """The word kernel for this product over a matrix of nbytes (one expert's), if any. Q6_K's
     210-byte superblocks lie anywhere in 16-byte chunks: its GEMV reads the chunks around them from the
@@ -1284,8 +1111,7 @@ def _word_kernel(qtype: int, rows: int, cols: int, nbytes: int = 0) -> str | Non
         return "skinny_q8_0w"
     if qtype == Q8_0 and rows == 1 and nbytes >= 2 ** 32:
         return None
-    word = (INT8_GEMVS if rows == 1 else WORD_KERNELS).get(qtype)
-    return {"skinny_q4k8": "skinny_q4kh", "skinny_q6k8": "skinny_q6kh"}.get(word, word) if F16_GEMMS else word
+    return (INT8_GEMVS if rows == 1 else WORD_KERNELS).get(qtype)
 
 
 def configs(qtype: int, rows: int, cols: int, n: int) -> list[tuple[int, ...]]:
@@ -1305,33 +1131,18 @@ def int8_x(qtype: int, rows: int, cols: int, nbytes: int = 0) -> bool:
 
 def x8_buffers(rows: int, k: int, device) -> tuple[tuple[torch.Tensor, ...], int, int]:
     """Where quantize_x's result for [rows, k] goes: ((q, d, s), MP, SUMS); q flat, its MP rows (k apart)
-    then their copies in Q8_0's row layout (k / 32 * 34 bytes apart); s for a few rows their float16 d q
-    where F16_GEMMS takes it, else a placeholder."""
+    then their copies in Q8_0's row layout (k / 32 * 34 bytes apart)."""
     mp, sums = (1, 16) if rows == 1 else (X_ROWS, 32)
     assert rows <= mp, rows
     return ((torch.empty(mp * (k + k // 32 * 34), dtype=torch.int8, device=device),
              torch.empty(k // 32, mp, 2 if rows > 1 else 1, dtype=torch.float32, device=device),
-             torch.empty(k // 16, dtype=torch.float32, device=device) if rows == 1 else
-             torch.empty(k * mp, dtype=torch.float16, device=device) if F16_GEMMS else _placeholder(device)), mp,
-            sums)
-
-
-_PLACEHOLDERS: dict = {}
-
-
-def _placeholder(device) -> torch.Tensor:
-    """The float32 zero the int8 GEMMs get for quantize_x's float16 x, which they never read: one a device,
-    not an allocation (and a fill) every product."""
-    key = str(device)
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.float32, device=device)
-    return _PLACEHOLDERS[key]
+             torch.empty(k // 16 if rows == 1 else 1, dtype=torch.float32, device=device)), mp, sums)
 
 
 def x8_result(buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """x8_buffers' tensors as the products take them (quantize_x's return)."""
     q, d, s = buffers
-    return (q, d.flatten(), s) if d.shape[1] == 1 else (q, d, s)
+    return (q, d.flatten(), s) if d.shape[1] == 1 else (q, d)
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -1404,7 +1215,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
-        extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word.startswith("skinny_q4k") else {})}
+        extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {})}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
