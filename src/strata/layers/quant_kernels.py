@@ -1050,7 +1050,10 @@ def _loop_stages(word: str, stages: int) -> dict:
     in them included (superblock headers, d's and x's scales too, which Triton's pipeliner leaves synchronous
     in a loop without the attribute). With its 128-byte loads, skinny_q4k8's 16-row products took 12-21% less
     time on an H100 (bench/results/skinny-q4k-wide-h100.json), skinny_q8_0w's 17-24% less than
-    skinny_q8_0's (bench/results/skinny-q8_0-wide-h100.json)."""
+    skinny_q8_0's (bench/results/skinny-q8_0-wide-h100.json). skinny_q6k8 wants 2: a stage of 64 rows holds
+    each odd superblock's words twice and each x block as [32, 32], 75 KB of shared memory at 2 stages and 134
+    at 3 (Triton 3.6, sm_90; skinny_q4k8 18-33), 3 programs a multiprocessor or 1; its LM head took 431.7 us
+    against 545.5 at 16 rows (bench/results/quant-sweep-gemm-configs-h100.json)."""
     return {} if word == "skinny_q8_0" else {"STAGES": stages}
 
 
