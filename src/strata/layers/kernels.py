@@ -100,6 +100,13 @@ class Kernels:
             return ops.attend_grouped(q, k, v, mask, self.masked_softmax)
         return ops.attend_sdpa(q, k, v, mask)
 
+    def norm_rotate_attend(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells,
+                           kv_len: int, mask: torch.Tensor, into=None) -> torch.Tensor:
+        """A layer's attention between its projections: norm_rotate_store, then the rows' queries over the
+        first kv_len cells (attend); a kernel set may do both in the same launches."""
+        q = self.norm_rotate_store(qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)
+        return self.attend(q, k_cache.narrow(-3, 0, kv_len), v_cache.narrow(-3, 0, kv_len), mask, into)
+
 
 class TritonKernels(Kernels):
     """The compiled set, with Strata's Triton kernels where their shapes allow: projections of up to 16
@@ -181,6 +188,17 @@ class TritonKernels(Kernels):
         if self.attention == "grouped" and q.dim() == 3 and self._tk.attention_fits(q, k, v, mask):
             quantize = self._int8_into(into, q.shape[0])
             return self._either("attention", lambda: self._tk.attention(q, k, v, mask, quantize), slow)
+        return slow()
+
+    def norm_rotate_attend(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells, kv_len,
+                           mask, into=None):
+        args = (qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)
+        slow = lambda: super(TritonKernels, self).norm_rotate_attend(*args, kv_len, mask, into)  # noqa: E731
+        if (self.attention == "grouped" and q_weight is not None
+                and self._tk.norm_rotate_attend_fits(qk, v, heads, k_cache, v_cache, mask)):
+            quantize = self._int8_into(into, qk.shape[0])
+            return self._either("norm_rotate_attend",
+                                lambda: self._tk.norm_rotate_attend(*args, kv_len, mask, quantize), slow)
         return slow()
 
     def rms_norm(self, x, weight, eps, into=None):
