@@ -18,7 +18,8 @@ write into three kernels. The kernels here do each of those in one launch:
   inductor's group for the 8B and 30B rows is a looped reduction (`triton_red_*`, the row read twice);
   on the H200 decode steps were 0.9-2.5% faster.
 - `norm_rotate_store`: per-head q/k RMSNorm and NeoX RoPE, q written out, k and v stored at their
-  positions in the cache.
+  positions in the cache; `norm_rotate_attend` does that work inside attention's first launch instead
+  (each program norming and rotating its query rows, and storing the new cells of its chunk itself).
 
 On Hopper they launch with programmatic dependent launch (pdl.py): each is launched while the one before
 it drains, and waits for it before its first read. They follow the rounding of the reference ops (ops.py)
