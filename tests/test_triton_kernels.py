@@ -175,9 +175,12 @@ def test_norm_rotate_attend_does_both_kernels_work_in_attentions_launches(dtype,
     assert not tk.norm_rotate_attend_fits(many, many[:, :hk], h, old_k, old_v, torch.ones(17, cells, dtype=torch.bool))
 
 
-def test_static_forward_with_triton_kernels_matches_the_eager_one(monkeypatch):
+@pytest.mark.parametrize("rotates", [False, True])
+def test_static_forward_with_triton_kernels_matches_the_eager_one(rotates, monkeypatch):
     """The target's static step (1-token decode and a 4-row verify window) with the Triton kernels in
-    place of cuBLAS projections, grouped attention and the q/k group: same logits, same cache."""
+    place of cuBLAS projections, grouped attention and the q/k group (its own launch, or attention's:
+    ATTENTION_ROTATES): same logits, same cache."""
+    monkeypatch.setattr(tk, "ATTENTION_ROTATES", rotates)
     target = random_target("tiny", seed=4)
     kernels = TritonKernels(compiled=False)
     calls = {"gemv": 0, "skinny": 0, "attention": 0, "norm_rotate_store": 0, "norm_rotate_attend": 0}
@@ -210,8 +213,9 @@ def test_static_forward_with_triton_kernels_matches_the_eager_one(monkeypatch):
         close(got_kv.v, want_kv.v, torch.float32)
     layers = target.cfg.num_layers
     # qkv, o, gate/up, down per layer and the LM head: by the GEMV in the decode, the skinny GEMM in the window
-    assert calls == {"gemv": 4 * layers + 1, "skinny": 4 * layers + 1, "attention": 0, "norm_rotate_store": 0,
-                     "norm_rotate_attend": 2 * layers}
+    two = 0 if rotates else 2 * layers
+    assert calls == {"gemv": 4 * layers + 1, "skinny": 4 * layers + 1, "attention": two, "norm_rotate_store": two,
+                     "norm_rotate_attend": 2 * layers - two}
 
 
 def test_compiled_triton_set_keeps_its_own_kernels():
