@@ -148,6 +148,7 @@ def test_norm_rotate_attend_does_both_kernels_work_in_attentions_launches(dtype,
     q_w, k_w = (torch.rand(d, generator=gen) + 0.5).to(dtype), (torch.rand(d, generator=gen) + 0.5).to(dtype)
     old_k = torch.randn(cells + 20, hk, d, generator=gen).to(dtype)
     old_v = torch.randn(cells + 20, hk, d, generator=gen).to(dtype)
+    monkeypatch.setattr(tk, "ATTENTION_ROTATES", True)
     monkeypatch.setattr(tk, "ATTENTION_TARGET_SPLITS", 8)  # 300 cells: chunks of 64, a boundary at 256
     for where in ([299], [250, 251, 252, 253, 254, 255, 256, 257], [290, 285, 286, 291]):
         t = len(where)

@@ -18,7 +18,7 @@ write into three kernels. The kernels here do each of those in one launch:
   inductor's group for the 8B and 30B rows is a looped reduction (`triton_red_*`, the row read twice);
   on the H200 decode steps were 0.9-2.5% faster.
 - `norm_rotate_store`: per-head q/k RMSNorm and NeoX RoPE, q written out, k and v stored at their
-  positions in the cache; `norm_rotate_attend` does that work inside attention's first launch instead
+  positions in the cache; `norm_rotate_attend` can do that work inside attention's first launch instead
   (each program norming and rotating its query rows, and storing the new cells of its chunk itself).
 
 On Hopper they launch with programmatic dependent launch (pdl.py): each is launched while the one before
@@ -636,8 +636,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return _attention(q, q.shape[1], k, v, mask, quantize, (q, q, q, q, q, q, 0.0, 0, 0))
 
 
-#: whether a layer's attention does norm_rotate_store's work in its partial programs (norm_rotate_attend)
-ATTENTION_ROTATES = True
+#: whether a layer's attention does norm_rotate_store's work in its partial programs (norm_rotate_attend: one
+#: launch fewer a layer, no counting). Off until measured on a GPU against the two launches; the A/B:
+#: tools/pdl_ab.py --shape qwen3-8b --quant Q4_K_M --windows 1 16 --knob
+#: strata.layers.triton_kernels.ATTENTION_ROTATES --settings False True False True
+ATTENTION_ROTATES = False
 
 
 def norm_rotate_attend_fits(qk: torch.Tensor, v: torch.Tensor, heads: int, k_cache: torch.Tensor,
