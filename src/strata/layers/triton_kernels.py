@@ -381,14 +381,14 @@ def _build():
         head = tl.program_id(1)
         D: tl.constexpr = 2 * HALF
         i = tl.arange(0, HALF)
-        src = qk_ptr + t * stride_qk + head * D
+        w_ptr = qw_ptr if head < H else kw_ptr
+        r1, r2 = _norm_rope(qk_ptr + t * stride_qk + head * D, w_ptr, cos_ptr + t * D, sin_ptr + t * D, i, i >= 0,
+                            eps, HALF)
         if head < H:
-            r1, r2 = _norm_rope(src, qw_ptr, cos_ptr + t * D, sin_ptr + t * D, i, i >= 0, eps, HALF)
             dst = q_out_ptr + (t * H + head) * D
             tl.store(dst + i, r1)
             tl.store(dst + HALF + i, r2)
         else:
-            r1, r2 = _norm_rope(src, kw_ptr, cos_ptr + t * D, sin_ptr + t * D, i, i >= 0, eps, HALF)
             cell = tl.load(pos_ptr + t).to(tl.int64) * stride_cell + (head - H) * D
             tl.store(k_cache_ptr + cell + i, r1)
             tl.store(k_cache_ptr + cell + HALF + i, r2)
@@ -633,7 +633,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     ATTENTION_QUANTIZE_ROWS rows, 32 | D): the output also quantized for the int8-x product that reads it
     next (as rms_norm's)."""
     q = q.contiguous()
-    return _attention(q, q.shape[1], k, v, mask, quantize, (q, q, q, q, q, q, 0.0, 0, 0))
+    return _attention(q, q.shape[1], k, v, mask, quantize)
 
 
 #: whether a layer's attention does norm_rotate_store's work in its partial programs (norm_rotate_attend: one
@@ -661,17 +661,16 @@ def norm_rotate_attend(qk: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor
     """norm_rotate_store then attention over the first kv_len cells, in attention's two launches: each
     partial program norms and rotates its query rows itself and stores the window's new K/V cells of its
     chunk before reading them (norm_rotate_attend_fits' shapes). Returns [T, H*D] as attention does."""
-    t, _, d = qk.shape
-    args = (v, q_weight.contiguous(), k_weight.contiguous(), cos.contiguous(), sin.contiguous(), cells, eps,
-            qk.stride(0), v.stride(0))
+    rotate = (v, q_weight.contiguous(), k_weight.contiguous(), cos.contiguous(), sin.contiguous(), cells, eps,
+              qk.stride(0), v.stride(0))
     return _attention(qk, heads, k_cache.narrow(-3, 0, kv_len), v_cache.narrow(-3, 0, kv_len), mask, quantize,
-                      args, rotate=True)
+                      rotate)
 
 
 def _attention(q: torch.Tensor, h: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, quantize: bool,
-               rotate_args: tuple, rotate: bool = False) -> torch.Tensor:
-    """attention's launches over q [T, H (+ Hkv with rotate), D]; rotate_args the partial kernel's
-    norm_rotate_store arguments (placeholders without rotate)."""
+               rotate: tuple | None = None) -> torch.Tensor:
+    """attention's launches over q [T, H (+ Hkv with rotate), D]; rotate: the partial kernel's
+    norm_rotate_store arguments (norm_rotate_attend), else it reads q as it is."""
     from . import quant_kernels as qk
 
     t, _, d = q.shape
@@ -680,7 +679,7 @@ def _attention(q: torch.Tensor, h: int, k: torch.Tensor, v: torch.Tensor, mask: 
     max_rows, block = attention_tiles(d)
     rows = min(max_rows, max(16, pow2(t * g)))
     row_blocks = cdiv(t * g, rows)
-    assert not rotate or row_blocks == 1
+    assert rotate is None or row_blocks == 1
     blocks = cdiv(s, block)
     # the programs' count, and their float32 partials, stay near a decode's when row blocks multiply them
     chunk = block * cdiv(blocks, max(1, ATTENTION_TARGET_SPLITS // row_blocks))
@@ -690,8 +689,9 @@ def _attention(q: torch.Tensor, h: int, k: torch.Tensor, v: torch.Tensor, mask: 
     m = torch.empty(hk, splits, row_blocks * rows, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     kernels["attention_partial"][(hk, splits, row_blocks)](
-        q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, *rotate_args, T=t, G=g, HK=hk,
-        D=d, R=rows, RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), ROTATE=rotate,
+        q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5,
+        *(rotate or (q, q, q, q, q, q, 0.0, 0, 0)), T=t, G=g, HK=hk, D=d, R=rows, RT=row_blocks * rows, BLOCK_S=block,
+        PRECISION=precision(q), ROTATE=rotate is not None,
         TP=max(2, pow2(t)), num_warps=4, **pdl.options(q.device))
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
     quantize = quantize and t <= ATTENTION_QUANTIZE_ROWS and d % 32 == 0
