@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import delta_kernels, fla_kernels, ops, pdl
+from . import delta_kernels, fla_kernels, ops, pdl, quant_kernels
 from .quant import QuantExperts, QuantWeight
 
 #: the elementwise groups a compiled set fuses, each one kernel
@@ -86,12 +86,16 @@ class Kernels:
         these methods."""
         return layer.mix(proj, first, state, self)
 
-    def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
-        """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
+    def gate_up_silu(self, x: torch.Tensor, gate_up, into=None) -> torch.Tensor:
+        """silu(gate) * up of a stacked gate/up matrix ([2I, K]); into as in rms_norm."""
         if isinstance(gate_up, QuantWeight):
-            fused = gate_up.gate_up_silu(x)
+            fused = gate_up.gate_up_silu(x, self._glu_quantizes(x, into))
             return fused if fused is not None else self.silu_mul(gate_up.matmul(x))
         return self.silu_mul(self.linear(x, gate_up))
+
+    def _glu_quantizes(self, x: torch.Tensor, into) -> bool:
+        """Whether a quantized gate/up GEMV quantizes its row for `into` (down) as it stores it."""
+        return False
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                into=None) -> torch.Tensor:
@@ -146,9 +150,9 @@ class TritonKernels(Kernels):
             return F.linear(x, w, b)
         return self._either(name, lambda: getattr(self._tk, name)(x, w, b), lambda: F.linear(x, w, b))
 
-    def gate_up_silu(self, x, gate_up):
+    def gate_up_silu(self, x, gate_up, into=None):
         if isinstance(gate_up, QuantWeight):
-            return super().gate_up_silu(x, gate_up)
+            return super().gate_up_silu(x, gate_up, into)
         name = self._tk.projection_kernel(x, gate_up)
         slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731
         if name is None:
@@ -214,6 +218,9 @@ class TritonKernels(Kernels):
             return slow()
         quantize = self._int8_into(into, x.numel() // x.shape[-1])
         return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual, quantize), slow)
+
+    def _glu_quantizes(self, x, into):
+        return quant_kernels.GLU_QUANTIZES and x.numel() == x.shape[-1] and self._int8_into(into, 1)
 
     def _int8_into(self, into, rows: int) -> bool:
         """Whether a kernel quantizes its `rows` rows of output for `into` (a quantized matrix taking int8 x)."""

@@ -375,27 +375,39 @@ def _build():
 
     @triton.jit
     def _store_lane_rows(y_ptr, acc, first, N, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr,
-                         KS: tl.constexpr):
+                         KS: tl.constexpr, oq_ptr, od_ptr, os_ptr, QUANT: tl.constexpr):
         """Add up the lanes' (and a row's KS warps') partial sums of each row and store them (with GLU
-        silu(gate) * up)."""
+        silu(gate) * up). QUANT: the program's RT * WARPS / KS rows of y, whole blocks of 32 of the 1-row x
+        of the product after it (N / 32 blocks), also quantized as quantize_x_kernel would (quantize_blocks,
+        SUMS 16) into oq, od and os: that product's x8 without a launch of its own."""
         RW: tl.constexpr = WARPS // KS
         rows = first + tl.arange(0, RW)
         out_ty = y_ptr.dtype.element_ty
+        ys = tl.zeros([RT, RW], dtype=tl.float32)
         for r in tl.static_range(RT):
             at_r = rows + r * RW
             y0 = tl.sum(tl.reshape(tl.sum(acc[r], axis=1), (RW, KS)), axis=1)
             if GLU:
                 y1 = tl.sum(tl.reshape(tl.sum(acc[RT + r], axis=1), (RW, KS)), axis=1)
-                tl.store(y_ptr + at_r, _silu_mul(y0, y1, out_ty).to(out_ty), mask=at_r < N)
+                y = _silu_mul(y0, y1, out_ty).to(out_ty)
             else:
-                tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
+                y = y0.to(out_ty)
+            tl.store(y_ptr + at_r, y, mask=at_r < N)
+            if QUANT:
+                ys = tl.where(tl.arange(0, RT)[:, None] == r, y.to(tl.float32)[None, :], ys)
+        if QUANT:
+            tl.static_assert(RT * RW % 32 == 0)
+            kb = first // 32 + tl.arange(0, RT * RW // 32)
+            quantize_blocks(tl.reshape(ys, (RT * RW // 32, 32)), 0 * kb, kb, kb < N // 32, N // 32, 1, oq_ptr,
+                            od_ptr, os_ptr, 16)
 
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1):
+                          KS: tl.constexpr = 1, oq_ptr=None, od_ptr=None, os_ptr=None,
+                          QUANT: tl.constexpr = False):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -464,7 +476,7 @@ def _build():
                     a += d * dot - dmin * mins
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, oq_ptr, od_ptr, os_ptr, QUANT)
 
     @triton.jit
     def _q6_bits(ql, qh, m):
@@ -512,7 +524,8 @@ def _build():
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1):
+                          KS: tl.constexpr = 1, oq_ptr=None, od_ptr=None, os_ptr=None,
+                          QUANT: tl.constexpr = False):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -570,14 +583,15 @@ def _build():
                               + sch * (xdh * ihi.to(tl.float32) - 32.0 * xsh))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, oq_ptr, od_ptr, os_ptr, QUANT)
 
     @triton.jit
     def gemv_q8_0c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1):
+                          KS: tl.constexpr = 1, oq_ptr=None, od_ptr=None, os_ptr=None,
+                          QUANT: tl.constexpr = False):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
         Q8_0's GEMV had until 58bdb13, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
@@ -636,7 +650,7 @@ def _build():
                     a += da * (xda * ia.to(tl.float32)) + db * (xdb * ib.to(tl.float32))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, oq_ptr, od_ptr, os_ptr, QUANT)
 
     @triton.jit
     def _k_range(blocks, SPLIT: tl.constexpr):
@@ -955,8 +969,9 @@ def _build():
         for name in set(INT8_GEMVS.values()):
             kernels[f"{name}_tuned"] = autotune(
                 [triton.Config({"RT": rt, "WARPS": w, "KU": ku, "KS": ks}, num_warps=w)
-                 for rt, w, ku, ks in LANE_K_CONFIGS],
-                key=["N", "K", "GLU", "QTYPE", "EXPERTS"])(kernels[name])
+                 for rt, w, ku, ks in dict.fromkeys(LANE_K_CONFIGS + QUANT_LANE_K_CONFIGS)],
+                key=["N", "K", "GLU", "QTYPE", "EXPERTS", "QUANT"],
+                prune_configs_by={"early_config_prune": _prune_lanes})(kernels[name])
         kernels["skinny_tuned"] = autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -1032,6 +1047,30 @@ SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (3
 #: down, 12288 columns, 22.5 us against 24.3 ((2, 4, 1, 2) tied on Q4_K's LM head, 118.9 us against 118.9)
 LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2, 1, 1), (1, 4, 2, 1), (2, 4, 2, 1),
                   (1, 2, 2, 1), (2, 2, 2, 1), (1, 4, 4, 1), (1, 2, 4, 1), (4, 2, 2, 1), (8, 2, 1, 1), (1, 4, 1, 2)]
+
+#: the lanes-along-K shapes whose programs take whole blocks of 32 rows, over which a GEMV that quantizes its
+#: rows for the product after it (matmul's quantize, GLU_QUANTIZES) is tuned. With GLU, sm_90, Triton 3.6:
+#: 53-188 registers a thread, no spills but Q6_K's at (8, 4, 2, 1) (48 bytes of stack); 16 rows a thread
+#: spilled more (Q4_K 48 bytes, Q6_K 208)
+QUANT_LANE_K_CONFIGS = [(8, 4, 1, 1), (4, 8, 1, 1), (2, 16, 1, 1), (4, 8, 2, 1), (8, 4, 2, 1), (2, 16, 2, 1),
+                        (8, 8, 1, 2)]
+#: a 1-row gate/up GEMV quantizes silu(gate) * up for down as it stores it (its programs at
+#: QUANT_LANE_K_CONFIGS), in place of quantize_x's launch before down
+GLU_QUANTIZES = False
+
+
+def _lane_rows_covered(rt: int, warps: int, ks: int) -> int:
+    """Rows of W a lanes-along-K GEMV program takes (with GLU: gate rows, each with its up row)."""
+    return rt * warps // ks
+
+
+def _prune_lanes(configs, named_args, **kwargs):
+    """The tuned GEMVs' shapes: LANE_K_CONFIGS', or with QUANT those whose programs take whole blocks of 32."""
+    if kwargs.get("QUANT"):
+        return [c for c in configs if _lane_rows_covered(*(c.kwargs[k] for k in ("RT", "WARPS", "KS"))) % 32 == 0]
+    plain = set(LANE_K_CONFIGS)
+    return [c for c in configs if tuple(c.kwargs[k] for k in ("RT", "WARPS", "KU", "KS")) in plain]
+
 
 #: the word GEMMs' (skinny_q4k8, skinny_q6k8, skinny_q8_0, skinny_q8_0w): (rows of W per program, warps, stages,
 #: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
@@ -1196,13 +1235,14 @@ def recall_x8(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
            config: tuple[int, ...] | None = None, x8: tuple | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
-    column stride (a fused q/k/v's columns of one segment). The 1-row GEMVs launch with PDL (pdl.py), the
-    few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower on the H200 (5.75 ms against
-    5.32) while its decode step gained 12%."""
+    column stride (a fused q/k/v's columns of one segment). quantize: a 1-row word GEMV also leaves the
+    result's quantize_x for the product after it (remember_x8), where its programs take whole blocks of 32
+    rows. The 1-row GEMVs launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify
+    window measured 8% slower on the H200 (5.75 ms against 5.32) while its decode step gained 12%."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()
@@ -1212,7 +1252,9 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     word = _word_kernel(qtype, rows, k, data.numel())
     tuned = config is None and f"{word}_tuned" in kernels
     if word and rows == 1:
-        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config)
+        quant = x8_buffers(1, n, x.device)[0] if quantize and n % 32 == 0 and y.is_contiguous() else None
+        if _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config, quant=quant):
+            remember_x8(y, quant)
         return y
     if word:
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
@@ -1241,26 +1283,34 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
 
 
 def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype: int, n: int, k: int,
-               row_bytes: int, glu: bool, config: tuple[int, ...] | None, programs: int = 1, **experts) -> None:
+               row_bytes: int, glu: bool, config: tuple[int, ...] | None, programs: int = 1,
+               quant: tuple | None = None, **experts) -> bool:
     """The 1-row word GEMV `word` (INT8_GEMVS) on x8 (quantize_x's): its tuned variant where the device has
     it and no config is given, else at config (or the first of its list). programs along axis 1 with
-    experts (the kernels' EXPERTS arguments: _assignment)."""
+    experts (the kernels' EXPERTS arguments: _assignment). quant: x8_buffers for y's quantize_x, written
+    where the shape's programs take whole blocks of 32 rows (tuned: QUANT_LANE_K_CONFIGS); returns whether
+    they were."""
     kernels = _build()
 
-    def covered(meta) -> int:  # rows of W a program takes (with GLU: gate rows, each with its up row)
-        return meta["RT"] * meta["WARPS"] // meta["KS"]
+    def covered(meta) -> int:
+        return _lane_rows_covered(meta["RT"], meta["WARPS"], meta["KS"])
 
     if word == "gemv_q8_0c":  # in place of the sums, x laid out as Q8_0 rows (quantize_x's q after its K values)
         q, d = x8[:2]
         x8 = (q, d, q[d.numel() * 32:])
     args = (*x8, data, y, n, k, row_bytes if word == "gemv_q6k8c" else row_bytes // 4)  # its rows: any even byte
     extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **experts, **pdl.options(y.device)}
-    if config is None and f"{word}_tuned" in kernels:
-        kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
-        return
-    rt, warps, ku, ks = config or LANE_K_CONFIGS[0]
+    tuned = config is None and f"{word}_tuned" in kernels
+    rt, warps, ku, ks = config or (QUANT_LANE_K_CONFIGS if quant and not tuned else LANE_K_CONFIGS)[0]
     meta = {"RT": rt, "WARPS": warps, "KU": ku, "KS": ks}
-    kernels[word][(cdiv(n, covered(meta)), programs)](*args, **meta, num_warps=warps, **extra)
+    if quant and (tuned or covered(meta) % 32 == 0):
+        q, d, s = quant
+        extra.update(oq_ptr=q, od_ptr=d, os_ptr=s, QUANT=True)
+    if tuned:
+        kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
+    else:
+        kernels[word][(cdiv(n, covered(meta)), programs)](*args, **meta, num_warps=warps, **extra)
+    return extra.get("QUANT", False)
 
 
 def _byte_kernel(name: str, n: int, programs: int, args: tuple, config: tuple[int, ...], tune: bool,
