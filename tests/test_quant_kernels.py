@@ -130,22 +130,31 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
-def test_a_gate_up_gemv_quantizes_its_row_for_down_bit_for_bit(qtype):
-    """matmul(glu, quantize) of one row: silu(gate) * up as without, and quantize_x's exact result of it left
-    for down (remember_x8), from programs of 64 rows (96 rows: the second program's second block of 32 past
-    them, masked) or of 32 (two warps taking a row's steps in turns); programs of 8 rows do not take whole
-    blocks and leave it to quantize_x."""
-    data = torch.from_numpy(blocks(qtype, 192, 512, 60 + qtype.value).copy())
-    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
-    for config, whole in (((2, 4, 1, 1), False), ((16, 4, 1, 1), True), ((8, 8, 1, 2), True)):
-        plain = qk.matmul(x, data, int(qtype), 96, glu=True, config=config)
+def test_a_gate_up_product_quantizes_its_rows_for_down_bit_for_bit(qtype, monkeypatch):
+    """matmul(glu, quantize): silu(gate) * up as without, and quantize_x's exact result of it left for down
+    (remember_x8). One row: from GEMV programs of 64 rows (96 rows: the second program's second block of 32
+    past them, masked) or of 32 (two warps taking a row's steps in turns); programs of 8 rows do not take
+    whole blocks and leave it to quantize_x. Five rows: from GEMM programs of 64 rows, in one K slice or as
+    the last of two, the padding rows zeros over a buffer full of garbage."""
+    data = torch.from_numpy(blocks(qtype, 192, 1024, 60 + qtype.value).copy())
+    gen = torch.Generator().manual_seed(5)
+    runs = [(1, (2, 4, 1, 1), False), (1, (16, 4, 1, 1), True), (1, (8, 8, 1, 2), True), (5, (64, 4, 1, 1), True),
+            (5, (64, 4, 1, 2), True)]
+    for rows, config, whole in runs:
+        x = torch.randn(rows, 1024, generator=gen).to(torch.bfloat16 if rows == 1 else torch.float16)
+        x8 = qk.quantize_x(x)
+        plain = qk.matmul(x, data, int(qtype), 96, glu=True, config=config, x8=x8)
         assert qk.recall_x8(plain) is None
-        got = qk.matmul(x, data, int(qtype), 96, glu=True, config=config, quantize=True)
+        if rows > 1:
+            garbage = [torch.full_like(b, 7) for b in qk.x8_buffers(rows, 96, x.device)[0]]
+            monkeypatch.setattr(qk, "x8_buffers", lambda r, k, device: (garbage, 16, 32))
+        got = qk.matmul(x, data, int(qtype), 96, glu=True, config=config, x8=x8, quantize=True)
+        monkeypatch.undo()
         x8 = qk.recall_x8(got)
         assert got.equal(plain) and (x8 is not None) == whole
         if whole:
             want = qk.quantize_x(got)
-            assert len(x8) == len(want) == 3
+            assert len(x8) == len(want) == (3 if rows == 1 else 2)
             for a, b in zip(x8, want):
                 assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
 
@@ -387,8 +396,8 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
         assert outs[1].equal(outs[0])
         # one row: the norms' for q/k/v, gate/up (or the experts') and the head, attention's for o, the dense
         # gate/up's for down (GLU_QUANTIZES); four rows: the norms' for the few-row GEMMs that take int8 x
-        # (q/k/v, the dense gate/up), attention's for o
-        fewer = (4 if moe else 5) if len(tokens) == 1 else 2 if moe else 3
+        # (q/k/v, the dense gate/up), attention's for o, the dense gate/up's for down
+        fewer = (4 if moe else 5) if len(tokens) == 1 else 2 if moe else 4
         assert counts[0][1] == 0 and counts[1][1] == fewer and counts[1][0] == counts[0][0] - fewer, counts
 
 

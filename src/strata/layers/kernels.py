@@ -220,7 +220,7 @@ class TritonKernels(Kernels):
         return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual, quantize), slow)
 
     def _glu_quantizes(self, x, into):
-        return quant_kernels.GLU_QUANTIZES and x.numel() == x.shape[-1] and self._int8_into(into, 1)
+        return quant_kernels.GLU_QUANTIZES and self._int8_into(into, x.numel() // x.shape[-1])
 
     def _int8_into(self, into, rows: int) -> bool:
         """Whether a kernel quantizes its `rows` rows of output for `into` (a quantized matrix taking int8 x)."""

@@ -660,10 +660,14 @@ def _build():
         return lo, tl.minimum(lo + per, blocks)
 
     @triton.jit
-    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr):
+    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr,
+                oq_ptr, od_ptr, os_ptr, QUANT: tl.constexpr):
         """Store the few-row GEMMs' [BLOCK_M, BLOCK_N] results (acc: (gate or all, up)), with GLU silu(gate) * up.
         With SPLIT > 1 each program holds a K slice's partial sums: it writes them to the workspace, and the
-        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores."""
+        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores. QUANT: the
+        results, as stored, also quantized for the few-row product after them as quantize_x_kernel would
+        (X_ROWS rows of N / 32 blocks, SUMS 32) into oq, od (os unused): rows past M are zeros, as x's
+        padding rows are."""
         BLOCK_M: tl.constexpr = acc[0].shape[0]
         BLOCK_N: tl.constexpr = acc[0].shape[1]
         m = tl.arange(0, BLOCK_M)
@@ -693,6 +697,13 @@ def _build():
                 y = _silu_mul(y, a1, out_ty)
             tl.store(y_ptr + m[:, None] * stride_y + rows[None, :], y.to(out_ty),
                      mask=(m < M)[:, None] & (rows < N)[None, :])
+            if QUANT:
+                tl.static_assert(BLOCK_N % 32 == 0)
+                B: tl.constexpr = BLOCK_M * BLOCK_N // 32
+                kb = tl.program_id(0) * (BLOCK_N // 32) + tl.arange(0, B) % (BLOCK_N // 32)
+                x = tl.where((m < M)[:, None], y.to(out_ty).to(tl.float32), 0.0)
+                quantize_blocks(tl.reshape(x, (B, 32)), tl.arange(0, B) // (BLOCK_N // 32), kb, kb < N // 32,
+                                N // 32, BLOCK_M, oq_ptr, od_ptr, os_ptr, 32)
 
     @triton.jit
     def _gemm_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr):
@@ -743,8 +754,8 @@ def _build():
     @triton.jit
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr,
-                           QTYPE: tl.constexpr = 12):
+                           STAGES: tl.constexpr, QTYPE: tl.constexpr = 12, oq_ptr=None, od_ptr=None, os_ptr=None,
+                           QUANT: tl.constexpr = False):
         """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
         sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
         scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
@@ -790,11 +801,13 @@ def _build():
                         a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
                         nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
                     acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
+                oq_ptr, od_ptr, os_ptr, QUANT)
 
     @triton.jit
     def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                           oq_ptr=None, od_ptr=None, os_ptr=None, QUANT: tl.constexpr = False):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
@@ -819,7 +832,8 @@ def _build():
                     isum = tl.dot(_bytes(qw, ASM), xt, out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
+                oq_ptr, od_ptr, os_ptr, QUANT)
 
     @triton.jit
     def _chunks4(t):
@@ -832,7 +846,8 @@ def _build():
     @triton.jit
     def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                            STAGES: tl.constexpr):
+                            STAGES: tl.constexpr, oq_ptr=None, od_ptr=None, os_ptr=None,
+                            QUANT: tl.constexpr = False):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
         (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
@@ -874,7 +889,8 @@ def _build():
                                    out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
+                oq_ptr, od_ptr, os_ptr, QUANT)
 
     @triton.jit
     def _words_from(w32, base, k0: tl.constexpr, n: tl.constexpr, odd):
@@ -894,7 +910,8 @@ def _build():
     @triton.jit
     def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr):
+                           STAGES: tl.constexpr, oq_ptr=None, od_ptr=None, os_ptr=None,
+                           QUANT: tl.constexpr = False):
         """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
         of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
         int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
@@ -943,7 +960,8 @@ def _build():
                 for s in tl.static_range(2 if GLU else 1):
                     nxt += (tl.fma(part[s], heads[s][2][:, None], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
+                oq_ptr, od_ptr, os_ptr, QUANT)
 
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
@@ -964,7 +982,8 @@ def _build():
         for skinny in {*WORD_KERNELS.values(), "skinny_q8_0w"}:
             kernels[f"{skinny}_tuned"] = autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k, **_loop_stages(skinny, st)}, num_warps=w,
-                               num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
+                               num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS],
+                key=["M", "N", "K", "GLU", "QUANT"],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
         for name in set(INT8_GEMVS.values()):
             kernels[f"{name}_tuned"] = autotune(
@@ -1054,8 +1073,8 @@ LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2,
 #: spilled more (Q4_K 48 bytes, Q6_K 208)
 QUANT_LANE_K_CONFIGS = [(8, 4, 1, 1), (4, 8, 1, 1), (2, 16, 1, 1), (4, 8, 2, 1), (8, 4, 2, 1), (2, 16, 2, 1),
                         (8, 8, 1, 2)]
-#: a 1-row gate/up GEMV quantizes silu(gate) * up for down as it stores it (its programs at
-#: QUANT_LANE_K_CONFIGS), in place of quantize_x's launch before down
+#: a gate/up product of up to QUANTIZE_ROWS rows quantizes silu(gate) * up for down as it stores it (a 1-row
+#: GEMV's programs at QUANT_LANE_K_CONFIGS), in place of quantize_x's launch before down
 GLU_QUANTIZES = False
 
 
@@ -1239,9 +1258,9 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
-    column stride (a fused q/k/v's columns of one segment). quantize: a 1-row word GEMV also leaves the
-    result's quantize_x for the product after it (remember_x8), where its programs take whole blocks of 32
-    rows. The 1-row GEMVs launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify
+    column stride (a fused q/k/v's columns of one segment). quantize: a word kernel also leaves the result's
+    quantize_x for the product after it (remember_x8): the few-row GEMMs always, a 1-row GEMV where its
+    programs take whole blocks of 32 rows. The 1-row GEMVs launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify
     window measured 8% slower on the H200 (5.75 ms against 5.32) while its decode step gained 12%."""
     rows, k = x.shape
     _check(data, qtype, k)
@@ -1251,8 +1270,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     kernels = _build()
     word = _word_kernel(qtype, rows, k, data.numel())
     tuned = config is None and f"{word}_tuned" in kernels
+    quant = x8_buffers(rows, n, x.device)[0] if word and quantize and n % 32 == 0 and y.is_contiguous() else None
     if word and rows == 1:
-        quant = x8_buffers(1, n, x.device)[0] if quantize and n % 32 == 0 and y.is_contiguous() else None
         if _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config, quant=quant):
             remember_x8(y, quant)
         return y
@@ -1264,6 +1283,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {})}
+        if quant:
+            extra.update(oq_ptr=quant[0], od_ptr=quant[1], os_ptr=quant[2], QUANT=True)
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
@@ -1271,6 +1292,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
             assert _split_fits(word, block_n, split, n, k), (word, shapes[0], n, k)
             kernels[word][(cdiv(n, block_n), split)](*args, BLOCK_N=block_n, SPLIT=split, num_warps=warps,
                                                      num_stages=stages, **_loop_stages(word, stages), **extra)
+        if quant:
+            remember_x8(y, quant)
         return y
     tab = _table(x.device)
     name = "gemv" if rows == 1 else "skinny"
