@@ -129,36 +129,6 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     assert rel(got, as_computed(half, qtype, 2048) @ w.T) <= 2 ** -7
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
-def test_a_gate_up_product_quantizes_its_rows_for_down_bit_for_bit(qtype, monkeypatch):
-    """matmul(glu, quantize): silu(gate) * up as without, and quantize_x's exact result of it left for down
-    (remember_x8). One row: from GEMV programs of 64 rows (96 rows: the second program's second block of 32
-    past them, masked) or of 32 (two warps taking a row's steps in turns); programs of 8 rows do not take
-    whole blocks and leave it to quantize_x. Five rows: from GEMM programs of 64 rows, in one K slice or as
-    the last of two, the padding rows zeros over a buffer full of garbage."""
-    data = torch.from_numpy(blocks(qtype, 192, 1024, 60 + qtype.value).copy())
-    gen = torch.Generator().manual_seed(5)
-    runs = [(1, (2, 4, 1, 1), False), (1, (16, 4, 1, 1), True), (1, (8, 8, 1, 2), True), (5, (64, 4, 1, 1), True),
-            (5, (64, 4, 1, 2), True)]
-    for rows, config, whole in runs:
-        x = torch.randn(rows, 1024, generator=gen).to(torch.bfloat16 if rows == 1 else torch.float16)
-        x8 = qk.quantize_x(x)
-        plain = qk.matmul(x, data, int(qtype), 96, glu=True, config=config, x8=x8)
-        assert qk.recall_x8(plain) is None
-        if rows > 1:
-            garbage = [torch.full_like(b, 7) for b in qk.x8_buffers(rows, 96, x.device)[0]]
-            monkeypatch.setattr(qk, "x8_buffers", lambda r, k, device: (garbage, 16, 32))
-        got = qk.matmul(x, data, int(qtype), 96, glu=True, config=config, x8=x8, quantize=True)
-        monkeypatch.undo()
-        x8 = qk.recall_x8(got)
-        assert got.equal(plain) and (x8 is not None) == whole
-        if whole:
-            want = qk.quantize_x(got)
-            assert len(x8) == len(want) == (3 if rows == 1 else 2)
-            for a, b in zip(x8, want):
-                assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
-
-
 def test_q8_0_gemm_of_blocks_in_fours_where_512_does_not_divide_k():
     """K = 1280 (10 steps of 4 blocks; Qwen2.5-1.5B's down has 8960 columns): Q8_0's few-row GEMM falls back
     from 16 blocks a step to 4, on the same int8 x; K slices (3, then 2 uneven) and gate/up fused, to 1e-6."""
@@ -354,9 +324,8 @@ def test_attention_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype
 def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, shape):
     """A Q4_K_M layer's 1-row and 4-row static steps through the Triton set: with the norms quantizing the
     rows that go into q/k/v, gate/up and the head (where those take int8 x; a MoE layer's experts: one
-    row), attention its rows for o (ATTENTION_QUANTIZE_ROWS) and a dense 1-row gate/up its row for down
-    (GLU_QUANTIZES), quantize_x's kernel runs that many times less, and every logit is the same as with it
-    run for every product."""
+    row) and attention its rows for o (ATTENTION_QUANTIZE_ROWS), quantize_x's kernel runs that many times
+    less, and every logit is the same as with it run for every product."""
     from strata.layers import triton_kernels as tk
     from strata.layers.kernels import TritonKernels
     from strata.models.random_init import random_target
@@ -364,8 +333,7 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
     from conftest import forward_at
 
     for name, shapes in (("GEMV_CONFIGS", [(128, 4, 4)]), ("SKINNY_CONFIGS", [(128, 4, 4)]),
-                         ("LANE_K_CONFIGS", [(1, 256, 4, 1)]), ("QUANT_LANE_K_CONFIGS", [(1, 256, 4, 1)]),
-                         ("WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])):
+                         ("LANE_K_CONFIGS", [(1, 256, 4, 1)]), ("WORD_SKINNY_CONFIGS", [(256, 4, 1, 1)])):
         monkeypatch.setattr(qk, name, shapes)  # wide blocks: few interpreted programs
     moe = dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2) if shape == "tiny-moe" else {}
     target = random_target(shape, quant="Q4_K_M", quantized=True, hidden_size=256, intermediate_size=512,
@@ -387,17 +355,15 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
         for fused in (False, True):
             monkeypatch.setattr(tk, "QUANTIZE_ROWS", 16 if fused else 0)  # both layouts (16: the default)
             monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 16)
-            monkeypatch.setattr(qk, "GLU_QUANTIZES", fused)
             launches.clear()
             recalled.clear()
             outs.append(forward_at(target, tokens, 0, target.make_cache(16), kv_len=16,
                                    kernels=TritonKernels(compiled=False)).logits)
             counts.append((len(launches), sum(recalled)))
         assert outs[1].equal(outs[0])
-        # one row: the norms' for q/k/v, gate/up (or the experts') and the head, attention's for o, the dense
-        # gate/up's for down (GLU_QUANTIZES); four rows: the norms' for the few-row GEMMs that take int8 x
-        # (q/k/v, the dense gate/up), attention's for o, the dense gate/up's for down
-        fewer = (4 if moe else 5) if len(tokens) == 1 else 2 if moe else 4
+        # one row: the norms' for q/k/v, gate/up (or the experts') and the head, attention's for o; four rows:
+        # the norms' for the few-row GEMMs that take int8 x (q/k/v, the dense gate/up), attention's for o
+        fewer = 4 if len(tokens) == 1 else 2 if moe else 3
         assert counts[0][1] == 0 and counts[1][1] == fewer and counts[1][0] == counts[0][0] - fewer, counts
 
 

@@ -136,55 +136,12 @@ def test_norm_rotate_store_writes_q_and_the_cache_cells(dtype):
     assert kc[untouched].eq(0).all() and vc[untouched].eq(0).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_norm_rotate_attend_does_both_kernels_work_in_attentions_launches(dtype, monkeypatch):
-    """norm_rotate_attend against norm_rotate_store then attention (Triton and reference): the output, the
-    new K/V cells (the chunk holding each stored by its program before it reads them; a window straddling
-    two chunks, one row, cells out of order as a tree's), no other cell touched."""
-    from strata.layers.ops import attend_grouped
-
-    gen = torch.Generator().manual_seed(12)
-    h, hk, d, cells = 8, 2, 32, 300
-    q_w, k_w = (torch.rand(d, generator=gen) + 0.5).to(dtype), (torch.rand(d, generator=gen) + 0.5).to(dtype)
-    old_k = torch.randn(cells + 20, hk, d, generator=gen).to(dtype)
-    old_v = torch.randn(cells + 20, hk, d, generator=gen).to(dtype)
-    monkeypatch.setattr(tk, "ATTENTION_ROTATES", True)
-    monkeypatch.setattr(tk, "ATTENTION_TARGET_SPLITS", 8)  # 300 cells: chunks of 64, a boundary at 256
-    for where in ([299], [250, 251, 252, 253, 254, 255, 256, 257], [290, 285, 286, 291]):
-        t = len(where)
-        at = torch.tensor(where)
-        proj = torch.randn(t, (h + 2 * hk) * d, generator=gen).to(dtype)  # one fused q/k/v projection
-        qk, v = proj[:, :(h + hk) * d].view(t, h + hk, d), proj[:, (h + hk) * d:].view(t, hk, d)
-        angle = torch.randn(t, 1, d // 2, generator=gen)
-        cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
-        mask = torch.arange(cells).unsqueeze(0) <= at.unsqueeze(1)
-        mask[:, 100:120] = False
-        got_k, got_v = old_k.clone(), old_v.clone()
-        assert tk.norm_rotate_attend_fits(qk, v, h, got_k, got_v, mask)
-        got = tk.norm_rotate_attend(qk, v, q_w, k_w, cos, sin, 1e-6, h, got_k, got_v, at, cells, mask)
-        for store, attend in ((tk.norm_rotate_store, tk.attention), (norm_rotate_store, attend_grouped)):
-            want_k, want_v = old_k.clone(), old_v.clone()
-            q = store(qk, v, q_w, k_w, cos, sin, 1e-6, h, want_k, want_v, at)
-            want = attend(q, want_k[:cells], want_v[:cells], mask)
-            close(got, want, dtype)
-            close(got_k, want_k, dtype)
-            assert got_v.equal(want_v)
-        untouched = [i for i in range(cells + 20) if i not in where]
-        assert got_k[untouched].equal(old_k[untouched]) and got_v[untouched].equal(old_v[untouched])
-    # a tree's verify larger than a program's rows keeps the two launches
-    many = torch.zeros(17, h + hk, d, dtype=dtype)
-    assert not tk.norm_rotate_attend_fits(many, many[:, :hk], h, old_k, old_v, torch.ones(17, cells, dtype=torch.bool))
-
-
-@pytest.mark.parametrize("rotates", [False, True])
-def test_static_forward_with_triton_kernels_matches_the_eager_one(rotates, monkeypatch):
+def test_static_forward_with_triton_kernels_matches_the_eager_one(monkeypatch):
     """The target's static step (1-token decode and a 4-row verify window) with the Triton kernels in
-    place of cuBLAS projections, grouped attention and the q/k group (its own launch, or attention's:
-    ATTENTION_ROTATES): same logits, same cache."""
-    monkeypatch.setattr(tk, "ATTENTION_ROTATES", rotates)
+    place of cuBLAS projections, grouped attention and the q/k group: same logits, same cache."""
     target = random_target("tiny", seed=4)
     kernels = TritonKernels(compiled=False)
-    calls = {"gemv": 0, "skinny": 0, "attention": 0, "norm_rotate_store": 0, "norm_rotate_attend": 0}
+    calls = {"gemv": 0, "skinny": 0, "attention": 0, "norm_rotate_store": 0}
     def counting(name):
         fn = getattr(tk, name)
 
@@ -214,9 +171,8 @@ def test_static_forward_with_triton_kernels_matches_the_eager_one(rotates, monke
         close(got_kv.v, want_kv.v, torch.float32)
     layers = target.cfg.num_layers
     # qkv, o, gate/up, down per layer and the LM head: by the GEMV in the decode, the skinny GEMM in the window
-    two = 0 if rotates else 2 * layers
-    assert calls == {"gemv": 4 * layers + 1, "skinny": 4 * layers + 1, "attention": two, "norm_rotate_store": two,
-                     "norm_rotate_attend": 2 * layers - two}
+    assert calls == {"gemv": 4 * layers + 1, "skinny": 4 * layers + 1, "attention": 2 * layers,
+                     "norm_rotate_store": 2 * layers}
 
 
 def test_compiled_triton_set_keeps_its_own_kernels():

@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import delta_kernels, fla_kernels, ops, pdl, quant_kernels
+from . import delta_kernels, fla_kernels, ops, pdl
 from .quant import QuantExperts, QuantWeight
 
 #: the elementwise groups a compiled set fuses, each one kernel
@@ -86,16 +86,12 @@ class Kernels:
         these methods."""
         return layer.mix(proj, first, state, self)
 
-    def gate_up_silu(self, x: torch.Tensor, gate_up, into=None) -> torch.Tensor:
-        """silu(gate) * up of a stacked gate/up matrix ([2I, K]); into as in rms_norm."""
+    def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
+        """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
         if isinstance(gate_up, QuantWeight):
-            fused = gate_up.gate_up_silu(x, self._glu_quantizes(x, into))
+            fused = gate_up.gate_up_silu(x)
             return fused if fused is not None else self.silu_mul(gate_up.matmul(x))
         return self.silu_mul(self.linear(x, gate_up))
-
-    def _glu_quantizes(self, x: torch.Tensor, into) -> bool:
-        """Whether a quantized gate/up GEMV quantizes its row for `into` (down) as it stores it."""
-        return False
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                into=None) -> torch.Tensor:
@@ -103,13 +99,6 @@ class Kernels:
         if self.attention == "grouped" and q.dim() == 3:
             return ops.attend_grouped(q, k, v, mask, self.masked_softmax)
         return ops.attend_sdpa(q, k, v, mask)
-
-    def norm_rotate_attend(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells,
-                           kv_len: int, mask: torch.Tensor, into=None) -> torch.Tensor:
-        """A layer's attention between its projections: norm_rotate_store, then the rows' queries over the
-        first kv_len cells (attend); a kernel set may do both in the same launches."""
-        q = self.norm_rotate_store(qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)
-        return self.attend(q, k_cache.narrow(-3, 0, kv_len), v_cache.narrow(-3, 0, kv_len), mask, into)
 
 
 class TritonKernels(Kernels):
@@ -150,9 +139,9 @@ class TritonKernels(Kernels):
             return F.linear(x, w, b)
         return self._either(name, lambda: getattr(self._tk, name)(x, w, b), lambda: F.linear(x, w, b))
 
-    def gate_up_silu(self, x, gate_up, into=None):
+    def gate_up_silu(self, x, gate_up):
         if isinstance(gate_up, QuantWeight):
-            return super().gate_up_silu(x, gate_up, into)
+            return super().gate_up_silu(x, gate_up)
         name = self._tk.projection_kernel(x, gate_up)
         slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731
         if name is None:
@@ -194,17 +183,6 @@ class TritonKernels(Kernels):
             return self._either("attention", lambda: self._tk.attention(q, k, v, mask, quantize), slow)
         return slow()
 
-    def norm_rotate_attend(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells, kv_len,
-                           mask, into=None):
-        args = (qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)
-        slow = lambda: super(TritonKernels, self).norm_rotate_attend(*args, kv_len, mask, into)  # noqa: E731
-        if (self.attention == "grouped" and q_weight is not None
-                and self._tk.norm_rotate_attend_fits(qk, v, heads, k_cache, v_cache, mask)):
-            quantize = self._int8_into(into, qk.shape[0])
-            return self._either("norm_rotate_attend",
-                                lambda: self._tk.norm_rotate_attend(*args, kv_len, mask, quantize), slow)
-        return slow()
-
     def rms_norm(self, x, weight, eps, into=None):
         return self._norm(x, None, weight, eps, into, lambda: self.groups["rms_norm"](x, weight, eps))
 
@@ -218,9 +196,6 @@ class TritonKernels(Kernels):
             return slow()
         quantize = self._int8_into(into, x.numel() // x.shape[-1])
         return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual, quantize), slow)
-
-    def _glu_quantizes(self, x, into):
-        return quant_kernels.GLU_QUANTIZES and self._int8_into(into, x.numel() // x.shape[-1])
 
     def _int8_into(self, into, rows: int) -> bool:
         """Whether a kernel quantizes its `rows` rows of output for `into` (a quantized matrix taking int8 x)."""

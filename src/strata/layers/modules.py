@@ -117,17 +117,17 @@ class Attention(nn.Module):
         qk_width = (heads + self.kv_heads) * d
         qk = out[..., :qk_width].unflatten(-1, (heads + self.kv_heads, d))
         v = out[..., qk_width:].unflatten(-1, (self.kv_heads, d))
-        q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        rope = (step.rope.cos, step.rope.sin, self.eps, heads, kv.k, kv.v, step.cells)
-        if step.probe is None:
-            a = kernels.norm_rotate_attend(qk, v, q_w, k_w, *rope, step.kv_len, mask,
-                                           self.o_proj.weight if gate is None else None)
-        else:
+        if step.probe is not None:
             qk = torch.cat([step.probed(self.index, "q_raw", qk[..., :heads, :]), qk[..., heads:, :]], dim=-2)
-            q = step.probed(self.index, "q_roped", kernels.norm_rotate_store(qk, v, q_w, k_w, *rope))
+        q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        q = kernels.norm_rotate_store(qk, v, q_w, k_w, step.rope.cos, step.rope.sin, self.eps, heads, kv.k, kv.v,
+                                      step.cells)
+        if step.probe is not None:
+            q = step.probed(self.index, "q_roped", q)
             step.probe_cells(self.index, "k", kv.k)
             step.probe_cells(self.index, "v", kv.v)
-            a = kernels.attend(q, kv.k.narrow(-3, 0, step.kv_len), kv.v.narrow(-3, 0, step.kv_len), mask)
+        into = self.o_proj.weight if gate is None and step.probe is None else None
+        a = kernels.attend(q, kv.k.narrow(-3, 0, step.kv_len), kv.v.narrow(-3, 0, step.kv_len), mask, into)
         return a if gate is None else a * torch.sigmoid(gate)
 
     def store_context(self, c: torch.Tensor, step: Step, kv: LayerKV) -> None:
@@ -149,8 +149,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
-        return self.down_proj(kernels.gate_up_silu(h, self.gate_up_proj.weight, into=self.down_proj.weight),
-                              kernels)
+        return self.down_proj(kernels.gate_up_silu(h, self.gate_up_proj.weight), kernels)
 
 
 class SparseMoE(nn.Module):

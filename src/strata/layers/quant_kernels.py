@@ -375,39 +375,27 @@ def _build():
 
     @triton.jit
     def _store_lane_rows(y_ptr, acc, first, N, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr,
-                         KS: tl.constexpr, oq_ptr, od_ptr, os_ptr, QUANT: tl.constexpr):
+                         KS: tl.constexpr):
         """Add up the lanes' (and a row's KS warps') partial sums of each row and store them (with GLU
-        silu(gate) * up). QUANT: the program's RT * WARPS / KS rows of y, whole blocks of 32 of the 1-row x
-        of the product after it (N / 32 blocks), also quantized as quantize_x_kernel would (quantize_blocks,
-        SUMS 16) into oq, od and os: that product's x8 without a launch of its own."""
+        silu(gate) * up)."""
         RW: tl.constexpr = WARPS // KS
         rows = first + tl.arange(0, RW)
         out_ty = y_ptr.dtype.element_ty
-        ys = tl.zeros([RT, RW], dtype=tl.float32)
         for r in tl.static_range(RT):
             at_r = rows + r * RW
             y0 = tl.sum(tl.reshape(tl.sum(acc[r], axis=1), (RW, KS)), axis=1)
             if GLU:
                 y1 = tl.sum(tl.reshape(tl.sum(acc[RT + r], axis=1), (RW, KS)), axis=1)
-                y = _silu_mul(y0, y1, out_ty).to(out_ty)
+                tl.store(y_ptr + at_r, _silu_mul(y0, y1, out_ty).to(out_ty), mask=at_r < N)
             else:
-                y = y0.to(out_ty)
-            tl.store(y_ptr + at_r, y, mask=at_r < N)
-            if QUANT:
-                ys = tl.where(tl.arange(0, RT)[:, None] == r, y.to(tl.float32)[None, :], ys)
-        if QUANT:
-            tl.static_assert(RT * RW % 32 == 0)
-            kb = first // 32 + tl.arange(0, RT * RW // 32)
-            quantize_blocks(tl.reshape(ys, (RT * RW // 32, 32)), 0 * kb, kb, kb < N // 32, N // 32, 1, oq_ptr,
-                            od_ptr, os_ptr, 16)
+                tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
 
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, oq_ptr=None, od_ptr=None, os_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -476,7 +464,7 @@ def _build():
                     a += d * dot - dmin * mins
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, oq_ptr, od_ptr, os_ptr, QUANT)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
 
     @triton.jit
     def _q6_bits(ql, qh, m):
@@ -524,8 +512,7 @@ def _build():
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, oq_ptr=None, od_ptr=None, os_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -583,15 +570,14 @@ def _build():
                               + sch * (xdh * ihi.to(tl.float32) - 32.0 * xsh))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, oq_ptr, od_ptr, os_ptr, QUANT)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
 
     @triton.jit
     def gemv_q8_0c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, oq_ptr=None, od_ptr=None, os_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
         Q8_0's GEMV had until 58bdb13, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
@@ -650,7 +636,7 @@ def _build():
                     a += da * (xda * ia.to(tl.float32)) + db * (xdb * ib.to(tl.float32))
                 nxt += (a,)
             acc = nxt
-        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS, oq_ptr, od_ptr, os_ptr, QUANT)
+        _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
 
     @triton.jit
     def _k_range(blocks, SPLIT: tl.constexpr):
@@ -660,14 +646,10 @@ def _build():
         return lo, tl.minimum(lo + per, blocks)
 
     @triton.jit
-    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr,
-                oq_ptr, od_ptr, os_ptr, QUANT: tl.constexpr):
+    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr):
         """Store the few-row GEMMs' [BLOCK_M, BLOCK_N] results (acc: (gate or all, up)), with GLU silu(gate) * up.
         With SPLIT > 1 each program holds a K slice's partial sums: it writes them to the workspace, and the
-        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores. QUANT: the
-        results, as stored, also quantized for the few-row product after them as quantize_x_kernel would
-        (X_ROWS rows of N / 32 blocks, SUMS 32) into oq, od (os unused): rows past M are zeros, as x's
-        padding rows are."""
+        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores."""
         BLOCK_M: tl.constexpr = acc[0].shape[0]
         BLOCK_N: tl.constexpr = acc[0].shape[1]
         m = tl.arange(0, BLOCK_M)
@@ -697,13 +679,6 @@ def _build():
                 y = _silu_mul(y, a1, out_ty)
             tl.store(y_ptr + m[:, None] * stride_y + rows[None, :], y.to(out_ty),
                      mask=(m < M)[:, None] & (rows < N)[None, :])
-            if QUANT:
-                tl.static_assert(BLOCK_N % 32 == 0)
-                B: tl.constexpr = BLOCK_M * BLOCK_N // 32
-                kb = tl.program_id(0) * (BLOCK_N // 32) + tl.arange(0, B) % (BLOCK_N // 32)
-                x = tl.where((m < M)[:, None], y.to(out_ty).to(tl.float32), 0.0)
-                quantize_blocks(tl.reshape(x, (B, 32)), tl.arange(0, B) // (BLOCK_N // 32), kb, kb < N // 32,
-                                N // 32, BLOCK_M, oq_ptr, od_ptr, os_ptr, 32)
 
     @triton.jit
     def _gemm_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr):
@@ -754,8 +729,8 @@ def _build():
     @triton.jit
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, QTYPE: tl.constexpr = 12, oq_ptr=None, od_ptr=None, os_ptr=None,
-                           QUANT: tl.constexpr = False):
+                           STAGES: tl.constexpr,
+                           QTYPE: tl.constexpr = 12):
         """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
         sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
         scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
@@ -801,13 +776,11 @@ def _build():
                         a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
                         nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
                     acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                oq_ptr, od_ptr, os_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           oq_ptr=None, od_ptr=None, os_ptr=None, QUANT: tl.constexpr = False):
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
@@ -832,8 +805,7 @@ def _build():
                     isum = tl.dot(_bytes(qw, ASM), xt, out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                oq_ptr, od_ptr, os_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def _chunks4(t):
@@ -846,8 +818,7 @@ def _build():
     @triton.jit
     def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                            STAGES: tl.constexpr, oq_ptr=None, od_ptr=None, os_ptr=None,
-                            QUANT: tl.constexpr = False):
+                            STAGES: tl.constexpr):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
         (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
@@ -889,8 +860,7 @@ def _build():
                                    out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                oq_ptr, od_ptr, os_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def _words_from(w32, base, k0: tl.constexpr, n: tl.constexpr, odd):
@@ -910,8 +880,7 @@ def _build():
     @triton.jit
     def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, oq_ptr=None, od_ptr=None, os_ptr=None,
-                           QUANT: tl.constexpr = False):
+                           STAGES: tl.constexpr):
         """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
         of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
         int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
@@ -960,8 +929,7 @@ def _build():
                 for s in tl.static_range(2 if GLU else 1):
                     nxt += (tl.fma(part[s], heads[s][2][:, None], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                oq_ptr, od_ptr, os_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
@@ -982,15 +950,13 @@ def _build():
         for skinny in {*WORD_KERNELS.values(), "skinny_q8_0w"}:
             kernels[f"{skinny}_tuned"] = autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k, **_loop_stages(skinny, st)}, num_warps=w,
-                               num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS],
-                key=["M", "N", "K", "GLU", "QUANT"],
+                               num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
         for name in set(INT8_GEMVS.values()):
             kernels[f"{name}_tuned"] = autotune(
                 [triton.Config({"RT": rt, "WARPS": w, "KU": ku, "KS": ks}, num_warps=w)
-                 for rt, w, ku, ks in dict.fromkeys(LANE_K_CONFIGS + QUANT_LANE_K_CONFIGS)],
-                key=["N", "K", "GLU", "QTYPE", "EXPERTS", "QUANT"],
-                prune_configs_by={"early_config_prune": _prune_lanes})(kernels[name])
+                 for rt, w, ku, ks in LANE_K_CONFIGS],
+                key=["N", "K", "GLU", "QTYPE", "EXPERTS"])(kernels[name])
         kernels["skinny_tuned"] = autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in SKINNY_CONFIGS],
             key=["M", "N", "K", "QTYPE", "GLU"])(skinny_kernel)
@@ -1066,30 +1032,6 @@ SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (3
 #: down, 12288 columns, 22.5 us against 24.3 ((2, 4, 1, 2) tied on Q4_K's LM head, 118.9 us against 118.9)
 LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2, 1, 1), (1, 4, 2, 1), (2, 4, 2, 1),
                   (1, 2, 2, 1), (2, 2, 2, 1), (1, 4, 4, 1), (1, 2, 4, 1), (4, 2, 2, 1), (8, 2, 1, 1), (1, 4, 1, 2)]
-
-#: the lanes-along-K shapes whose programs take whole blocks of 32 rows, over which a GEMV that quantizes its
-#: rows for the product after it (matmul's quantize, GLU_QUANTIZES) is tuned. With GLU, sm_90, Triton 3.6:
-#: 53-188 registers a thread, no spills but Q6_K's at (8, 4, 2, 1) (48 bytes of stack); 16 rows a thread
-#: spilled more (Q4_K 48 bytes, Q6_K 208)
-QUANT_LANE_K_CONFIGS = [(8, 4, 1, 1), (4, 8, 1, 1), (2, 16, 1, 1), (4, 8, 2, 1), (8, 4, 2, 1), (2, 16, 2, 1),
-                        (8, 8, 1, 2)]
-#: a gate/up product of up to QUANTIZE_ROWS rows quantizes silu(gate) * up for down as it stores it (a 1-row
-#: GEMV's programs at QUANT_LANE_K_CONFIGS), in place of quantize_x's launch before down
-GLU_QUANTIZES = False
-
-
-def _lane_rows_covered(rt: int, warps: int, ks: int) -> int:
-    """Rows of W a lanes-along-K GEMV program takes (with GLU: gate rows, each with its up row)."""
-    return rt * warps // ks
-
-
-def _prune_lanes(configs, named_args, **kwargs):
-    """The tuned GEMVs' shapes: LANE_K_CONFIGS', or with QUANT those whose programs take whole blocks of 32."""
-    if kwargs.get("QUANT"):
-        return [c for c in configs if _lane_rows_covered(*(c.kwargs[k] for k in ("RT", "WARPS", "KS"))) % 32 == 0]
-    plain = set(LANE_K_CONFIGS)
-    return [c for c in configs if tuple(c.kwargs[k] for k in ("RT", "WARPS", "KU", "KS")) in plain]
-
 
 #: the word GEMMs' (skinny_q4k8, skinny_q6k8, skinny_q8_0, skinny_q8_0w): (rows of W per program, warps, stages,
 #: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
@@ -1254,14 +1196,13 @@ def recall_x8(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
            config: tuple[int, ...] | None = None, x8: tuple | None = None,
-           out: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
-    column stride (a fused q/k/v's columns of one segment). quantize: a word kernel also leaves the result's
-    quantize_x for the product after it (remember_x8): the few-row GEMMs always, a 1-row GEMV where its
-    programs take whole blocks of 32 rows. The 1-row GEMVs launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify
-    window measured 8% slower on the H200 (5.75 ms against 5.32) while its decode step gained 12%."""
+    column stride (a fused q/k/v's columns of one segment). The 1-row GEMVs launch with PDL (pdl.py), the
+    few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower on the H200 (5.75 ms against
+    5.32) while its decode step gained 12%."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()
@@ -1270,10 +1211,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     kernels = _build()
     word = _word_kernel(qtype, rows, k, data.numel())
     tuned = config is None and f"{word}_tuned" in kernels
-    quant = x8_buffers(rows, n, x.device)[0] if word and quantize and n % 32 == 0 and y.is_contiguous() else None
     if word and rows == 1:
-        if _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config, quant=quant):
-            remember_x8(y, quant)
+        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config)
         return y
     if word:
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
@@ -1283,8 +1222,6 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {})}
-        if quant:
-            extra.update(oq_ptr=quant[0], od_ptr=quant[1], os_ptr=quant[2], QUANT=True)
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
@@ -1292,8 +1229,6 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
             assert _split_fits(word, block_n, split, n, k), (word, shapes[0], n, k)
             kernels[word][(cdiv(n, block_n), split)](*args, BLOCK_N=block_n, SPLIT=split, num_warps=warps,
                                                      num_stages=stages, **_loop_stages(word, stages), **extra)
-        if quant:
-            remember_x8(y, quant)
         return y
     tab = _table(x.device)
     name = "gemv" if rows == 1 else "skinny"
@@ -1306,34 +1241,26 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
 
 
 def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype: int, n: int, k: int,
-               row_bytes: int, glu: bool, config: tuple[int, ...] | None, programs: int = 1,
-               quant: tuple | None = None, **experts) -> bool:
+               row_bytes: int, glu: bool, config: tuple[int, ...] | None, programs: int = 1, **experts) -> None:
     """The 1-row word GEMV `word` (INT8_GEMVS) on x8 (quantize_x's): its tuned variant where the device has
     it and no config is given, else at config (or the first of its list). programs along axis 1 with
-    experts (the kernels' EXPERTS arguments: _assignment). quant: x8_buffers for y's quantize_x, written
-    where the shape's programs take whole blocks of 32 rows (tuned: QUANT_LANE_K_CONFIGS); returns whether
-    they were."""
+    experts (the kernels' EXPERTS arguments: _assignment)."""
     kernels = _build()
 
-    def covered(meta) -> int:
-        return _lane_rows_covered(meta["RT"], meta["WARPS"], meta["KS"])
+    def covered(meta) -> int:  # rows of W a program takes (with GLU: gate rows, each with its up row)
+        return meta["RT"] * meta["WARPS"] // meta["KS"]
 
     if word == "gemv_q8_0c":  # in place of the sums, x laid out as Q8_0 rows (quantize_x's q after its K values)
         q, d = x8[:2]
         x8 = (q, d, q[d.numel() * 32:])
     args = (*x8, data, y, n, k, row_bytes if word == "gemv_q6k8c" else row_bytes // 4)  # its rows: any even byte
     extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **experts, **pdl.options(y.device)}
-    tuned = config is None and f"{word}_tuned" in kernels
-    rt, warps, ku, ks = config or (QUANT_LANE_K_CONFIGS if quant and not tuned else LANE_K_CONFIGS)[0]
-    meta = {"RT": rt, "WARPS": warps, "KU": ku, "KS": ks}
-    if quant and (tuned or covered(meta) % 32 == 0):
-        q, d, s = quant
-        extra.update(oq_ptr=q, od_ptr=d, os_ptr=s, QUANT=True)
-    if tuned:
+    if config is None and f"{word}_tuned" in kernels:
         kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
-    else:
-        kernels[word][(cdiv(n, covered(meta)), programs)](*args, **meta, num_warps=warps, **extra)
-    return extra.get("QUANT", False)
+        return
+    rt, warps, ku, ks = config or LANE_K_CONFIGS[0]
+    meta = {"RT": rt, "WARPS": warps, "KU": ku, "KS": ks}
+    kernels[word][(cdiv(n, covered(meta)), programs)](*args, **meta, num_warps=warps, **extra)
 
 
 def _byte_kernel(name: str, n: int, programs: int, args: tuple, config: tuple[int, ...], tune: bool,

@@ -18,8 +18,7 @@ write into three kernels. The kernels here do each of those in one launch:
   inductor's group for the 8B and 30B rows is a looped reduction (`triton_red_*`, the row read twice);
   on the H200 decode steps were 0.9-2.5% faster.
 - `norm_rotate_store`: per-head q/k RMSNorm and NeoX RoPE, q written out, k and v stored at their
-  positions in the cache; `norm_rotate_attend` can do that work inside attention's first launch instead
-  (each program norming and rotating its query rows, and storing the new cells of its chunk itself).
+  positions in the cache.
 
 On Hopper they launch with programmatic dependent launch (pdl.py): each is launched while the one before
 it drains, and waits for it before its first read. They follow the rounding of the reference ops (ops.py)
@@ -216,15 +215,10 @@ def _build():
 
     @triton.jit
     def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
-                                 stride_mask, chunk, scale, new_v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, cells_ptr,
-                                 eps, stride_q, stride_v, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
+                                 stride_mask, chunk, scale, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
                                  D: tl.constexpr, R: tl.constexpr, RT: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 PRECISION: tl.constexpr, ROTATE: tl.constexpr = False, TP: tl.constexpr = 2,
-                                 PDL: tl.constexpr = False):
-        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells.
-        ROTATE (one row block): q_ptr holds the rows' q/k projection (stride_q a row) and new_v_ptr their v,
-        and the program does norm_rotate_store's work first: its rows of q normed and rotated in registers,
-        and the rows' new K/V of its head whose cells fall in its chunk stored there before it reads them."""
+                                 PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells."""
         settle(PDL)
         kvh = tl.program_id(0)
         split = tl.program_id(1)
@@ -234,30 +228,11 @@ def _build():
         rvalid = r < T * G
         d = tl.arange(0, D)
         head = kvh * G + r % G
-        start = split * chunk
-        if ROTATE:
-            HALF: tl.constexpr = D // 2
-            i = tl.arange(0, HALF)
-            r1, r2 = _norm_rope(q_ptr + t[:, None] * stride_q + head[:, None] * D, qw_ptr, cos_ptr + t[:, None] * D,
-                                sin_ptr + t[:, None] * D, i[None, :], rvalid[:, None], eps, HALF)
-            q = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (R, D))
-            tn = tl.arange(0, TP)
-            cell = tl.load(cells_ptr + tn, mask=tn < T, other=-1).to(tl.int64)
-            mine = ((tn < T) & (cell >= start) & (cell < start + chunk))[:, None]
-            k1, k2 = _norm_rope(q_ptr + tn[:, None] * stride_q + (HK * G + kvh) * D, kw_ptr, cos_ptr + tn[:, None] * D,
-                                sin_ptr + tn[:, None] * D, i[None, :], mine, eps, HALF)
-            dst = cell[:, None] * stride_cell + kvh * D + i[None, :]
-            tl.store(k_ptr + dst, k1, mask=mine)
-            tl.store(k_ptr + dst + HALF, k2, mask=mine)
-            vsrc = new_v_ptr + tn[:, None] * stride_v + kvh * D + i[None, :]
-            tl.store(v_ptr + dst, tl.load(vsrc, mask=mine), mask=mine)
-            tl.store(v_ptr + dst + HALF, tl.load(vsrc + HALF, mask=mine), mask=mine)
-            tl.debug_barrier()  # the cells stored before any thread of the program reads them
-        else:
-            q = tl.load(q_ptr + (t * (HK * G) + head)[:, None] * D + d[None, :], mask=rvalid[:, None], other=0.0)
+        q = tl.load(q_ptr + (t * (HK * G) + head)[:, None] * D + d[None, :], mask=rvalid[:, None], other=0.0)
         m_i = tl.full([R], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([R], dtype=tl.float32)
         acc = tl.zeros([R, D], dtype=tl.float32)
+        start = split * chunk
         for s0 in range(start, start + chunk, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             smask = s < S
@@ -356,23 +331,6 @@ def _build():
                             q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
-    def _norm_rope(src, w_ptr, cos_ptr, sin_ptr, i, ok, eps, HALF: tl.constexpr):
-        """Heads of 2 HALF values (their halves at src + i and src + HALF + i, i along the last axis) RMS-normed
-        by weight w_ptr and rotated by NeoX RoPE, rounding as ops.norm_rotate_store: the two halves."""
-        ty = src.dtype.element_ty
-        x1 = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + i, mask=ok, other=0.0).to(tl.float32)
-        inv = tl.rsqrt((tl.sum(x1 * x1, axis=-1, keep_dims=True) + tl.sum(x2 * x2, axis=-1, keep_dims=True))
-                       / (2 * HALF) + eps)
-        n1 = ((x1 * inv).to(ty).to(tl.float32) * tl.load(w_ptr + i).to(tl.float32)).to(ty).to(tl.float32)
-        n2 = ((x2 * inv).to(ty).to(tl.float32) * tl.load(w_ptr + HALF + i).to(tl.float32)).to(ty).to(tl.float32)
-        cos1 = tl.load(cos_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        cos2 = tl.load(cos_ptr + HALF + i, mask=ok, other=0.0).to(tl.float32)
-        sin1 = tl.load(sin_ptr + i, mask=ok, other=0.0).to(tl.float32)
-        sin2 = tl.load(sin_ptr + HALF + i, mask=ok, other=0.0).to(tl.float32)
-        return (n1 * cos1 - n2 * sin1).to(ty), (n2 * cos2 + n1 * sin2).to(ty)
-
-    @triton.jit
     def norm_rotate_store_kernel(qk_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
                                  v_cache_ptr, eps, stride_qk, stride_v, stride_cell, H: tl.constexpr, HK: tl.constexpr,
                                  HALF: tl.constexpr, PDL: tl.constexpr = False):
@@ -381,9 +339,27 @@ def _build():
         head = tl.program_id(1)
         D: tl.constexpr = 2 * HALF
         i = tl.arange(0, HALF)
-        w_ptr = qw_ptr if head < H else kw_ptr
-        r1, r2 = _norm_rope(qk_ptr + t * stride_qk + head * D, w_ptr, cos_ptr + t * D, sin_ptr + t * D, i, i >= 0,
-                            eps, HALF)
+        src = qk_ptr + t * stride_qk + head * D
+        x1 = tl.load(src + i).to(tl.float32)
+        x2 = tl.load(src + HALF + i).to(tl.float32)
+        ty = qk_ptr.dtype.element_ty
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        if head < H:
+            w1 = tl.load(qw_ptr + i).to(tl.float32)
+            w2 = tl.load(qw_ptr + HALF + i).to(tl.float32)
+        else:
+            w1 = tl.load(kw_ptr + i).to(tl.float32)
+            w2 = tl.load(kw_ptr + HALF + i).to(tl.float32)
+        n1 = (x1 * inv).to(ty).to(tl.float32) * w1
+        n2 = (x2 * inv).to(ty).to(tl.float32) * w2
+        n1 = n1.to(ty).to(tl.float32)
+        n2 = n2.to(ty).to(tl.float32)
+        cos1 = tl.load(cos_ptr + t * D + i).to(tl.float32)
+        cos2 = tl.load(cos_ptr + t * D + HALF + i).to(tl.float32)
+        sin1 = tl.load(sin_ptr + t * D + i).to(tl.float32)
+        sin2 = tl.load(sin_ptr + t * D + HALF + i).to(tl.float32)
+        r1 = (n1 * cos1 - n2 * sin1).to(ty)
+        r2 = (n2 * cos2 + n1 * sin2).to(ty)
         if head < H:
             dst = q_out_ptr + (t * H + head) * D
             tl.store(dst + i, r1)
@@ -397,7 +373,6 @@ def _build():
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
     globals()["_norm_columns"] = _norm_columns  # called by name, as settle is
-    globals()["_norm_rope"] = _norm_rope
     return {"gemv": gemv_kernel, "expert_down_sum": expert_down_sum_kernel, "skinny": skinny_kernel,
             "attention_partial": attention_partial_kernel, "attention_combine": attention_combine_kernel,
             "route": route_kernel, "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
@@ -632,54 +607,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     a program holds (a tree's verify) are split over programs too, in the same launch. quantize (up to
     ATTENTION_QUANTIZE_ROWS rows, 32 | D): the output also quantized for the int8-x product that reads it
     next (as rms_norm's)."""
-    q = q.contiguous()
-    return _attention(q, q.shape[1], k, v, mask, quantize)
-
-
-#: whether a layer's attention does norm_rotate_store's work in its partial programs (norm_rotate_attend: one
-#: launch fewer a layer, no counting). Off until measured on a GPU against the two launches; the A/B:
-#: tools/pdl_ab.py --shape qwen3-8b --quant Q4_K_M --windows 1 16 --knob
-#: strata.layers.triton_kernels.ATTENTION_ROTATES --settings False True False True
-ATTENTION_ROTATES = False
-
-
-def norm_rotate_attend_fits(qk: torch.Tensor, v: torch.Tensor, heads: int, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, mask: torch.Tensor) -> bool:
-    """norm_rotate_attend's shapes: norm_rotate_store's and attention's layouts, and the window's query rows
-    within one program (a tree's larger verify keeps the two launches)."""
-    t, _, d = qk.shape
-    hk = k_cache.shape[-2]
-    return (ATTENTION_ROTATES and qk.dim() == 3 and norm_rotate_store_fits(qk, v, k_cache, v_cache)
-            and attention_fits(qk[:, :heads], k_cache, v_cache, mask)
-            and t * (heads // hk) <= attention_tiles(d)[0])
-
-
-def norm_rotate_attend(qk: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                       cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, cells: torch.Tensor, kv_len: int, mask: torch.Tensor,
-                       quantize: bool = False) -> torch.Tensor:
-    """norm_rotate_store then attention over the first kv_len cells, in attention's two launches: each
-    partial program norms and rotates its query rows itself and stores the window's new K/V cells of its
-    chunk before reading them (norm_rotate_attend_fits' shapes). Returns [T, H*D] as attention does."""
-    rotate = (v, q_weight.contiguous(), k_weight.contiguous(), cos.contiguous(), sin.contiguous(), cells, eps,
-              qk.stride(0), v.stride(0))
-    return _attention(qk, heads, k_cache.narrow(-3, 0, kv_len), v_cache.narrow(-3, 0, kv_len), mask, quantize,
-                      rotate)
-
-
-def _attention(q: torch.Tensor, h: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, quantize: bool,
-               rotate: tuple | None = None) -> torch.Tensor:
-    """attention's launches over q [T, H (+ Hkv with rotate), D]; rotate: the partial kernel's
-    norm_rotate_store arguments (norm_rotate_attend), else it reads q as it is."""
     from . import quant_kernels as qk
 
-    t, _, d = q.shape
+    t, h, d = q.shape
     s, hk, _ = k.shape
     g = h // hk
     max_rows, block = attention_tiles(d)
     rows = min(max_rows, max(16, pow2(t * g)))
     row_blocks = cdiv(t * g, rows)
-    assert rotate is None or row_blocks == 1
     blocks = cdiv(s, block)
     # the programs' count, and their float32 partials, stay near a decode's when row blocks multiply them
     chunk = block * cdiv(blocks, max(1, ATTENTION_TARGET_SPLITS // row_blocks))
@@ -688,11 +623,10 @@ def _attention(q: torch.Tensor, h: int, k: torch.Tensor, v: torch.Tensor, mask: 
     o = torch.empty(hk, splits, row_blocks * rows, d, device=q.device, dtype=torch.float32)
     m = torch.empty(hk, splits, row_blocks * rows, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
+    q = q.contiguous()
     kernels["attention_partial"][(hk, splits, row_blocks)](
-        q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5,
-        *(rotate or (q, q, q, q, q, q, 0.0, 0, 0)), T=t, G=g, HK=hk, D=d, R=rows, RT=row_blocks * rows, BLOCK_S=block,
-        PRECISION=precision(q), ROTATE=rotate is not None,
-        TP=max(2, pow2(t)), num_warps=4, **pdl.options(q.device))
+        q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
+        RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4, **pdl.options(q.device))
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
     quantize = quantize and t <= ATTENTION_QUANTIZE_ROWS and d % 32 == 0
     buffers, mp, sums = qk.x8_buffers(t, h * d, q.device) if quantize else ((out, out, out), t, 16)
