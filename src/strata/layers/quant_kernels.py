@@ -367,17 +367,19 @@ def _build():
 
     @triton.jit
     def _prefetch_rows(w_ptr, first, ROWS: tl.constexpr, N, row_bytes, GLU: tl.constexpr, WARPS: tl.constexpr):
-        """Ask L2 for a GEMV program's ROWS rows of W from `first` (with GLU their up rows too, N rows on) in a
-        bulk prefetch each (sm_90), before the program waits for the kernel before it: W does not depend on
-        that kernel, so its streaming starts during that kernel's tail. Rows start 16-byte aligned (PREFETCH's
-        condition)."""
+        """Ask L2 for a GEMV program's ROWS rows of W from `first` (with GLU their up rows too, N rows on), a
+        128-byte line a thread at a time, before the program waits for the kernel before it: W does not depend
+        on that kernel, so its streaming starts during that kernel's tail."""
         t = tl.arange(0, 32 * WARPS)
-        rows = tl.minimum(ROWS, N - first)
-        at = tl.where(t == 1, N + first, first).to(tl.int64) * row_bytes
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r,r", [w_ptr + at, rows * row_bytes + 0 * t, (t < (2 if GLU else 1)).to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
+        lines = tl.cdiv(tl.minimum(ROWS, N - first) * row_bytes, 128)
+        for s in tl.static_range(2 if GLU else 1):
+            start = w_ptr + (first + s * N).to(tl.int64) * row_bytes
+            for c in range(0, lines, 32 * WARPS):
+                live = c + t < lines
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r",
+                    [start + tl.where(live, c + t, 0) * 128, live.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                    pack=1)
 
     @triton.jit
     def _lane_superblocks(sb0, blocks, WARPS: tl.constexpr):
@@ -1054,7 +1056,7 @@ LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2,
                   (1, 2, 2, 1), (2, 2, 2, 1), (1, 4, 4, 1), (1, 2, 4, 1), (4, 2, 2, 1), (8, 2, 1, 1), (1, 4, 1, 2)]
 
 #: the 1-row word GEMVs (launched with PDL) ask L2 for their programs' rows of W before waiting for the kernel
-#: before them (_prefetch_rows), where the matrix's rows start 16-byte aligned
+#: before them (_prefetch_rows)
 PREFETCH_WEIGHTS = False
 
 #: the word GEMMs' (skinny_q4k8, skinny_q6k8, skinny_q8_0, skinny_q8_0w): (rows of W per program, warps, stages,
@@ -1279,7 +1281,7 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
         x8 = (q, d, q[d.numel() * 32:])
     args = (*x8, data, y, n, k, row_bytes if word == "gemv_q6k8c" else row_bytes // 4)  # its rows: any even byte
     extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **experts, **pdl.options(y.device)}
-    if PREFETCH_WEIGHTS and extra["PDL"] and not experts and data.data_ptr() % 16 == 0 and row_bytes % 16 == 0:
+    if PREFETCH_WEIGHTS and extra["PDL"] and not experts:
         extra["PREFETCH"] = True
     if config is None and f"{word}_tuned" in kernels:
         kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
