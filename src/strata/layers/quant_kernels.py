@@ -366,22 +366,6 @@ def _build():
         return first, acc, bases, wi % KS
 
     @triton.jit
-    def _prefetch_rows(w_ptr, first, ROWS: tl.constexpr, N, row_bytes, GLU: tl.constexpr, WARPS: tl.constexpr):
-        """Ask L2 for a GEMV program's ROWS rows of W from `first` (with GLU their up rows too, N rows on), a
-        128-byte line a thread at a time, before the program waits for the kernel before it: W does not depend
-        on that kernel, so its streaming starts during that kernel's tail."""
-        t = tl.arange(0, 32 * WARPS)
-        lines = tl.cdiv(tl.minimum(ROWS, N - first) * row_bytes, 128)
-        for s in tl.static_range(2 if GLU else 1):
-            start = w_ptr + (first + s * N).to(tl.int64) * row_bytes
-            for c in range(0, lines, 32 * WARPS):
-                live = c + t < lines
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r",
-                    [start + tl.where(live, c + t, 0) * 128, live.to(tl.int32)], dtype=tl.int32, is_pure=False,
-                    pack=1)
-
-    @triton.jit
     def _lane_superblocks(sb0, blocks, WARPS: tl.constexpr):
         """Lane l's superblock sb0 + l // 8 (sb0 [WARPS, 1]: each warp's step) of a row of `blocks`, whether
         it is one, and its index (0 past the row) [WARPS, 32]: each warp reads x for its own rows."""
@@ -411,7 +395,7 @@ def _build():
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -438,8 +422,6 @@ def _build():
         NR: tl.constexpr = 2 * RT if GLU else RT
         blocks = K // 256
         first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
-        if PREFETCH:
-            _prefetch_rows(w_ptr, first, RT * WARPS // KS, N, row_words * 4, GLU, WARPS)
         settle(PDL)
         for it in range(0, blocks, 4 * KU * KS):
             xs = ()
@@ -530,7 +512,7 @@ def _build():
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -555,8 +537,6 @@ def _build():
         blocks = K // 256
         total = (2 * N if GLU else N) * row_bytes
         first, acc, bases, kpart = _lane_rows(N, row_bytes, GLU, RT, WARPS, KS)
-        if PREFETCH:
-            _prefetch_rows(w_ptr, first, RT * WARPS // KS, N, row_bytes, GLU, WARPS)
         settle(PDL)
         for it in range(0, blocks, 4 * KU * KS):
             xs = ()
@@ -597,7 +577,7 @@ def _build():
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
         Q8_0's GEMV had until 58bdb13, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
@@ -621,8 +601,6 @@ def _build():
         chunks = K // 256 * 17
         last = K // 32 - 1
         first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
-        if PREFETCH:
-            _prefetch_rows(w_ptr, first, RT * WARPS // KS, N, row_words * 4, GLU, WARPS)
         settle(PDL)
         for it in range(0, chunks, 32 * KU * KS):
             xs = ()
@@ -953,7 +931,7 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _assignment, _lane_rows, _prefetch_rows, _lane_superblocks, _store_lane_rows,
+    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
                    _gemm_rows, _x_scales):  # called by name, as _halves is
@@ -1054,10 +1032,6 @@ SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (3
 #: down, 12288 columns, 22.5 us against 24.3 ((2, 4, 1, 2) tied on Q4_K's LM head, 118.9 us against 118.9)
 LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2, 1, 1), (1, 4, 2, 1), (2, 4, 2, 1),
                   (1, 2, 2, 1), (2, 2, 2, 1), (1, 4, 4, 1), (1, 2, 4, 1), (4, 2, 2, 1), (8, 2, 1, 1), (1, 4, 1, 2)]
-
-#: the 1-row word GEMVs (launched with PDL) ask L2 for their programs' rows of W before waiting for the kernel
-#: before them (_prefetch_rows)
-PREFETCH_WEIGHTS = False
 
 #: the word GEMMs' (skinny_q4k8, skinny_q6k8, skinny_q8_0, skinny_q8_0w): (rows of W per program, warps, stages,
 #: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
@@ -1281,8 +1255,6 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
         x8 = (q, d, q[d.numel() * 32:])
     args = (*x8, data, y, n, k, row_bytes if word == "gemv_q6k8c" else row_bytes // 4)  # its rows: any even byte
     extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **experts, **pdl.options(y.device)}
-    if PREFETCH_WEIGHTS and extra["PDL"] and not experts:
-        extra["PREFETCH"] = True
     if config is None and f"{word}_tuned" in kernels:
         kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
         return
