@@ -4,13 +4,17 @@ Nsight Compute to read their memory and issue counters:
 
     ncu --clock-control none --profile-from-start off --kernel-name regex:"gemv|skinny" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-        python tools/ncu_gemv.py [--types Q4_K Q6_K Q8_0] [--matrices gate_up lm_head o] [--rows 1]
+        python tools/ncu_gemv.py [--types Q4_K Q6_K Q8_0] [--matrices gate_up lm_head o] [--rows 1] \
+            [--config "(64, 4, 3, 1)"]
 
-gate_up runs fused (gate and up rows, silu(gate) * up), as the decoder calls it."""
+gate_up runs fused (gate and up rows, silu(gate) * up), as the decoder calls it. --config runs every product
+at that block shape (configs()'s) in place of autotuning it, which under Nsight Compute takes minutes: on
+an H100 the 16-row Q4_K and Q6_K gate_up and down had not finished tuning after 170 s."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 from pathlib import Path
 
@@ -28,6 +32,8 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
     ap.add_argument("--matrices", nargs="+", default=["gate_up", "lm_head", "o"])
     ap.add_argument("--rows", type=int, default=1, help="rows of x: 1 (the GEMVs) or up to 16 (the GEMMs)")
+    ap.add_argument("--config", type=ast.literal_eval, default=None,
+                    help="a block shape for every product (a tuple literal), in place of autotuning")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     calls = []
@@ -38,12 +44,12 @@ def main() -> None:
             n = n // 2 if glu else n
             data = random_blocks(NAMES[name], 2 * n if glu else n, k, "cuda", gen)
             x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
-            qk.matmul(x, data, NAMES[name], n, glu=glu)  # autotuned here, outside the profiled range
+            qk.matmul(x, data, NAMES[name], n, glu=glu, config=args.config)  # tuned here, outside the range
             calls.append((x, data, NAMES[name], n, glu))
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for x, data, qtype, n, glu in calls:
-        qk.matmul(x, data, qtype, n, glu=glu)
+        qk.matmul(x, data, qtype, n, glu=glu, config=args.config)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
