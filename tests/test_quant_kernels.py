@@ -122,6 +122,9 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
+    if rows > 1 and qtype != T.Q6_K:  # 32-row blocks: gate and up stacked into one 64-row tile
+        got = qk.matmul(x, data, int(qtype), 5, glu=True, config=(32, 4, 1, 2)).double()
+        assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
     assert not qk._counters(x.device).any()  # the split products left their counts at zero
     # half-precision x (bfloat16 for the GEMV, float16 for the GEMM), the output rounded to it
     half = x.bfloat16() if rows == 1 else x.half()

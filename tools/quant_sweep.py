@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true",
                     help="cycle through copies of each matrix (256 MB or more in all), so that its blocks come from "
                          "memory as a decode step's do, not from L2")
+    ap.add_argument("--fused-gate-up", action="store_true",
+                    help="gate_up as the decoder calls it: gate and up rows fused, silu(gate) * up (by default one "
+                         "product of all its rows)")
     ap.add_argument("--out")
     ap.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE",
                     help="module constants set first (e.g. a shorter strata.layers.quant_kernels.LANE_K_CONFIGS)")
@@ -69,26 +72,32 @@ def main() -> None:
             n, k = SHAPES[mat]
             data = random_blocks(qtype, n, k, "cuda", gen)
             dense = qk.dequantize(data, qtype, k)
+            glu = args.fused_gate_up and mat == "gate_up"
+            if glu:
+                n //= 2
             copies = [data] + [data.clone() for _ in range(qk.cdiv(256 << 20, data.numel()) - 1 if args.cold else 0)]
             turn = itertools.count()
             for m in args.rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 want = x.float() @ dense.T
-                err = ((qk.matmul(x, data, qtype, n).float() - want).abs().max() / want.abs().max()).item()
+                if glu:
+                    want = torch.nn.functional.silu(want[:, :n]) * want[:, n:]
+                err = ((qk.matmul(x, data, qtype, n, glu=glu).float() - want).abs().max() / want.abs().max()).item()
                 results.setdefault("relative_error", {})[f"{name}-{mat}-{m}"] = err
                 configs = qk.configs(qtype, m, k, n)
                 best = None
                 for cfg in configs:
                     try:
-                        s = timed(lambda: qk.matmul(x, copies[next(turn) % len(copies)], qtype, n, config=cfg),
-                                  calls=max(10, len(copies)))
-                        cfg_err = ((qk.matmul(x, data, qtype, n, config=cfg).float() - want).abs().max()
+                        s = timed(lambda: qk.matmul(x, copies[next(turn) % len(copies)], qtype, n, glu=glu,
+                                                    config=cfg), calls=max(10, len(copies)))
+                        cfg_err = ((qk.matmul(x, data, qtype, n, glu=glu, config=cfg).float() - want).abs().max()
                                    / want.abs().max()).item()
                     except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses
                         print(f"{name} {mat} m={m} {cfg}: {type(e).__name__}")
                         continue
                     gbps = data.numel() / s / 1e9
-                    results["runs"].append({"type": name, "matrix": mat, "rows": m, "config": cfg, "us": s * 1e6,
+                    results["runs"].append({"type": name, "matrix": mat, "glu": glu, "rows": m, "config": cfg,
+                                            "us": s * 1e6,
                                             "GBps": gbps, "relative_error": cfg_err})
                     if cfg_err > 0.05:
                         print(f"{name} {mat} m={m} {cfg}: WRONG, relative error {cfg_err:.2e}")

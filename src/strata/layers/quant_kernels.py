@@ -690,6 +690,16 @@ def _build():
         return rows, offs, w_ptr.to(tl.pointer_type(tl.uint32))
 
     @triton.jit
+    def _stacked_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr):
+        """As _gemm_rows with GLU, the gate rows and their up rows (N later) stacked into one tile of 2 BLOCK_N
+        rows (gate first), as one offset tensor."""
+        t = tl.arange(0, 2 * BLOCK_N)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row = tl.program_id(0) * BLOCK_N + t % BLOCK_N
+        offs = tl.where(row < N, (row + tl.where(t < BLOCK_N, 0, N)) * row_words, 0)
+        return rows, (offs, offs), w_ptr.to(tl.pointer_type(tl.uint32))
+
+    @triton.jit
     def _bytes(w, ASM: tl.constexpr):
         """The bytes of 32-bit words w [R, C] as int8 [R, 4 C] (byte b of word c at 4 c + b): on the device each
         word, repeated over its 4 bytes, is packed back into the one register it came from."""
@@ -730,7 +740,7 @@ def _build():
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr,
-                           QTYPE: tl.constexpr = 12):
+                           QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0):
         """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
         sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
         scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
@@ -738,13 +748,19 @@ def _build():
         dmin m xs."""
         FIVE: tl.constexpr = QTYPE == 13
         SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
-        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
+        STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
+        PARTS: tl.constexpr = 2 if GLU and not STACK else 1  # tiles a step: gate and up, or one
+        R: tl.constexpr = 2 * BLOCK_N if STACK else BLOCK_N  # rows of a tile
+        if STACK:
+            rows, offs, w32 = _stacked_rows(w_ptr, N, row_words, BLOCK_N)
+        else:
+            rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         i4 = tl.arange(0, 4)[None, :]
-        acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
+        acc = (tl.zeros([R, 16], dtype=tl.float32), tl.zeros([R, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 256, SPLIT)
         for sb in tl.range(lo, hi, num_stages=STAGES):
             heads = ()
-            for s in tl.static_range(2 if GLU else 1):
+            for s in tl.static_range(PARTS):
                 base = tl.multiple_of(offs[s] + sb * SB, 4)[:, None]
                 w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
                 d, dmin = _half2(w0, True)
@@ -753,9 +769,9 @@ def _build():
                            (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
             quarters = ()
             fifths = ()
-            for s in tl.static_range(2 if GLU else 1):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's load
+            for s in tl.static_range(PARTS):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's load
                 q4 = tl.load(w32 + heads[s][0] + SB - 32 + tl.arange(0, 32)[None, :])
-                lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [BLOCK_N, 2, 2, 8]), (0, 3, 1, 2)))
+                lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [R, 2, 2, 8]), (0, 3, 1, 2)))
                 a0, a1 = tl.split(lo2)
                 b0, b1 = tl.split(hi2)
                 quarters += ((a0, b0, a1, b1),)
@@ -765,7 +781,7 @@ def _build():
                 for h in tl.static_range(2):
                     xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h)
                     nxt = ()
-                    for s in tl.static_range(2 if GLU else 1):
+                    for s in tl.static_range(PARTS):
                         _, d, dmin, d_off, dmin_off, scs, mns = heads[s]
                         ds = _byte_times(scs[p // 2], 2 * (p % 2) + h, d, d_off)
                         dm = _byte_times(mns[p // 2], 2 * (p % 2) + h, dmin, dmin_off)
@@ -775,7 +791,9 @@ def _build():
                         isum = tl.dot(_bytes(nib, ASM), xt, out_dtype=tl.int32)
                         a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
                         nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
-                    acc = nxt if GLU else (nxt[0], acc[1])
+                    acc = nxt if PARTS == 2 else (nxt[0], acc[1])
+        if STACK:  # the tile's gate rows, then its up rows
+            acc = tl.split(tl.permute(tl.reshape(acc[0], [2, BLOCK_N, 16]), (1, 2, 0)))
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
@@ -818,23 +836,29 @@ def _build():
     @triton.jit
     def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                            STAGES: tl.constexpr):
+                            STAGES: tl.constexpr, STACK_ROWS: tl.constexpr = 0):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
         (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
         chunk and x's chunk at the same offset line up: in chunk c the bytes before 2 c are block c - 1's, the
         rest block c's. Block b's integer sum, the int8 dots of chunk b with x's part from 2 b and of chunk
         b + 1 with x's part before 2 b + 2, is then scaled by d xd, as the GEMV's are."""
-        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
+        STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
+        PARTS: tl.constexpr = 2 if GLU and not STACK else 1  # tiles a step: gate and up, or one
+        R: tl.constexpr = 2 * BLOCK_N if STACK else BLOCK_N  # rows of a tile
+        if STACK:
+            rows, offs, w32 = _stacked_rows(w_ptr, N, row_words, BLOCK_N)
+        else:
+            rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         m = tl.arange(0, 16)
         pos = tl.arange(0, 32)[:, None]
         xrow = q_ptr + 16 * K + m[None, :] * tl.multiple_of(K // 32 * 34, 16) + pos  # [32, 16] a chunk
-        acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
+        acc = (tl.zeros([R, 16], dtype=tl.float32), tl.zeros([R, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 512, SPLIT)
         for g in tl.range(lo, hi, num_stages=STAGES):
             ats = ()
             chunks = ()
-            for s in tl.static_range(2 if GLU else 1):
+            for s in tl.static_range(PARTS):
                 at = w32 + tl.multiple_of(offs[s] + g * 136, 4)[:, None]
                 ats += (at,)
                 chunks += (_chunks4(tl.load(at + tl.arange(0, 32)[None, :])),)
@@ -842,7 +866,7 @@ def _build():
             for b in tl.static_range(16):
                 if b % 4 == 3:  # chunk b + 1 starts the next 128 bytes (or is the step's last 32)
                     more = ()
-                    for s in tl.static_range(2 if GLU else 1):
+                    for s in tl.static_range(PARTS):
                         if b == 15:
                             more += (chunks[s] + (tl.load(ats[s] + 128 + tl.arange(0, 8)[None, :]),),)
                         else:
@@ -852,14 +876,16 @@ def _build():
                 xnext = tl.load(xrow + 544 * g + 32 * (b + 1))
                 xd, _ = _x_scales(ds_ptr, 16 * g + b)
                 nxt = ()
-                for s in tl.static_range(2 if GLU else 1):
+                for s in tl.static_range(PARTS):
                     dword = tl.load(w32 + offs[s] + g * 136 + 8 * b + b // 2)  # block b's d: step byte 34 b
                     d, _ = _half2(dword >> (16 * (b % 2)), True)
                     isum = tl.dot(_bytes(chunks[s][b], ASM), tl.where(pos >= 2 * b, xb, 0), out_dtype=tl.int32)
                     isum += tl.dot(_bytes(chunks[s][b + 1], ASM), tl.where(pos < 2 * b + 2, xnext, 0),
                                    out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
-                acc = nxt if GLU else (nxt[0], acc[1])
+                acc = nxt if PARTS == 2 else (nxt[0], acc[1])
+        if STACK:  # the tile's gate rows, then its up rows
+            acc = tl.split(tl.permute(tl.reshape(acc[0], [2, BLOCK_N, 16]), (1, 2, 0)))
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
@@ -934,7 +960,7 @@ def _build():
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
-                   _gemm_rows, _x_scales):  # called by name, as _halves is
+                   _gemm_rows, _stacked_rows, _x_scales):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
@@ -1038,10 +1064,14 @@ LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2,
 WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 4), (128, 4, 2, 1),
                        (128, 4, 2, 4), (64, 4, 1, 1), (64, 4, 1, 4), (64, 4, 1, 8), (64, 2, 2, 1), (64, 2, 2, 4),
                        (32, 2, 2, 8), (128, 4, 1, 2), (64, 4, 3, 4), (64, 4, 3, 8), (64, 2, 3, 1),
-                       (64, 4, 3, 1)]  # the last 4: skinny_q4k8 best at them on an H100 (q/k/v, o and down at
+                       (64, 4, 3, 1), (32, 4, 3, 1), (32, 4, 2, 1)]  # (64, 2, 3, 1) .. (64, 4, 3, 1): skinny_q4k8
+#: best at them on an H100 (q/k/v, o and down at
 #: (64, 4, 3, 4), the LM head at (64, 2, 3, 1)); 28 shapes swept at 16 rows (bench/results/
 #: quant-sweep-gemm-configs-h100.json): (64, 4, 3, 1) took Q4_K's 24576 x 4096 in 34.6 us against 38.8 at the
 #: best of the others; every other Q4_K / Q6_K / Q8_0 product's best of the 28 was listed already
+#: the gate/up GEMMs of Q4_K, Q5_K and Q8_0 (skinny_q4k8, skinny_q8_0w) at blocks of this many rows stack
+#: each gate row's block and its up rows' into one tile of twice as many rows, one tensor-core product a step
+GLU_STACK_ROWS = 32
 SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many (the workspace with them)
 
 
@@ -1221,7 +1251,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
-        extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {})}
+        extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {}),
+                 **({"STACK_ROWS": GLU_STACK_ROWS} if word in ("skinny_q4k8", "skinny_q8_0w") else {})}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
