@@ -43,35 +43,18 @@ def compiled(device) -> None:
         inductor.triton.enable_pdl = True
 
 
-#: settle lets the next kernel launch before it waits for the one before, so that a launch overlaps the
-#: kernel before too, not only this one (a chain of waiting kernels ahead, each still ordered by its wait)
-EARLY_LAUNCH = False
-
-
+@functools.cache
 def jit():
     """settle(PDL): the Triton function a kernel calls before its first read, a no-op unless PDL."""
-    return _jit(EARLY_LAUNCH)
-
-
-@functools.cache
-def _jit(early: bool):
     import triton
     import triton.language as tl
 
-    if early:
-        @triton.jit
-        def settle(PDL: tl.constexpr):
-            """Let the next kernel launch; then wait for the kernels before this one and see their writes."""
-            if PDL:
-                tl.extra.cuda.gdc_launch_dependents()
-                tl.extra.cuda.gdc_wait()
-    else:
-        @triton.jit
-        def settle(PDL: tl.constexpr):
-            """Wait for the kernels before this one and see their writes; then let the next one launch."""
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
+    @triton.jit
+    def settle(PDL: tl.constexpr):
+        """Wait for the kernels before this one and see their writes; then let the next one launch."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     globals()["tl"] = tl  # Triton and its interpreter resolve a jitted function's names in its module's globals
     return settle
