@@ -96,7 +96,7 @@ def test_dequantize_is_bit_exact_and_products_match(qtype):
 @pytest.mark.parametrize("qtype,rows", [(T.Q4_K, 1), (T.Q4_K, 5), (T.Q5_K, 1), (T.Q5_K, 5), (T.Q6_K, 1), (T.Q6_K, 5),
                                        (T.Q8_0, 1), (T.Q8_0, 5)],
                          ids=lambda v: getattr(v, "name", f"rows {v}"))
-def test_word_kernels_match_the_reference_dequantization(qtype, rows):
+def test_word_kernels_match_the_reference_dequantization(qtype, rows, monkeypatch):
     """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every
     offset from a 16-byte boundary (the GEMV's last one reads a chunk past the matrix, which must stay
     masked; the GEMM assembles odd ones' words from two) and Q8_0's blocks at each of their 4 offsets from
@@ -122,9 +122,11 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows):
     assert rel(qk.matmul(x, data, int(qtype), 9, config=configs[0]).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
-    if rows > 1 and qtype != T.Q6_K:  # 32-row blocks: gate and up stacked into one 64-row tile
-        got = qk.matmul(x, data, int(qtype), 5, glu=True, config=(32, 4, 1, 2)).double()
-        assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
+    if rows > 1 and qtype != T.Q6_K:  # 32-row blocks: gate and up stacked into one 64-row tile, the same
+        stacked = qk.matmul(x, data, int(qtype), 5, glu=True, config=(32, 4, 1, 2))  # sums as two tiles of 32
+        assert rel(stacked.double(), torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
+        monkeypatch.setattr(qk, "GLU_STACK_ROWS", 0)
+        assert torch.equal(qk.matmul(x, data, int(qtype), 5, glu=True, config=(32, 4, 1, 2)), stacked)
     assert not qk._counters(x.device).any()  # the split products left their counts at zero
     # half-precision x (bfloat16 for the GEMV, float16 for the GEMM), the output rounded to it
     half = x.bfloat16() if rows == 1 else x.half()

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from strata.engine.config import EngineConfig  # noqa: E402
 from strata.engine.decode import Engine  # noqa: E402
+from strata.layers import triton_kernels  # noqa: E402
 from strata.layers.quant_kernels import _build  # noqa: E402
 from strata.models.random_init import random_target  # noqa: E402
 
@@ -70,6 +71,7 @@ def main() -> None:
             for (module, knob), value in zip(knobs, [values] if len(knobs) == 1 else values, strict=True):
                 setattr(importlib.import_module(module), knob, value)
             _build.cache_clear()  # kernels built (and their autotune lists) from the constants as now set
+            triton_kernels._build.cache_clear()  # and the norm and attention kernels, built from constants too
         else:
             os.environ["STRATA_PDL"] = setting
         for w in args.windows:

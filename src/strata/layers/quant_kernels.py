@@ -745,7 +745,8 @@ def _build():
         sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
         scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
         sub-block j) with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum -
-        dmin m xs."""
+        dmin m xs. A gate/up product of BLOCK_N == STACK_ROWS rows a program takes its gate rows and their up
+        rows as one tile of 2 BLOCK_N rows (_stacked_rows), the same sums in one product a step."""
         FIVE: tl.constexpr = QTYPE == 13
         SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
         STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
@@ -842,7 +843,8 @@ def _build():
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
         chunk and x's chunk at the same offset line up: in chunk c the bytes before 2 c are block c - 1's, the
         rest block c's. Block b's integer sum, the int8 dots of chunk b with x's part from 2 b and of chunk
-        b + 1 with x's part before 2 b + 2, is then scaled by d xd, as the GEMV's are."""
+        b + 1 with x's part before 2 b + 2, is then scaled by d xd, as the GEMV's are. STACK_ROWS: as
+        skinny_q4k8's."""
         STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
         PARTS: tl.constexpr = 2 if GLU and not STACK else 1  # tiles a step: gate and up, or one
         R: tl.constexpr = 2 * BLOCK_N if STACK else BLOCK_N  # rows of a tile
@@ -1064,13 +1066,18 @@ LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2,
 WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8), (32, 4, 2, 4), (128, 4, 2, 1),
                        (128, 4, 2, 4), (64, 4, 1, 1), (64, 4, 1, 4), (64, 4, 1, 8), (64, 2, 2, 1), (64, 2, 2, 4),
                        (32, 2, 2, 8), (128, 4, 1, 2), (64, 4, 3, 4), (64, 4, 3, 8), (64, 2, 3, 1),
-                       (64, 4, 3, 1), (32, 4, 3, 1), (32, 4, 2, 1)]  # (64, 2, 3, 1) .. (64, 4, 3, 1): skinny_q4k8
-#: best at them on an H100 (q/k/v, o and down at
-#: (64, 4, 3, 4), the LM head at (64, 2, 3, 1)); 28 shapes swept at 16 rows (bench/results/
-#: quant-sweep-gemm-configs-h100.json): (64, 4, 3, 1) took Q4_K's 24576 x 4096 in 34.6 us against 38.8 at the
-#: best of the others; every other Q4_K / Q6_K / Q8_0 product's best of the 28 was listed already
+                       (64, 4, 3, 1), (32, 4, 3, 1), (32, 4, 2, 1)]
+#: (64, 4, 3, 4) .. (64, 4, 3, 1): skinny_q4k8 best at them on an H100 (q/k/v, o and down at (64, 4, 3, 4), the
+#: LM head at (64, 2, 3, 1)); 28 shapes swept at 16 rows (bench/results/quant-sweep-gemm-configs-h100.json):
+#: (64, 4, 3, 1) took Q4_K's 24576 x 4096 as one product in 34.6 us against 38.8 at the best of the others;
+#: every other Q4_K / Q6_K / Q8_0 product's best of the 28 was listed already. The last two: the stacked
+#: gate/up GEMMs' (GLU_STACK_ROWS)
 #: the gate/up GEMMs of Q4_K, Q5_K and Q8_0 (skinny_q4k8, skinny_q8_0w) at blocks of this many rows stack
-#: each gate row's block and its up rows' into one tile of twice as many rows, one tensor-core product a step
+#: each block's gate rows and their up rows into one tile of twice as many rows, one tensor-core product a
+#: step: twice the programs of 64-row blocks, so a 12288-row gate/up spreads evenly over 132 multiprocessors.
+#: 16 rows on an H100, fused as the decoder calls them (bench/results/stacked-glu-sweep-h100.json,
+#: stacked-glu-sweep-q8_0-h100.json): Q4_K 35.1 us at (32, 4, 3, 1) against 37.2 at the best unstacked
+#: shape swept, Q5_K 39.6 against 42.5, Q8_0 89.2 at (32, 4, 2, 1) against 106.4. 0 stacks none (A/B runs).
 GLU_STACK_ROWS = 32
 SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many (the workspace with them)
 
