@@ -681,23 +681,20 @@ def _build():
                      mask=(m < M)[:, None] & (rows < N)[None, :])
 
     @triton.jit
-    def _gemm_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr):
+    def _gemm_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr, STACK: tl.constexpr = False):
         """A few-row GEMM program's BLOCK_N rows of W, their offsets in words (of the rows, and of the up rows N
-        later with GLU; rows past N at 0, their results never stored) and W as 32-bit words."""
+        later with GLU; rows past N at 0, their results never stored) and W as 32-bit words. STACK: the gate
+        rows and their up rows stacked into one tile of 2 BLOCK_N rows (gate first), its offsets in both."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = rows < N
-        offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
+        if STACK:
+            t = tl.arange(0, 2 * BLOCK_N)
+            row = tl.program_id(0) * BLOCK_N + t % BLOCK_N
+            both = tl.where(row < N, (row + tl.where(t < BLOCK_N, 0, N)) * row_words, 0)
+            offs = (both, both)
+        else:
+            nmask = rows < N
+            offs = (tl.where(nmask, rows * row_words, 0), tl.where(nmask, (rows + N) * row_words, 0))
         return rows, offs, w_ptr.to(tl.pointer_type(tl.uint32))
-
-    @triton.jit
-    def _stacked_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr):
-        """As _gemm_rows with GLU, the gate rows and their up rows (N later) stacked into one tile of 2 BLOCK_N
-        rows (gate first), as one offset tensor."""
-        t = tl.arange(0, 2 * BLOCK_N)
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row = tl.program_id(0) * BLOCK_N + t % BLOCK_N
-        offs = tl.where(row < N, (row + tl.where(t < BLOCK_N, 0, N)) * row_words, 0)
-        return rows, (offs, offs), w_ptr.to(tl.pointer_type(tl.uint32))
 
     @triton.jit
     def _bytes(w, ASM: tl.constexpr):
@@ -746,16 +743,13 @@ def _build():
         scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
         sub-block j) with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum -
         dmin m xs. A gate/up product of BLOCK_N == STACK_ROWS rows a program takes its gate rows and their up
-        rows as one tile of 2 BLOCK_N rows (_stacked_rows), the same sums in one product a step."""
+        rows as one tile of 2 BLOCK_N rows (_gemm_rows), the same sums in one product a step."""
         FIVE: tl.constexpr = QTYPE == 13
         SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
         STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
         PARTS: tl.constexpr = 2 if GLU and not STACK else 1  # tiles a step: gate and up, or one
         R: tl.constexpr = 2 * BLOCK_N if STACK else BLOCK_N  # rows of a tile
-        if STACK:
-            rows, offs, w32 = _stacked_rows(w_ptr, N, row_words, BLOCK_N)
-        else:
-            rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
+        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N, STACK)
         i4 = tl.arange(0, 4)[None, :]
         acc = (tl.zeros([R, 16], dtype=tl.float32), tl.zeros([R, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 256, SPLIT)
@@ -848,10 +842,7 @@ def _build():
         STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
         PARTS: tl.constexpr = 2 if GLU and not STACK else 1  # tiles a step: gate and up, or one
         R: tl.constexpr = 2 * BLOCK_N if STACK else BLOCK_N  # rows of a tile
-        if STACK:
-            rows, offs, w32 = _stacked_rows(w_ptr, N, row_words, BLOCK_N)
-        else:
-            rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
+        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N, STACK)
         m = tl.arange(0, 16)
         pos = tl.arange(0, 32)[:, None]
         xrow = q_ptr + 16 * K + m[None, :] * tl.multiple_of(K // 32 * 34, 16) + pos  # [32, 16] a chunk
@@ -962,7 +953,7 @@ def _build():
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
-                   _gemm_rows, _stacked_rows, _x_scales):  # called by name, as _halves is
+                   _gemm_rows, _x_scales):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
