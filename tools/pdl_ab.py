@@ -10,7 +10,8 @@ with the first's. Inductor's flag is set once per process, at the first setting'
         --knob strata.layers.triton_kernels.QUANTIZE_ROWS strata.layers.triton_kernels.NORM_MAX_ROWS \
         --settings 1,64 16,64 1,0 --set 'strata.layers.quant_kernels.WORD_SKINNY_CONFIGS=[(64, 4, 2, 1)]'
 
---out FILE.json also keeps every line's figures, the device and the command, for bench/results."""
+--out FILE.json also keeps every line's figures, the block shapes the autotuner chose, the device and the
+command, for bench/results."""
 
 from __future__ import annotations
 
@@ -40,6 +41,17 @@ def set_constants(items: list[str]) -> None:
         path, value = fixed.split("=", 1)
         module, name = path.rsplit(".", 1)
         setattr(importlib.import_module(module), name, ast.literal_eval(value))
+
+
+def tuned_shapes() -> dict:
+    """The block shape the autotuner chose for each product the quantized kernels ran so far, by kernel and
+    tuning key (which of a list's shapes a setting's products took, where two settings' outputs part)."""
+    chosen = {}
+    for name, kernel in _build().items():
+        for key, cfg in getattr(kernel, "cache", {}).items() if name.endswith("_tuned") else ():
+            chosen.setdefault(name, {})[str(key)] = {**cfg.kwargs, "num_warps": cfg.num_warps,
+                                                     "num_stages": cfg.num_stages}
+    return chosen
 
 
 def main() -> None:
@@ -83,7 +95,7 @@ def main() -> None:
             print(f"{args.shape} {args.quant or 'bf16'} W={w} {name}={setting}: {statistics.median(ms):.3f} ms "
                   f"a step (median of {args.runs}), outputs identical: {same}", flush=True)
             rows.append({"window": w, "setting": setting, "ms_per_step": statistics.median(ms), "runs_ms": ms,
-                         "outputs_identical": same})
+                         "outputs_identical": same, "tuned": tuned_shapes()})
     if args.out:
         Path(args.out).write_text(json.dumps({
             "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
