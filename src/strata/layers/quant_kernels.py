@@ -1063,6 +1063,7 @@ WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8
 #: (64, 4, 3, 1) took Q4_K's 24576 x 4096 as one product in 34.6 us against 38.8 at the best of the others;
 #: every other Q4_K / Q6_K / Q8_0 product's best of the 28 was listed already. The last two: the stacked
 #: gate/up GEMMs' (GLU_STACK_ROWS)
+
 #: the gate/up GEMMs of Q4_K, Q5_K and Q8_0 (skinny_q4k8, skinny_q8_0w) at blocks of this many rows stack
 #: each block's gate rows and their up rows into one tile of twice as many rows, one tensor-core product a
 #: step: twice the programs of 64-row blocks, so a 12288-row gate/up spreads evenly over 132 multiprocessors.
