@@ -1069,7 +1069,8 @@ WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8
 #: step: twice the programs of 64-row blocks, so a 12288-row gate/up spreads evenly over 132 multiprocessors.
 #: 16 rows on an H100, fused as the decoder calls them (bench/results/stacked-glu-sweep-h100.json,
 #: stacked-glu-sweep-q8_0-h100.json): Q4_K 35.1 us at (32, 4, 3, 1) against 37.2 at the best unstacked
-#: shape swept, Q5_K 39.6 against 42.5, Q8_0 89.2 at (32, 4, 2, 1) against 106.4. 0 stacks none (A/B runs).
+#: shape swept, Q5_K 39.6 against 42.5, Q8_0 89.2 at (32, 4, 2, 1) against 106.4. 0 stacks none (A/B runs: the tuner's
+#: disk cache is keyed by the config list, not by this, so a setting of it wants a list of its own).
 GLU_STACK_ROWS = 32
 SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many (the workspace with them)
 
