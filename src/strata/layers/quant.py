@@ -17,6 +17,20 @@ from . import quant_kernels as qk
 KERNEL_TYPES = set(qk.BLOCKS)
 #: rows up to which a product runs on the quantized kernels; larger ones (prefill) dequantize first
 KERNEL_MAX_ROWS = 16
+#: a few-row product over segments of several types (Q4_K_M's q/k/v: Q4_K then Q6_K rows) runs the segments
+#: after the first on a second stream beside it (a fork and a join in a captured graph): a small segment's
+#: GEMM is a short grid whose time is mostly its latency. 1-row products stay in line, each GEMV launched
+#: with PDL after the one before
+SEGMENTS_SIDE_BY_SIDE = True
+
+_SIDE: dict = {}
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    key = str(device)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device)
+    return _SIDE[key]
 
 
 @dataclass
@@ -85,13 +99,30 @@ class QuantWeight:
                 y = qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8)
             else:  # each segment writes its own columns: no concatenation after
                 y = torch.empty(flat.shape[0], self.shape[0], device=flat.device, dtype=flat.dtype)
-                at = 0
-                for s in self.segments:
-                    qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=y[:, at:at + s.rows])
-                    at += s.rows
+                self._segments_into(flat, x8, y)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _segments_into(self, flat: torch.Tensor, x8, y: torch.Tensor) -> None:
+        """Each segment's product into its columns of y; past the first, side by side with it where
+        SEGMENTS_SIDE_BY_SIDE says so."""
+        starts = [0]
+        for s in self.segments:
+            starts.append(starts[-1] + s.rows)
+        jobs = [(s, y[:, a:b]) for s, a, b in zip(self.segments, starts, starts[1:])]
+        if not (SEGMENTS_SIDE_BY_SIDE and flat.is_cuda and flat.shape[0] > 1):
+            for s, out in jobs:
+                qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out)
+            return
+        main, side = torch.cuda.current_stream(flat.device), _side_stream(flat.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for s, out in jobs[1:]:
+                qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out, lane=1)
+        s, out = jobs[0]
+        qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out)
+        main.wait_stream(side)
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a stacked gate/up matrix in one pass, or None when the two halves are not one

@@ -1104,10 +1104,11 @@ def _prune_split(name: str, configs, named_args, **kwargs):
 _COUNTERS: dict = {}
 
 
-def _counters(device) -> torch.Tensor:
+def _counters(device, lane: int = 0) -> torch.Tensor:
     """The split GEMMs' arrival counts, one per block of rows: zero between products (the last slice resets
-    its own), so one buffer serves every product on the device's stream."""
-    key = str(device)
+    its own), so one buffer serves every product that runs after another; products run side by side
+    (quant.SEGMENTS_SIDE_BY_SIDE) take buffers of different lanes."""
+    key = f"{device} {lane}"
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
     return _COUNTERS[key]
@@ -1226,13 +1227,14 @@ def recall_x8(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
            config: tuple[int, ...] | None = None, x8: tuple | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, lane: int = 0) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
-    column stride (a fused q/k/v's columns of one segment). The 1-row GEMVs launch with PDL (pdl.py), the
-    few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower on the H200 (5.75 ms against
-    5.32) while its decode step gained 12%."""
+    column stride (a fused q/k/v's columns of one segment). lane: which split GEMMs' counts it takes
+    (_counters), another than a product running beside it on another stream's. The 1-row GEMVs launch
+    with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower on the
+    H200 (5.75 ms against 5.32) while its decode step gained 12%."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()
@@ -1248,7 +1250,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
         partials = max([2 * 16 * sp * cdiv(n, b) * b for b, _, _, sp in shapes
                         if sp > 1 and _split_fits(word, b, sp, n, k)] or [1])  # the workspace the slices need
-        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device), rows, n, k,
+        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device, lane), rows, n, k,
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {}),
