@@ -737,14 +737,13 @@ def _build():
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr,
-                           QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                           QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0):
         """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
         sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
         scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
         sub-block j) with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum -
         dmin m xs. A gate/up product of BLOCK_N == STACK_ROWS rows a program takes its gate rows and their up
         rows as one tile of 2 BLOCK_N rows (_gemm_rows), the same sums in one product a step."""
-        settle(PDL)
         FIVE: tl.constexpr = QTYPE == 13
         SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
         STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
@@ -794,13 +793,11 @@ def _build():
 
     @triton.jit
     def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
         word, their words joined from two. Where 512 | K, skinny_q8_0w_kernel takes its place."""
-        settle(PDL)
         rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         j8 = tl.arange(0, 8)[None, :]
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
@@ -834,7 +831,7 @@ def _build():
     @triton.jit
     def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                            STAGES: tl.constexpr, STACK_ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                            STAGES: tl.constexpr, STACK_ROWS: tl.constexpr = 0):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
         (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
@@ -842,7 +839,6 @@ def _build():
         rest block c's. Block b's integer sum, the int8 dots of chunk b with x's part from 2 b and of chunk
         b + 1 with x's part before 2 b + 2, is then scaled by d xd, as the GEMV's are. STACK_ROWS: as
         skinny_q4k8's."""
-        settle(PDL)
         STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
         PARTS: tl.constexpr = 2 if GLU and not STACK else 1  # tiles a step: gate and up, or one
         R: tl.constexpr = 2 * BLOCK_N if STACK else BLOCK_N  # rows of a tile
@@ -903,13 +899,12 @@ def _build():
     @triton.jit
     def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                           STAGES: tl.constexpr):
         """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
         of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
         int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
         whose int32 sums are weighted by their int8 scales in integers, then scaled by xd; d once a
         superblock. Superblocks in pairs from 4-byte boundaries (512 | K), odd ones' words assembled from two."""
-        settle(PDL)
         rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         pos = tl.arange(0, 32)[:, None]
         c = tl.arange(0, 32)[None, :]  # x's block as [32, 32]: its rows' first halves, then their second halves
@@ -1077,7 +1072,6 @@ WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8
 #: shape swept, Q5_K 39.6 against 42.5, Q8_0 89.2 at (32, 4, 2, 1) against 106.4. 0 stacks none (A/B runs: the tuner's
 #: disk cache is keyed by the config list, not by this, so a setting of it wants a list of its own).
 GLU_STACK_ROWS = 32
-GEMM_PDL = False  # the word GEMMs launched with PDL (A/B)
 SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many (the workspace with them)
 
 
@@ -1260,7 +1254,6 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
                   data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {}),
-                 **(pdl.options(x.device) if GEMM_PDL else {}),
                  **({"STACK_ROWS": GLU_STACK_ROWS} if word in ("skinny_q4k8", "skinny_q8_0w") else {})}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
