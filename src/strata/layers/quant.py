@@ -17,11 +17,13 @@ from . import quant_kernels as qk
 KERNEL_TYPES = set(qk.BLOCKS)
 #: rows up to which a product runs on the quantized kernels; larger ones (prefill) dequantize first
 KERNEL_MAX_ROWS = 16
-#: a few-row product over segments of several types (Q4_K_M's q/k/v: Q4_K then Q6_K rows) runs the segments
-#: after the first on a second stream beside it (a fork and a join in a captured graph): a small segment's
-#: GEMM is a short grid whose time is mostly its latency. 1-row products stay in line, each GEMV launched
-#: with PDL after the one before
-SEGMENTS_SIDE_BY_SIDE = True
+#: a product of at least this many rows over segments of several types (Q4_K_M's q/k/v: Q4_K then Q6_K
+#: rows) runs the segments after the first on a second stream beside it (a fork and a join in a captured
+#: graph): a small segment's product is a short grid whose time is mostly its latency. 0: none. On an H100
+#: a Q4_K_M 16-row verify took 2.3% less time, a 1-row step 1.1% less (the v GEMV then waits for the norm
+#: before it in full, not through PDL): bench/results/side-by-side-segments-ab-h100.json,
+#: side-by-side-1-row-ab-h100.json
+SEGMENTS_SIDE_BY_SIDE = 1
 
 _SIDE: dict = {}
 
@@ -111,7 +113,7 @@ class QuantWeight:
         for s in self.segments:
             starts.append(starts[-1] + s.rows)
         jobs = [(s, y[:, a:b]) for s, a, b in zip(self.segments, starts, starts[1:])]
-        if not (SEGMENTS_SIDE_BY_SIDE and flat.is_cuda and flat.shape[0] > 1):
+        if not (SEGMENTS_SIDE_BY_SIDE and flat.is_cuda and flat.shape[0] >= SEGMENTS_SIDE_BY_SIDE):
             for s, out in jobs:
                 qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out)
             return
