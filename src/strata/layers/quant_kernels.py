@@ -1231,10 +1231,10 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
-    column stride (a fused q/k/v's columns of one segment). lane: which split GEMMs' counts it takes
-    (_counters), another than a product running beside it on another stream's. The 1-row GEMVs launch
-    with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower on the
-    H200 (5.75 ms against 5.32) while its decode step gained 12%."""
+    column stride (a fused q/k/v's columns of one segment). lane: which count buffer its K slices take
+    (_counters); two products running side by side on two streams take different ones. The 1-row GEMVs
+    launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower
+    on the H200 (5.75 ms against 5.32) while its decode step gained 12%."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()
@@ -1250,8 +1250,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
         shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
         partials = max([2 * 16 * sp * cdiv(n, b) * b for b, _, _, sp in shapes
                         if sp > 1 and _split_fits(word, b, sp, n, k)] or [1])  # the workspace the slices need
-        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device, lane), rows, n, k,
-                  data.stride(0) // 4)
+        common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device, lane), rows,
+                  n, k, data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {}),
                  **({"STACK_ROWS": GLU_STACK_ROWS} if word in ("skinny_q4k8", "skinny_q8_0w") else {})}
