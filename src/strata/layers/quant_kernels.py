@@ -1104,14 +1104,18 @@ def _prune_split(name: str, configs, named_args, **kwargs):
 _COUNTERS: dict = {}
 
 
+LANES = 2  # products that may run at once on a device (quant.SEGMENTS_SIDE_BY_SIDE: a stream and a second)
+
+
 def _counters(device, lane: int = 0) -> torch.Tensor:
     """The split GEMMs' arrival counts, one per block of rows: zero between products (the last slice resets
-    its own), so one buffer serves every product that runs after another; products run side by side
-    (quant.SEGMENTS_SIDE_BY_SIDE) take buffers of different lanes."""
-    key = f"{device} {lane}"
+    its own), so one buffer serves every product that runs after another; products run side by side take
+    different lanes. Every lane is made at the first call, so that none is first made inside a graph's
+    capture (whose zeros would be written only when that graph is replayed)."""
+    key = str(device)
     if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(SPLIT_PROGRAMS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+        _COUNTERS[key] = torch.zeros(LANES, SPLIT_PROGRAMS, dtype=torch.int32, device=device)
+    return _COUNTERS[key][lane]
 
 
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
