@@ -86,13 +86,10 @@ class Kernels:
         these methods."""
         return layer.mix(proj, first, state, self)
 
-    def gate_up_silu(self, x: torch.Tensor, gate_up, into=None) -> torch.Tensor:
-        """silu(gate) * up of a stacked gate/up matrix ([2I, K]); into as in rms_norm."""
-        return self._gate_up_silu(x, gate_up, False)
-
-    def _gate_up_silu(self, x: torch.Tensor, gate_up, quantize: bool) -> torch.Tensor:
+    def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
+        """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
         if isinstance(gate_up, QuantWeight):
-            fused = gate_up.gate_up_silu(x, quantize)
+            fused = gate_up.gate_up_silu(x)
             return fused if fused is not None else self.silu_mul(gate_up.matmul(x))
         return self.silu_mul(self.linear(x, gate_up))
 
@@ -142,10 +139,9 @@ class TritonKernels(Kernels):
             return F.linear(x, w, b)
         return self._either(name, lambda: getattr(self._tk, name)(x, w, b), lambda: F.linear(x, w, b))
 
-    def gate_up_silu(self, x, gate_up, into=None):
+    def gate_up_silu(self, x, gate_up):
         if isinstance(gate_up, QuantWeight):
-            rows = x.numel() // x.shape[-1]
-            return self._gate_up_silu(x, gate_up, self._tk.GLU_QUANTIZES and self._int8_into(into, rows))
+            return super().gate_up_silu(x, gate_up)
         name = self._tk.projection_kernel(x, gate_up)
         slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731
         if name is None:

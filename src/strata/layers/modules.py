@@ -149,7 +149,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
-        return self.down_proj(kernels.gate_up_silu(h, self.gate_up_proj.weight, self.down_proj.weight), kernels)
+        return self.down_proj(kernels.gate_up_silu(h, self.gate_up_proj.weight), kernels)
 
 
 class SparseMoE(nn.Module):

@@ -126,14 +126,14 @@ class QuantWeight:
         qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out)
         main.wait_stream(side)
 
-    def gate_up_silu(self, x: torch.Tensor, quantize: bool = False) -> torch.Tensor | None:
+    def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a stacked gate/up matrix in one pass, or None when the two halves are not one
-        segment (or x has more rows than the kernels take); quantize as in quant_kernels.matmul."""
+        segment (or x has more rows than the kernels take)."""
         flat = x.reshape(-1, self.cols)
         if len(self.segments) != 1 or flat.shape[0] > KERNEL_MAX_ROWS:
             return None
         s = self.segments[0]
-        y = qk.matmul(flat, s.data, s.qtype, s.rows // 2, glu=True, quantize=quantize)
+        y = qk.matmul(flat, s.data, s.qtype, s.rows // 2, glu=True)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -391,33 +391,11 @@ def _build():
                 tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
 
     @triton.jit
-    def _quantize_lane_rows(y_ptr, first, N, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, RT: tl.constexpr,
-                            WARPS: tl.constexpr, KS: tl.constexpr):
-        """After _store_lane_rows: y's blocks of 32 quantized as quantize_x would for the product that reads y
-        next (one row, the GEMVs' layout), each by the program that completes it. A program's RT * WARPS / KS
-        rows are part of a block (the programs of a block count their arrivals, the last one quantizes it
-        and resets the count) or whole blocks."""
-        COVER: tl.constexpr = RT * (WARPS // KS)
-        GN: tl.constexpr = (COVER + 31) // 32
-        ARRIVALS: tl.constexpr = (32 + COVER - 1) // COVER
-        kb = first // 32 + tl.arange(0, GN)
-        ok = kb < N // 32
-        tl.debug_barrier()  # every thread's stores made before the count is released (or the rows read)
-        if ARRIVALS > 1:
-            ok = ok & (tl.atomic_add(cnt_ptr + kb, 1, mask=ok, sem="acq_rel", scope="gpu") == ARRIVALS - 1)
-        y = tl.load(y_ptr + kb[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0.0,
-                    cache_modifier=".cg")
-        quantize_blocks(y.to(tl.float32), kb * 0, kb, ok, N // 32, 1, yq_ptr, yd_ptr, ys_ptr, 16)
-        if ARRIVALS > 1:
-            tl.atomic_xchg(cnt_ptr + kb, 0, mask=ok)  # ready for the next product
-
-    @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -487,8 +465,6 @@ def _build():
                 nxt += (a,)
             acc = nxt
         _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
-        if QUANT:
-            _quantize_lane_rows(y_ptr, first, N, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, RT, WARPS, KS)
 
     @triton.jit
     def _q6_bits(ql, qh, m):
@@ -536,8 +512,7 @@ def _build():
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -596,16 +571,13 @@ def _build():
                 nxt += (a,)
             acc = nxt
         _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
-        if QUANT:
-            _quantize_lane_rows(y_ptr, first, N, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, RT, WARPS, KS)
 
     @triton.jit
     def gemv_q8_0c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1, cnt_ptr=None, yq_ptr=None, yd_ptr=None, ys_ptr=None,
-                          QUANT: tl.constexpr = False):
+                          KS: tl.constexpr = 1):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
         Q8_0's GEMV had until 58bdb13, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
@@ -665,8 +637,6 @@ def _build():
                 nxt += (a,)
             acc = nxt
         _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
-        if QUANT:
-            _quantize_lane_rows(y_ptr, first, N, cnt_ptr, yq_ptr, yd_ptr, ys_ptr, RT, WARPS, KS)
 
     @triton.jit
     def _k_range(blocks, SPLIT: tl.constexpr):
@@ -676,13 +646,10 @@ def _build():
         return lo, tl.minimum(lo + per, blocks)
 
     @triton.jit
-    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr,
-                yq_ptr=None, yd_ptr=None, QUANT: tl.constexpr = False):
+    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr):
         """Store the few-row GEMMs' [BLOCK_M, BLOCK_N] results (acc: (gate or all, up)), with GLU silu(gate) * up.
         With SPLIT > 1 each program holds a K slice's partial sums: it writes them to the workspace, and the
-        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores. QUANT: the
-        results also quantized as quantize_x would for the product that reads them next (the few-row GEMMs'
-        padded layout, rows past M zeros): a program's BLOCK_N columns are whole blocks of 32."""
+        slice that finishes last (counted by an atomic) adds them all, in slice order, and stores."""
         BLOCK_M: tl.constexpr = acc[0].shape[0]
         BLOCK_N: tl.constexpr = acc[0].shape[1]
         m = tl.arange(0, BLOCK_M)
@@ -712,13 +679,6 @@ def _build():
                 y = _silu_mul(y, a1, out_ty)
             tl.store(y_ptr + m[:, None] * stride_y + rows[None, :], y.to(out_ty),
                      mask=(m < M)[:, None] & (rows < N)[None, :])
-            if QUANT:
-                BN: tl.constexpr = BLOCK_N // 32
-                j = tl.arange(0, BN)[None, :] + 0 * m[:, None]
-                kb = tl.reshape(tl.program_id(0) * BN + j, (BLOCK_M * BN,))
-                yv = tl.where((m < M)[:, None], y.to(out_ty).to(tl.float32), 0.0)
-                quantize_blocks(tl.reshape(yv, (BLOCK_M * BN, 32)), tl.reshape(j * 0 + m[:, None], (BLOCK_M * BN,)),
-                                kb, kb < N // 32, N // 32, BLOCK_M, yq_ptr, yd_ptr, yd_ptr, 32)
 
     @triton.jit
     def _gemm_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr, STACK: tl.constexpr = False):
@@ -777,8 +737,7 @@ def _build():
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr,
-                           QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0, yq_ptr=None, yd_ptr=None,
-                           QUANT: tl.constexpr = False):
+                           QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0):
         """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
         sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
         scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
@@ -830,13 +789,11 @@ def _build():
                     acc = nxt if PARTS == 2 else (nxt[0], acc[1])
         if STACK:  # the tile's gate rows, then its up rows
             acc = tl.split(tl.permute(tl.reshape(acc[0], [2, BLOCK_N, 16]), (1, 2, 0)))
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                yq_ptr, yd_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           yq_ptr=None, yd_ptr=None, QUANT: tl.constexpr = False):
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
@@ -861,8 +818,7 @@ def _build():
                     isum = tl.dot(_bytes(qw, ASM), xt, out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                yq_ptr, yd_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def _chunks4(t):
@@ -875,8 +831,7 @@ def _build():
     @triton.jit
     def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                            STAGES: tl.constexpr, STACK_ROWS: tl.constexpr = 0, yq_ptr=None, yd_ptr=None,
-                            QUANT: tl.constexpr = False):
+                            STAGES: tl.constexpr, STACK_ROWS: tl.constexpr = 0):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
         (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
@@ -924,8 +879,7 @@ def _build():
                 acc = nxt if PARTS == 2 else (nxt[0], acc[1])
         if STACK:  # the tile's gate rows, then its up rows
             acc = tl.split(tl.permute(tl.reshape(acc[0], [2, BLOCK_N, 16]), (1, 2, 0)))
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                yq_ptr, yd_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def _words_from(w32, base, k0: tl.constexpr, n: tl.constexpr, odd):
@@ -945,7 +899,7 @@ def _build():
     @triton.jit
     def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, yq_ptr=None, yd_ptr=None, QUANT: tl.constexpr = False):
+                           STAGES: tl.constexpr):
         """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
         of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
         int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
@@ -994,10 +948,9 @@ def _build():
                 for s in tl.static_range(2 if GLU else 1):
                     nxt += (tl.fma(part[s], heads[s][2][:, None], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT,
-                yq_ptr, yd_ptr, QUANT)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _quantize_lane_rows,
+    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
                    _gemm_rows, _x_scales):  # called by name, as _halves is
@@ -1278,17 +1231,14 @@ def recall_x8(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
            config: tuple[int, ...] | None = None, x8: tuple | None = None,
-           out: torch.Tensor | None = None, lane: int = 0, quantize: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None, lane: int = 0) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x, where the caller shares it between products. out: where to write it, [M, n] with unit
     column stride (a fused q/k/v's columns of one segment). lane: which count buffer its K slices take
     (_counters); two products running side by side on two streams take different ones. The 1-row GEMVs
     launch with PDL (pdl.py), the few-row GEMMs without: with it a Q4_K_M verify window measured 8% slower
-    on the H200 (5.75 ms against 5.32) while its decode step gained 12%. quantize: the result also
-    quantized for the int8-x product that reads it next (as a norm's rows are, remember_x8) by the word
-    kernels' programs that complete its blocks of 32, in place of quantize_x's launch (n a multiple of 32,
-    a y of its own)."""
+    on the H200 (5.75 ms against 5.32) while its decode step gained 12%."""
     rows, k = x.shape
     _check(data, qtype, k)
     x = x.contiguous()
@@ -1297,26 +1247,18 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
     kernels = _build()
     word = _word_kernel(qtype, rows, k, data.numel())
     tuned = config is None and f"{word}_tuned" in kernels
-    shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
-    quantize = bool(word) and quantize and out is None and n % 32 == 0 and (
-        n // 32 <= SPLIT_PROGRAMS if rows == 1 else all(c[0] % 32 == 0 for c in shapes))
-    buffers = x8_buffers(rows, n, x.device)[0] if quantize else None
     if word and rows == 1:
-        quant = {"cnt_ptr": _counters(x.device, lane), "yq_ptr": buffers[0], "yd_ptr": buffers[1],
-                 "ys_ptr": buffers[2], "QUANT": True} if quantize else {}
-        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config, **quant)
-        if quantize:
-            remember_x8(y, buffers)
+        _word_gemv(word, x8 or quantize_x(x), data, y, qtype, n, k, data.stride(0), glu, config)
         return y
     if word:
+        shapes = [config] if config else WORD_SKINNY_CONFIGS[:None if tuned else 1]
         partials = max([2 * 16 * sp * cdiv(n, b) * b for b, _, _, sp in shapes
                         if sp > 1 and _split_fits(word, b, sp, n, k)] or [1])  # the workspace the slices need
         common = (y, torch.empty(partials, dtype=torch.float32, device=x.device), _counters(x.device, lane), rows,
                   n, k, data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {}),
-                 **({"STACK_ROWS": GLU_STACK_ROWS} if word in ("skinny_q4k8", "skinny_q8_0w") else {}),
-                 **({"yq_ptr": buffers[0], "yd_ptr": buffers[1], "QUANT": True} if quantize else {})}
+                 **({"STACK_ROWS": GLU_STACK_ROWS} if word in ("skinny_q4k8", "skinny_q8_0w") else {})}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
@@ -1324,8 +1266,6 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
             assert _split_fits(word, block_n, split, n, k), (word, shapes[0], n, k)
             kernels[word][(cdiv(n, block_n), split)](*args, BLOCK_N=block_n, SPLIT=split, num_warps=warps,
                                                      num_stages=stages, **_loop_stages(word, stages), **extra)
-        if quantize:
-            remember_x8(y, buffers)
         return y
     tab = _table(x.device)
     name = "gemv" if rows == 1 else "skinny"

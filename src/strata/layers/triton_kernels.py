@@ -652,9 +652,6 @@ QUANTIZE_ROWS = 16
 #: (one row: in the 2.321 ms step above; 16, the padded x of the few-row GEMMs: an H100 verify 5.091 / 5.087
 #: ms against 5.133 / 5.138, bench/results/verify-quantize-ab-h100.json)
 ATTENTION_QUANTIZE_ROWS = 16
-#: a quantized gate/up product (up to QUANTIZE_ROWS rows) quantizes silu(gate) * up for an int8-x down
-#: projection in its own programs (quant_kernels.matmul's quantize), in place of quantize_x's launch
-GLU_QUANTIZES = True
 #: columns of a row each rms_norm program writes and quantizes (a power of two; 0: the whole row), every
 #: program reading the whole row for its sum of squares. H100, Q4_K_M 8B shape, one process, two alternations
 #: (bench/results/norm-chunk-ab-h100.log): a row a program 2.620 / 2.619 ms a 1-row step, 5.229 / 5.232 a
