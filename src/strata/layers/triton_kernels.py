@@ -217,14 +217,8 @@ def _build():
     def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
                                  stride_mask, chunk, scale, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
                                  D: tl.constexpr, R: tl.constexpr, RT: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 PRECISION: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-                                 out_ptr=None, xq_ptr=None, xd_ptr=None, xs_ptr=None, cnt_ptr=None, MP=1,
-                                 COMBINE: tl.constexpr = False, QUANT: tl.constexpr = False, SUMS: tl.constexpr = 16,
-                                 SPLITS: tl.constexpr = 1):
-        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells.
-        EARLY: a step's K, V and mask loaded together before any is used (one memory latency a step, not
-        three in a row). COMBINE: the program of the chunks' last to finish (counted by an atomic) combines
-        their partials and stores the rows as attention_combine_kernel does, in place of its launch."""
+                                 PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells."""
         settle(PDL)
         kvh = tl.program_id(0)
         split = tl.program_id(1)
@@ -244,88 +238,58 @@ def _build():
             smask = s < S
             kv_off = s[:, None].to(tl.int64) * stride_cell + kvh * D + d[None, :]
             k = tl.load(k_ptr + kv_off, mask=smask[:, None], other=0.0)
-            if EARLY:
-                v = tl.load(v_ptr + kv_off, mask=smask[:, None], other=0.0)
-                vis = tl.load(mask_ptr + t[:, None] * stride_mask + s[None, :],
-                              mask=rvalid[:, None] & smask[None, :], other=0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-            if not EARLY:
-                vis = tl.load(mask_ptr + t[:, None] * stride_mask + s[None, :],
-                              mask=rvalid[:, None] & smask[None, :], other=0)
+            vis = tl.load(mask_ptr + t[:, None] * stride_mask + s[None, :], mask=rvalid[:, None] & smask[None, :],
+                          other=0)
             scores = tl.where(vis != 0, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_ref)
             p = tl.exp(scores - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if not EARLY:
-                v = tl.load(v_ptr + kv_off, mask=smask[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=smask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
         part = (kvh * splits + split) * RT + r
         tl.store(m_ptr + part, m_i)
         tl.store(l_ptr + part, l_i)
         tl.store(o_ptr + part[:, None] * D + d[None, :], acc)
-        if COMBINE:
-            tl.debug_barrier()  # every thread's partials written before the count is released
-            slot = cnt_ptr + kvh * tl.num_programs(2) + tl.program_id(2)
-            if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                x = _combined(o_ptr, m_ptr, l_ptr, kvh, splits, r, rvalid, RT, D, SPLITS)
-                _store_combined(out_ptr, xq_ptr, xd_ptr, xs_ptr, x, t, head, T, MP, HK, G, D, QUANT, SUMS)
-                tl.atomic_xchg(slot, 0)  # ready for the next launch
-
-    @triton.jit
-    def _combined(o_ptr, m_ptr, l_ptr, kvh, splits, r, ok, RT: tl.constexpr, D: tl.constexpr,
-                  SPLITS: tl.constexpr):
-        """Rows r [R] of one K/V head (where ok) over the splits' partials, each split's weighted by its maximum:
-        [R, D] float32, 0 past ok. Read through L2 (.cg): the partials may be other programs' of this launch."""
-        d = tl.arange(0, D)
-        m_max = tl.full(r.shape, float("-inf"), dtype=tl.float32)
-        m_s = ()
-        for i in tl.static_range(SPLITS):
-            m_i = tl.load(m_ptr + (kvh * splits + i) * RT + r, mask=ok & (r * 0 + i < splits), other=float("-inf"),
-                          cache_modifier=".cg")
-            m_s += (m_i,)
-            m_max = tl.maximum(m_max, m_i)
-        l_sum = tl.zeros(r.shape, dtype=tl.float32)
-        acc = tl.zeros([r.shape[0], D], dtype=tl.float32)
-        for i in tl.static_range(SPLITS):
-            live = ok & (r * 0 + i < splits)
-            scale = tl.where(live, tl.exp(m_s[i] - m_max), 0.0)
-            part = (kvh * splits + i) * RT + r
-            l_sum += tl.load(l_ptr + part, mask=live, other=0.0, cache_modifier=".cg") * scale
-            acc += tl.load(o_ptr + part[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
-                           cache_modifier=".cg") * scale[:, None]
-        return tl.where(ok[:, None], acc / tl.where(ok, l_sum, 1.0)[:, None], 0.0)
-
-    @triton.jit
-    def _store_combined(out_ptr, q_ptr, d_ptr, s_ptr, x, t, head, T, MP, HK: tl.constexpr, G: tl.constexpr,
-                        D: tl.constexpr, QUANT: tl.constexpr, SUMS: tl.constexpr):
-        """Attention's rows x [R, D] (window row t, head `head` each) stored where t < T; QUANT: also quantized as
-        quantize_x would (quant_kernels.quantize_blocks, SUMS its layout), rows T .. MP the zeros of its padding."""
-        d = tl.arange(0, D)
-        out = tl.where((t < T)[:, None], x, 0.0).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + ((t * (HK * G) + head) * D)[:, None] + d[None, :], out, mask=(t < T)[:, None])
-        if QUANT:
-            R: tl.constexpr = x.shape[0]
-            j = tl.arange(0, D // 32)[None, :]
-            kb = tl.reshape(head[:, None] * (D // 32) + j, (R * (D // 32),))
-            row = tl.reshape(t[:, None] + 0 * j, (R * (D // 32),))
-            quantize_blocks(tl.reshape(out.to(tl.float32), (R * (D // 32), 32)), row, kb, row < MP,
-                            HK * G * D // 32, MP, q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
     def attention_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, d_ptr, s_ptr, splits, T, MP, G: tl.constexpr,
                                  HK: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, SPLITS: tl.constexpr,
                                  QUANT: tl.constexpr = False, SUMS: tl.constexpr = 16, PDL: tl.constexpr = False):
-        """One query row of one K/V head per program: its partials summed split by split (_combined) and stored
-        (_store_combined; the programs of rows T .. MP write the zero rows of a quantized output's padding)."""
+        """One query row of one K/V head per program: its partials summed split by split. QUANT: its head's D
+        values also quantized as quantize_x would for the T rows (quant_kernels.quantize_blocks, SUMS its
+        layout), the programs of rows T .. MP writing the zero rows of its padding."""
         settle(PDL)
         kvh = tl.program_id(0)
         r = tl.program_id(1) + tl.zeros([1], dtype=tl.int32)  # [1]: the masks below stay tensors
         t = r // G
-        x = _combined(o_ptr, m_ptr, l_ptr, kvh, splits, r, t < T, RT, D, SPLITS)
-        _store_combined(out_ptr, q_ptr, d_ptr, s_ptr, x, t, kvh * G + r % G, T, MP, HK, G, D, QUANT, SUMS)
+        d = tl.arange(0, D)
+        m_max = tl.full([1], float("-inf"), dtype=tl.float32)
+        m_s = ()
+        for i in tl.static_range(SPLITS):
+            m_i = tl.load(m_ptr + (kvh * splits + i) * RT + r, mask=(t < T) & (t * 0 + i < splits),
+                          other=float("-inf"))
+            m_s += (m_i,)
+            m_max = tl.maximum(m_max, m_i)
+        l_sum = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([1, D], dtype=tl.float32)
+        for i in tl.static_range(SPLITS):
+            ok = (t < T) & (t * 0 + i < splits)
+            scale = tl.where(ok, tl.exp(m_s[i] - m_max), 0.0)
+            part = (kvh * splits + i) * RT + r
+            l_sum += tl.load(l_ptr + part, mask=ok, other=0.0) * scale
+            acc += tl.load(o_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0) * scale[:, None]
+        head = kvh * G + r % G
+        live = (t < T)[:, None] & (d >= 0)[None, :]
+        out = tl.where(live, acc / l_sum[:, None], 0.0).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + ((t * (HK * G) + head) * D)[:, None] + d[None, :], out, mask=live)
+        if QUANT:
+            kb = head * (D // 32) + tl.arange(0, D // 32)
+            quantize_blocks(tl.reshape(out.to(tl.float32), (D // 32, 32)), kb * 0 + t, kb, kb >= 0, HK * G * D // 32,
+                            MP, q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
     def _norm_columns(x_ptr, r_ptr, row, M, H, stride_x, stride_r, start, WIDTH: tl.constexpr, ADD: tl.constexpr):
@@ -408,8 +372,7 @@ def _build():
             tl.store(v_cache_ptr + cell + i, tl.load(vsrc + i))
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
-    for helper in (_norm_columns, _combined, _store_combined):  # called by name, as settle is
-        globals()[helper.__name__] = helper
+    globals()["_norm_columns"] = _norm_columns  # called by name, as settle is
     return {"gemv": gemv_kernel, "expert_down_sum": expert_down_sum_kernel, "skinny": skinny_kernel,
             "attention_partial": attention_partial_kernel, "attention_combine": attention_combine_kernel,
             "route": route_kernel, "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
@@ -618,21 +581,6 @@ def pow2(n: int) -> int:
 ATTENTION_BLOCK = 64  # cells a program's loop step reads
 ATTENTION_TARGET_SPLITS = 16
 ATTENTION_MAX_ROWS = 64  # query rows (window rows x heads of a group) one program holds
-ATTENTION_LOADS_FIRST = True  # attention_partial_kernel's EARLY
-#: the partials combined by the last of their programs (attention_partial_kernel's COMBINE), not a launch of
-#: attention_combine_kernel
-ATTENTION_COMBINE_IN_PLACE = True
-_COUNTS = 1024
-_COUNTERS: dict = {}
-
-
-def _counts(device) -> torch.Tensor:
-    """Attention's arrival counts, one per (K/V head, row block): zero between launches (the last program resets
-    its own). Made at the first call, outside any graph's capture."""
-    key = str(device)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(_COUNTS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 #: the head dim the two sizes above are for; a larger one shrinks both in proportion (at 256, 64 x 64 tiles
 #: pipelined over three stages need 232 KiB of shared memory, more than an H200 has)
 ATTENTION_TILE_DIM = 128
@@ -676,20 +624,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     m = torch.empty(hk, splits, row_blocks * rows, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     q = q.contiguous()
+    kernels["attention_partial"][(hk, splits, row_blocks)](
+        q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
+        RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4, **pdl.options(q.device))
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
     quantize = quantize and t <= ATTENTION_QUANTIZE_ROWS and d % 32 == 0
     buffers, mp, sums = qk.x8_buffers(t, h * d, q.device) if quantize else ((out, out, out), t, 16)
-    common = dict(RT=row_blocks * rows, SPLITS=max(2, pow2(splits)), QUANT=quantize, SUMS=sums, G=g, HK=hk, D=d)
-    # the partials' last program combines them where its rows hold every row the output has (its padding too)
-    combine = ATTENTION_COMBINE_IN_PLACE and hk * row_blocks <= _COUNTS and (not quantize or row_blocks * rows >= mp * g)
-    fused = dict(out_ptr=out, xq_ptr=buffers[0], xd_ptr=buffers[1], xs_ptr=buffers[2], cnt_ptr=_counts(q.device),
-                 MP=mp, COMBINE=True, **common) if combine else dict(G=g, HK=hk, D=d, RT=row_blocks * rows)
-    kernels["attention_partial"][(hk, splits, row_blocks)](
-        q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, R=rows, BLOCK_S=block,
-        PRECISION=precision(q), EARLY=ATTENTION_LOADS_FIRST, num_warps=4, **fused, **pdl.options(q.device))
-    if not combine:
-        kernels["attention_combine"][(hk, mp * g)](o, m, l, out, *buffers, splits, t, mp, **common, num_warps=2,
-                                                   **pdl.options(q.device))
+    kernels["attention_combine"][(hk, mp * g)](o, m, l, out, *buffers, splits, t, mp, G=g, HK=hk, D=d,
+                                               RT=row_blocks * rows, SPLITS=max(2, pow2(splits)), QUANT=quantize,
+                                               SUMS=sums, num_warps=2, **pdl.options(q.device))
     if quantize:
         qk.remember_x8(out, buffers)
     return out
