@@ -391,11 +391,29 @@ def _build():
                 tl.store(y_ptr + at_r, y0.to(out_ty), mask=at_r < N)
 
     @triton.jit
+    def _prefetch_rows(w_ptr, first, N, row_bytes, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr,
+                       KS: tl.constexpr):
+        """A lanes-along-K GEMV program's rows of W (with GLU their up rows too) asked into L2 (prefetch.global.L2,
+        a line a thread at a time): done before the wait for the kernel ahead (PDL), the programs already
+        resident stream their weights while that kernel finishes."""
+        COVER: tl.constexpr = RT * (WARPS // KS)
+        T: tl.constexpr = 32 * WARPS
+        w8 = w_ptr.to(tl.pointer_type(tl.int8))
+        span = (tl.minimum(first + COVER, N) - first).to(tl.int64) * row_bytes
+        for half in tl.static_range(2 if GLU else 1):
+            start = w8 + (first + half * N).to(tl.int64) * row_bytes
+            for off in range(0, span, 128 * T):
+                at = off + tl.arange(0, T) * 128
+                tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
+                                          "mov.u32 $0, 0; }", "=r,l,r", [start + at, (at < span).to(tl.int32)],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1):
+                          KS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
         """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
@@ -422,6 +440,9 @@ def _build():
         NR: tl.constexpr = 2 * RT if GLU else RT
         blocks = K // 256
         first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
+        if PREFETCH and ASM and not EXPERTS:
+            if first.to(tl.int64) * (4 * row_words) < PREFETCH:
+                _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS)
         settle(PDL)
         for it in range(0, blocks, 4 * KU * KS):
             xs = ()
@@ -512,7 +533,7 @@ def _build():
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1):
+                          KS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
         """Q6_K times an int8 x (quantize_x_kernel) with lanes along K, as gemv_q4k8c_kernel: a warp reads 4
         superblocks of a row at once, lane l the 16 ql bytes 16 c (c = l % 8) of superblock l // 8 (the low
         4 bits of 16 weights of the quarters mq = part and part + 2 of half h2, c = 4 h2 + 2 part + lh) and
@@ -537,6 +558,9 @@ def _build():
         blocks = K // 256
         total = (2 * N if GLU else N) * row_bytes
         first, acc, bases, kpart = _lane_rows(N, row_bytes, GLU, RT, WARPS, KS)
+        if PREFETCH and ASM and not EXPERTS:
+            if first.to(tl.int64) * (row_bytes) < PREFETCH:
+                _prefetch_rows(w_ptr, first, N, row_bytes, GLU, RT, WARPS, KS)
         settle(PDL)
         for it in range(0, blocks, 4 * KU * KS):
             xs = ()
@@ -577,7 +601,7 @@ def _build():
                           RT: tl.constexpr, WARPS: tl.constexpr, KU: tl.constexpr, ASM: tl.constexpr,
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
-                          KS: tl.constexpr = 1):
+                          KS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
         """Q8_0 times an int8 x with lanes along K, as gemv_q4k8c_kernel: lane l takes the row's 16-byte
         chunk 32 s + l at step s, so a warp's load is 512 consecutive bytes (with a thread per 4 blocks, as
         Q8_0's GEMV had until 58bdb13, each load touched 32 lines). 34-byte blocks do not line up with 16-byte chunks,
@@ -601,6 +625,9 @@ def _build():
         chunks = K // 256 * 17
         last = K // 32 - 1
         first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
+        if PREFETCH and ASM and not EXPERTS:
+            if first.to(tl.int64) * (4 * row_words) < PREFETCH:
+                _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS)
         settle(PDL)
         for it in range(0, chunks, 32 * KU * KS):
             xs = ()
@@ -950,7 +977,7 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows,
+    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
                    _gemm_rows, _x_scales):  # called by name, as _halves is
@@ -1131,6 +1158,12 @@ INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: 
 #: 5.520 ms against 17.028 on an H100 (bench/results/q5k-word-gemm-ab-h100.json)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q5_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0"}
 X_ROWS = 16
+#: the programs of a 1-row word GEMV whose rows start within this many bytes of W (of the gate rows, with
+#: GLU) ask their rows into L2 before they wait for the kernel ahead (_prefetch_rows; 0: none): the first
+#: of its weights stream while the norm or attention before it finishes. Q4_K_M 8B shape, H100, ms a 1-row
+#: step (bench/results/gemv-prefetch-ab-h100.json): 0 2.559 / 2.560, 1 MiB 2.506, 2 MiB 2.488, 4 MiB 2.503 /
+#: 2.505, 8 MiB 2.604, 16 MiB 2.692; every program prefetching its rows 2.782 / 2.800 against 2.579 / 2.586
+GEMV_PREFETCH = 2 ** 21
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
 #: (bench/results/moe-30b-Q4_K_M-word-gemvs-h200.json; tools/pdl_ab.py --knob ...EXPERT_WORD_GEMVS)
@@ -1291,7 +1324,8 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
         q, d = x8[:2]
         x8 = (q, d, q[d.numel() * 32:])
     args = (*x8, data, y, n, k, row_bytes if word == "gemv_q6k8c" else row_bytes // 4)  # its rows: any even byte
-    extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, **experts, **pdl.options(y.device)}
+    extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, "PREFETCH": GEMV_PREFETCH, **experts,
+             **pdl.options(y.device)}
     if config is None and f"{word}_tuned" in kernels:
         kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
         return
