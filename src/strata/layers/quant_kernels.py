@@ -1162,8 +1162,12 @@ X_ROWS = 16
 #: GLU) ask their rows into L2 before they wait for the kernel ahead (_prefetch_rows; 0: none): the first
 #: of its weights stream while the norm or attention before it finishes. Q4_K_M 8B shape, H100, ms a 1-row
 #: step (bench/results/gemv-prefetch-ab-h100.json): 0 2.559 / 2.560, 1 MiB 2.506, 2 MiB 2.488, 4 MiB 2.503 /
-#: 2.505, 8 MiB 2.604, 16 MiB 2.692; every program prefetching its rows 2.782 / 2.800 against 2.579 / 2.586
+#: 2.505, 8 MiB 2.604, 16 MiB 2.692; every program prefetching its rows 2.782 / 2.800 against 2.579 / 2.586.
+#: There the tuner had chosen each GEMV's block shape without prefetching (the first setting was 0), as
+#: _word_gemv has it choose now: on another H100, shapes chosen with 2 MiB prefetching took 2.538 / 2.537 ms
+#: with it and 2.784 / 2.788 without, where main's step ranged 2.53-2.59 over this session's machines
 GEMV_PREFETCH = 2 ** 21
+_TUNED_PLAIN: set = set()  # the GEMV shapes whose block shape the tuner chose without prefetching (_word_gemv)
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
 #: (bench/results/moe-30b-Q4_K_M-word-gemvs-h200.json; tools/pdl_ab.py --knob ...EXPERT_WORD_GEMVS)
@@ -1324,10 +1328,18 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
         q, d = x8[:2]
         x8 = (q, d, q[d.numel() * 32:])
     args = (*x8, data, y, n, k, row_bytes if word == "gemv_q6k8c" else row_bytes // 4)  # its rows: any even byte
-    extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, "PREFETCH": GEMV_PREFETCH, **experts,
-             **pdl.options(y.device)}
+    extra = {"GLU": glu, "ASM": not _interpreting(), "QTYPE": qtype, "PREFETCH": 0 if experts else GEMV_PREFETCH,
+             **experts, **pdl.options(y.device)}
     if config is None and f"{word}_tuned" in kernels:
-        kernels[f"{word}_tuned"][lambda meta: (cdiv(n, covered(meta)), programs)](*args, **extra)
+        tuner = kernels[f"{word}_tuned"]
+        grid = lambda meta: (cdiv(n, covered(meta)), programs)  # noqa: E731
+        shape = (id(tuner), n, k, glu, qtype, bool(experts), args[0].dtype, y.dtype)
+        if extra["PREFETCH"] and shape not in _TUNED_PLAIN:
+            # the tuner times a product alone, where a prefetch has no kernel ahead to overlap: it chooses as
+            # without prefetching (GEMV_PREFETCH's figures were measured so)
+            tuner[grid](*args, **{**extra, "PREFETCH": 0})
+            _TUNED_PLAIN.add(shape)
+        tuner[grid](*args, **extra)
         return
     rt, warps, ku, ks = config or LANE_K_CONFIGS[0]
     meta = {"RT": rt, "WARPS": warps, "KU": ku, "KS": ks}
