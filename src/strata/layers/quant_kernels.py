@@ -392,21 +392,25 @@ def _build():
 
     @triton.jit
     def _prefetch_rows(w_ptr, first, N, row_bytes, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr,
-                       KS: tl.constexpr):
+                       KS: tl.constexpr, PREFETCH: tl.constexpr, ON: tl.constexpr):
         """A lanes-along-K GEMV program's rows of W (with GLU their up rows too) asked into L2 (prefetch.global.L2,
-        a line a thread at a time): done before the wait for the kernel ahead (PDL), the programs already
-        resident stream their weights while that kernel finishes."""
-        COVER: tl.constexpr = RT * (WARPS // KS)
-        T: tl.constexpr = 32 * WARPS
-        w8 = w_ptr.to(tl.pointer_type(tl.int8))
-        span = (tl.minimum(first + COVER, N) - first).to(tl.int64) * row_bytes
-        for half in tl.static_range(2 if GLU else 1):
-            start = w8 + (first + half * N).to(tl.int64) * row_bytes
-            for off in range(0, span, 128 * T):
-                at = off + tl.arange(0, T) * 128
-                tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                                          "mov.u32 $0, 0; }", "=r,l,r", [start + at, (at < span).to(tl.int32)],
-                                          dtype=tl.int32, is_pure=False, pack=1)
+        a line a thread at a time) where they start within the first PREFETCH bytes (and ON: on the device, not
+        over experts): done before the wait for the kernel ahead (PDL), the programs already resident stream
+        their weights while that kernel finishes."""
+        if PREFETCH and ON:
+            if first.to(tl.int64) * row_bytes < PREFETCH:
+                COVER: tl.constexpr = RT * (WARPS // KS)
+                T: tl.constexpr = 32 * WARPS
+                w8 = w_ptr.to(tl.pointer_type(tl.int8))
+                span = (tl.minimum(first + COVER, N) - first).to(tl.int64) * row_bytes
+                for half in tl.static_range(2 if GLU else 1):
+                    start = w8 + (first + half * N).to(tl.int64) * row_bytes
+                    for off in range(0, span, 128 * T):
+                        at = off + tl.arange(0, T) * 128
+                        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
+                                                  "mov.u32 $0, 0; }", "=r,l,r",
+                                                  [start + at, (at < span).to(tl.int32)], dtype=tl.int32,
+                                                  is_pure=False, pack=1)
 
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,
@@ -440,9 +444,7 @@ def _build():
         NR: tl.constexpr = 2 * RT if GLU else RT
         blocks = K // 256
         first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
-        if PREFETCH and ASM and not EXPERTS:
-            if first.to(tl.int64) * (4 * row_words) < PREFETCH:
-                _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS)
+        _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS, PREFETCH, ASM and not EXPERTS)
         settle(PDL)
         for it in range(0, blocks, 4 * KU * KS):
             xs = ()
@@ -558,9 +560,7 @@ def _build():
         blocks = K // 256
         total = (2 * N if GLU else N) * row_bytes
         first, acc, bases, kpart = _lane_rows(N, row_bytes, GLU, RT, WARPS, KS)
-        if PREFETCH and ASM and not EXPERTS:
-            if first.to(tl.int64) * (row_bytes) < PREFETCH:
-                _prefetch_rows(w_ptr, first, N, row_bytes, GLU, RT, WARPS, KS)
+        _prefetch_rows(w_ptr, first, N, row_bytes, GLU, RT, WARPS, KS, PREFETCH, ASM and not EXPERTS)
         settle(PDL)
         for it in range(0, blocks, 4 * KU * KS):
             xs = ()
@@ -625,9 +625,7 @@ def _build():
         chunks = K // 256 * 17
         last = K // 32 - 1
         first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
-        if PREFETCH and ASM and not EXPERTS:
-            if first.to(tl.int64) * (4 * row_words) < PREFETCH:
-                _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS)
+        _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS, PREFETCH, ASM and not EXPERTS)
         settle(PDL)
         for it in range(0, chunks, 32 * KU * KS):
             xs = ()
