@@ -588,3 +588,34 @@ def test_the_autotuners_keep_their_measurements_on_disk():
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["9", "True"], out.stdout
+
+
+def test_the_gemvs_block_shape_is_chosen_without_prefetching(monkeypatch):
+    """Where the device tunes the 1-row GEMVs (stood in for by the interpreted kernel at one shape), a shape's
+    first product launches once without prefetching (the tuner chooses there) and then with GEMV_PREFETCH;
+    later products of that shape launch with it only, and a product without the setting never prefetches.
+    The results are the same (a prefetch only asks lines into L2: the interpreter skips it)."""
+    raw = blocks(T.Q4_K, 64, 256, 81)
+    data = torch.from_numpy(raw.copy())
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
+    want = qk.matmul(x, data, int(T.Q4_K), 32, glu=True)
+    kernel, launches = qk._build()["gemv_q4k8c"], []
+
+    class Tuned:
+        def __getitem__(self, grid):
+            meta = {"RT": 4, "WARPS": 2, "KU": 1, "KS": 1}
+
+            def launch(*args, **kw):
+                launches.append(kw["PREFETCH"])
+                kernel[grid(meta)](*args, **meta, **kw)
+            return launch
+
+    monkeypatch.setitem(qk._build(), "gemv_q4k8c_tuned", Tuned())
+    monkeypatch.setattr(qk, "_TUNED_PLAIN", set())
+    monkeypatch.setattr(qk, "GEMV_PREFETCH", 2 ** 21)
+    for _ in range(2):
+        assert qk.matmul(x, data, int(T.Q4_K), 32, glu=True).equal(want)
+    assert launches == [0, 2 ** 21, 2 ** 21]
+    monkeypatch.setattr(qk, "GEMV_PREFETCH", 0)
+    assert qk.matmul(x, data, int(T.Q4_K), 16).equal(qk.matmul(x, data, int(T.Q4_K), 16, config=(4, 2, 1, 1)))
+    assert launches == [0, 2 ** 21, 2 ** 21, 0]
