@@ -611,7 +611,6 @@ def test_the_gemvs_block_shape_is_chosen_without_prefetching(monkeypatch):
             return launch
 
     monkeypatch.setitem(qk._build(), "gemv_q4k8c_tuned", Tuned())
-    monkeypatch.setattr(qk, "_TUNED_PLAIN", set())
     monkeypatch.setattr(qk, "GEMV_PREFETCH", 2 ** 21)
     for _ in range(2):
         assert qk.matmul(x, data, int(T.Q4_K), 32, glu=True).equal(want)

@@ -1165,7 +1165,6 @@ X_ROWS = 16
 #: _word_gemv has it choose now: on another H100, shapes chosen with 2 MiB prefetching took 2.538 / 2.537 ms
 #: with it and 2.784 / 2.788 without, where main's step ranged 2.53-2.59 over this session's machines
 GEMV_PREFETCH = 2 ** 21
-_TUNED_PLAIN: set = set()  # the GEMV shapes whose block shape the tuner chose without prefetching (_word_gemv)
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
 #: (bench/results/moe-30b-Q4_K_M-word-gemvs-h200.json; tools/pdl_ab.py --knob ...EXPERT_WORD_GEMVS)
@@ -1331,12 +1330,13 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
     if config is None and f"{word}_tuned" in kernels:
         tuner = kernels[f"{word}_tuned"]
         grid = lambda meta: (cdiv(n, covered(meta)), programs)  # noqa: E731
-        shape = (id(tuner), n, k, glu, qtype, bool(experts), args[0].dtype, y.dtype)
-        if extra["PREFETCH"] and shape not in _TUNED_PLAIN:
+        shape = (n, k, glu, qtype, bool(experts), args[0].dtype, y.dtype)
+        plain = vars(tuner).setdefault("strata_chosen_plain", set())  # the shapes it chose without prefetching
+        if extra["PREFETCH"] and shape not in plain:
             # the tuner times a product alone, where a prefetch has no kernel ahead to overlap: it chooses as
             # without prefetching (GEMV_PREFETCH's figures were measured so)
             tuner[grid](*args, **{**extra, "PREFETCH": 0})
-            _TUNED_PLAIN.add(shape)
+            plain.add(shape)
         tuner[grid](*args, **extra)
         return
     rt, warps, ku, ks = config or LANE_K_CONFIGS[0]
