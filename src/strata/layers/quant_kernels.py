@@ -394,9 +394,9 @@ def _build():
     def _prefetch_rows(w_ptr, first, N, row_bytes, GLU: tl.constexpr, RT: tl.constexpr, WARPS: tl.constexpr,
                        KS: tl.constexpr, PREFETCH: tl.constexpr, ON: tl.constexpr):
         """A lanes-along-K GEMV program's rows of W (with GLU their up rows too) asked into L2 (prefetch.global.L2,
-        a line a thread at a time) where they start within the first PREFETCH bytes (and ON: on the device, not
-        over experts): done before the wait for the kernel ahead (PDL), the programs already resident stream
-        their weights while that kernel finishes."""
+        a line a thread at a time) where they start within the first PREFETCH bytes (and ON: on the device; a
+        product over experts passes 0): done before the wait for the kernel ahead (PDL), the programs already
+        resident stream their weights while that kernel finishes."""
         if PREFETCH and ON:
             if first.to(tl.int64) * row_bytes < PREFETCH:
                 COVER: tl.constexpr = RT * (WARPS // KS)
@@ -444,7 +444,7 @@ def _build():
         NR: tl.constexpr = 2 * RT if GLU else RT
         blocks = K // 256
         first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
-        _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS, PREFETCH, ASM and not EXPERTS)
+        _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS, PREFETCH, ASM)
         settle(PDL)
         for it in range(0, blocks, 4 * KU * KS):
             xs = ()
@@ -560,7 +560,7 @@ def _build():
         blocks = K // 256
         total = (2 * N if GLU else N) * row_bytes
         first, acc, bases, kpart = _lane_rows(N, row_bytes, GLU, RT, WARPS, KS)
-        _prefetch_rows(w_ptr, first, N, row_bytes, GLU, RT, WARPS, KS, PREFETCH, ASM and not EXPERTS)
+        _prefetch_rows(w_ptr, first, N, row_bytes, GLU, RT, WARPS, KS, PREFETCH, ASM)
         settle(PDL)
         for it in range(0, blocks, 4 * KU * KS):
             xs = ()
@@ -625,7 +625,7 @@ def _build():
         chunks = K // 256 * 17
         last = K // 32 - 1
         first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
-        _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS, PREFETCH, ASM and not EXPERTS)
+        _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS, PREFETCH, ASM)
         settle(PDL)
         for it in range(0, chunks, 32 * KU * KS):
             xs = ()
@@ -1330,7 +1330,7 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
     if config is None and f"{word}_tuned" in kernels:
         tuner = kernels[f"{word}_tuned"]
         grid = lambda meta: (cdiv(n, covered(meta)), programs)  # noqa: E731
-        shape = (n, k, glu, qtype, bool(experts), args[0].dtype, y.dtype)
+        shape = (n, k, glu, qtype, args[0].dtype, y.dtype)  # products over experts never prefetch
         plain = vars(tuner).setdefault("strata_chosen_plain", set())  # the shapes it chose without prefetching
         if extra["PREFETCH"] and shape not in plain:
             # the tuner times a product alone, where a prefetch has no kernel ahead to overlap: it chooses as
