@@ -67,9 +67,8 @@ def test_quantize_x_blocks_of_32():
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4))
     q, ds = qk.quantize_x(x)
     tq, td = int8_twin(x)
-    assert q.shape == (qk.X_ROWS * (1024 + 32 * 34) + 66 * 1024,) and ds.shape == (32, qk.X_ROWS, 2)
-    rows = q[:qk.X_ROWS * 1024].view(qk.X_ROWS, 1024)
-    tails = q[qk.X_ROWS * 1024:qk.X_ROWS * (1024 + 32 * 34)].view(qk.X_ROWS, 32, 34)
+    assert q.shape == (qk.X_ROWS * (1024 + 32 * 34),) and ds.shape == (32, qk.X_ROWS, 2)
+    rows, tails = q[:qk.X_ROWS * 1024].view(qk.X_ROWS, 1024), q[qk.X_ROWS * 1024:].view(qk.X_ROWS, 32, 34)
     assert torch.equal(rows[:3].float(), tq.reshape(3, 1024)) and not rows[3:].any() and not ds[:, 3:].any()
     assert not tails[:, :, :2].any() and torch.equal(tails[:, :, 2:].reshape(qk.X_ROWS, 1024), rows)
     assert torch.equal(ds[:, :3, 0], td.reshape(3, 32).T)
@@ -588,7 +587,7 @@ def test_the_autotuners_keep_their_measurements_on_disk():
     out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).resolve().parents[1] / "src")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["10", "True"], out.stdout
+    assert out.stdout.split() == ["9", "True"], out.stdout
 
 
 def test_the_gemvs_block_shape_is_chosen_without_prefetching(monkeypatch):

@@ -333,29 +333,6 @@ def _build():
         xr = q_ptr + MP * KB * 32 + (row * KB + kb)[:, None] * 34
         tl.store(xr + 2 + j, q.to(tl.int8), mask=ok[:, None])
         tl.store(xr + tl.arange(0, 2)[None, :], tl.zeros([B, 2], dtype=tl.int8), mask=ok[:, None])
-        if SUMS == 32:  # then skinny_q4kh's float16 terms: hi + lo = XH_SCALE d q
-            _x_halves(q * (d * 0.03125)[:, None], row, kb, ok & (kb * 0 + KB % 8 == 0), KB, q_ptr + MP * KB * 66)
-
-    @triton.jit
-    def _x_halves(v, row, kb, ok, KB, x_ptr):
-        """Blocks v [B, 32] of 16-row x (block kb [B] of row `row` [B]) as skinny_q4kh_kernel takes them, from
-        x_ptr: per block, [32 (its values in the order the kernel's A tile has them: 0, 2, 1, 3 in each 4), 32
-        (16 rows' hi, then their lo)] float16; then per superblock of 8 blocks [16 (each block's sum, hi;
-        then lo), 16 rows]. hi is v rounded to float16, lo the rest rounded."""
-        r = tl.arange(0, 32)
-        l = 4 * (r // 4) + (r % 2) * 2 + (r % 4) // 2
-        hi = v.to(tl.float16)
-        lo = (v - hi.to(tl.float32)).to(tl.float16)
-        xh = x_ptr.to(tl.pointer_type(tl.float16))
-        at = xh + (kb[:, None] * 32 + l[None, :]) * 32 + row[:, None]
-        tl.store(at, hi, mask=ok[:, None])
-        tl.store(at + 16, lo, mask=ok[:, None])
-        sums = tl.sum(v, axis=1)
-        shi = sums.to(tl.float16)
-        slo = (sums - shi.to(tl.float32)).to(tl.float16)
-        xm = xh + KB * 32 * 32 + ((kb // 8) * 16 + kb % 8) * 16 + row
-        tl.store(xm, shi, mask=ok)
-        tl.store(xm + 8 * 16, slo, mask=ok)
 
     @triton.jit
     def _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr, expert_bytes, K, stride_y, SHARE: tl.constexpr,
@@ -840,101 +817,6 @@ def _build():
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
-    def _scaled_nibbles(q, q8, sc, off, HIGH: tl.constexpr, ASM: tl.constexpr):
-        """sc * the low (HIGH: high) nibbles of words q [R, C] (q8 = q >> 8), as float16 [R, 4 C], each word's
-        bytes in the order 0, 2, 1, 3; exact, as sc * 15 <= 945 (Q5_K's 31 sc <= 1953) is. On the device two
-        nibbles a 32-bit op: 1024 + n (HIGH: 1024 + 16 n) in each float16 half, then one fma of the pair
-        with sc and off = -1024 sc (HIGH: sc / 16 and -64 sc)."""
-        R: tl.constexpr = q.shape[0]
-        C: tl.constexpr = q.shape[1]
-        if ASM:
-            mask: tl.constexpr = "0x00F000F0" if HIGH else "0x000F000F"
-            asm: tl.constexpr = ("{.reg .b32 a, b; lop3.b32 a, $2, " + mask + ", 0x64006400, 0xEA; lop3.b32 b, $6, "
-                                 + mask + ", 0x64006400, 0xEA; fma.rn.f16x2 $0, a, $10, $12; "
-                                 "fma.rn.f16x2 $1, b, $10, $12;}")
-            q4 = tl.reshape(tl.broadcast_to(q[:, :, None], [R, C, 4]), [R, 4 * C])
-            q84 = tl.reshape(tl.broadcast_to(q8[:, :, None], [R, C, 4]), [R, 4 * C])
-            return tl.inline_asm_elementwise(asm, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
-                                             [q4, q84, tl.broadcast_to(sc, [R, 4 * C]),
-                                              tl.broadcast_to(off, [R, 4 * C])],
-                                             dtype=tl.float16, is_pure=True, pack=4)
-        e = tl.arange(0, 4 * C) % 4
-        shift = 8 * ((e % 2) * 2 + e // 2) + 4 * HIGH
-        q4 = tl.reshape(tl.broadcast_to(q[:, :, None], [R, C, 4]), [R, 4 * C])
-        n = (q4 >> shift[None, :]) & 0xF
-        return (n.to(tl.float32) * tl.where(HIGH, sc * 16.0, sc).to(tl.float32)).to(tl.float16)
-
-    @triton.jit
-    def skinny_q4kh_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0):
-        """Q4_K times a few rows of x on float16 tensor cores, with x as quantize_x's int8 x: d q per 32,
-        given as two float16 terms a value (hi + lo, of XH_SCALE d q) so that a sum of products computes with
-        d q to float32 rounding, as the GEMV does. A sub-block's sc * nibble is an exact float16 (_scaled_
-        nibbles), so a superblock's products sum on the tensor cores before its d and dmin scale them: per
-        superblock (sum_j sc_j q_j . x_j) d - (sum_j m_j xs_j) dmin, the mins' sum one product more (m_j
-        against the hi and lo terms of xs_j, the sum of sub-block j's x)."""
-        STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
-        PARTS: tl.constexpr = 2 if GLU and not STACK else 1
-        R: tl.constexpr = 2 * BLOCK_N if STACK else BLOCK_N
-        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N, STACK)
-        i4 = tl.arange(0, 4)[None, :]
-        xh = (q_ptr + 33 * K).to(tl.pointer_type(tl.float16))  # after the int8 rows and their Q8_0 rows
-        xm = xh + 2 * 16 * K
-        t32 = tl.arange(0, 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
-        t16 = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
-        c16 = tl.arange(0, 16)[None, :] % 8
-        acc = (tl.zeros([R, 16], dtype=tl.float32), tl.zeros([R, 16], dtype=tl.float32))
-        lo, hi = _k_range(K // 256, SPLIT)
-        for sb in tl.range(lo, hi, num_stages=STAGES):
-            heads = ()
-            for s in tl.static_range(PARTS):
-                base = tl.multiple_of(offs[s] + sb * 36, 4)[:, None]
-                w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
-                d, dmin = _half2(w0, True)
-                scs = (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030))
-                mns = (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))
-                mtile = ((tl.where(c16 < 4, mns[0][:, None], mns[1][:, None]) >> (8 * (c16 % 4))) & 0xFF).to(tl.float16)
-                heads += ((base, d, dmin, scs, mtile),)
-            xms = tl.load(xm + sb * 16 * 16 + t16)
-            quarters = ()
-            for s in tl.static_range(PARTS):
-                q4 = tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 32)[None, :])
-                lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [R, 2, 2, 8]), (0, 3, 1, 2)))
-                a0, a1 = tl.split(lo2)
-                b0, b1 = tl.split(hi2)
-                quarters += ((a0, b0, a1, b1),)
-            sums = ()
-            for s in tl.static_range(PARTS):
-                sums += (tl.zeros([R, 32], dtype=tl.float32),)
-            for p in tl.static_range(4):
-                for h in tl.static_range(2):
-                    j = 2 * p + h
-                    x2 = tl.load(xh + (sb * 8 + j) * 32 * 32 + t32)  # [32 k, hi rows then lo rows]
-                    nxt = ()
-                    for s in tl.static_range(PARTS):
-                        sc = ((heads[s][3][p // 2] >> (8 * (2 * (p % 2) + h))) & 0xFF).to(tl.float16)
-                        if h == 1:
-                            a = _scaled_nibbles(quarters[s][p], quarters[s][p] >> 8, (sc * 0.0625)[:, None],
-                                                (sc * -64.0)[:, None], True, ASM)
-                        else:
-                            a = _scaled_nibbles(quarters[s][p], quarters[s][p] >> 8, sc[:, None],
-                                                (sc * -1024.0)[:, None], False, ASM)
-                        nxt += (tl.dot(a, x2, sums[s]),)
-                    sums = nxt
-            nxt = ()
-            for s in tl.static_range(PARTS):
-                mins = tl.dot(heads[s][4], xms)
-                shi, slo = tl.split(tl.permute(tl.reshape(sums[s], [R, 2, 16]), (0, 2, 1)))
-                a = tl.fma(shi + slo, heads[s][1][:, None], acc[s])
-                nxt += (tl.fma(mins, -heads[s][2][:, None], a),)
-            acc = nxt if PARTS == 2 else (nxt[0], acc[1])
-        acc = (acc[0] * 32.0, acc[1] * 32.0)
-        if STACK:
-            acc = tl.split(tl.permute(tl.reshape(acc[0], [2, BLOCK_N, 16]), (1, 2, 0)))
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
-
-    @triton.jit
     def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
@@ -1096,21 +978,20 @@ def _build():
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
-                   _gemm_rows, _x_scales, _scaled_nibbles, _x_halves):  # called by name, as _halves is
+                   _gemm_rows, _x_scales):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
                "quantize_x": quantize_x_kernel, "quantize_blocks": quantize_blocks, "gemv_q4k8c": gemv_q4k8c_kernel,
                "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0c": gemv_q8_0c_kernel,
                "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel,
-               "skinny_q8_0w": skinny_q8_0w_kernel, "skinny_q6k8": skinny_q6k8_kernel,
-               "skinny_q4kh": skinny_q4kh_kernel}
+               "skinny_q8_0w": skinny_q8_0w_kernel, "skinny_q6k8": skinny_q6k8_kernel}
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         autotune = functools.partial(triton.autotune, **_disk_cache(triton))
         kernels["gemv_tuned"] = autotune(
             [triton.Config({"BLOCK_N": b, "UNROLL": u}, num_warps=w) for b, w, u in GEMV_CONFIGS],
             key=["N", "K", "QTYPE", "GLU", "EXPERTS"])(gemv_kernel)
-        for skinny in {*WORD_KERNELS.values(), "skinny_q8_0w", "skinny_q4k8", "skinny_q4kh"}:
+        for skinny in {*WORD_KERNELS.values(), "skinny_q8_0w"}:
             kernels[f"{skinny}_tuned"] = autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k, **_loop_stages(skinny, st)}, num_warps=w,
                                num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
@@ -1232,8 +1113,7 @@ def _loop_stages(word: str, stages: int) -> dict:
 
 
 #: the columns of W a word GEMM's K loop takes a step: a superblock (Q4_K), two (Q6_K), 16 or 4 blocks of 32 (Q8_0)
-GEMM_STEP_COLUMNS = {"skinny_q4k8": 256, "skinny_q4kh": 256, "skinny_q6k8": 512, "skinny_q8_0w": 512,
-                     "skinny_q8_0": 128}
+GEMM_STEP_COLUMNS = {"skinny_q4k8": 256, "skinny_q6k8": 512, "skinny_q8_0w": 512, "skinny_q8_0": 128}
 
 
 def _split_fits(name: str, block_n: int, split: int, n: int, k: int) -> bool:
@@ -1276,7 +1156,6 @@ INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: 
 #: 5.520 ms against 17.028 on an H100 (bench/results/q5k-word-gemm-ab-h100.json)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q5_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0"}
 X_ROWS = 16
-XH_SCALE = 2.0 ** -5  # x's float16 terms carry x times this: beyond 65504 only past 2 ** 21
 #: the programs of a 1-row word GEMV whose rows start within this many bytes of W (of the gate rows, with
 #: GLU) ask their rows into L2 before they wait for the kernel ahead (_prefetch_rows; 0: none): the first
 #: of its weights stream while the norm or attention before it finishes. Q4_K_M 8B shape, H100, ms a 1-row
@@ -1330,8 +1209,7 @@ def x8_buffers(rows: int, k: int, device) -> tuple[tuple[torch.Tensor, ...], int
     then their copies in Q8_0's row layout (k / 32 * 34 bytes apart)."""
     mp, sums = (1, 16) if rows == 1 else (X_ROWS, 32)
     assert rows <= mp, rows
-    halves = 66 * k if rows > 1 else 0  # skinny_q4kh's float16 x (quantize_blocks)
-    return ((torch.empty(mp * (k + k // 32 * 34) + halves, dtype=torch.int8, device=device),
+    return ((torch.empty(mp * (k + k // 32 * 34), dtype=torch.int8, device=device),
              torch.empty(k // 32, mp, 2 if rows > 1 else 1, dtype=torch.float32, device=device),
              torch.empty(k // 16 if rows == 1 else 1, dtype=torch.float32, device=device)), mp, sums)
 
@@ -1414,7 +1292,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
                   n, k, data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {}),
-                 **({"STACK_ROWS": GLU_STACK_ROWS} if word in ("skinny_q4k8", "skinny_q4kh", "skinny_q8_0w") else {})}
+                 **({"STACK_ROWS": GLU_STACK_ROWS} if word in ("skinny_q4k8", "skinny_q8_0w") else {})}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
