@@ -671,13 +671,10 @@ def _build():
         return lo, tl.minimum(lo + per, blocks)
 
     @triton.jit
-    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr,
-                PDL: tl.constexpr = False):
+    def _finish(y_ptr, ws_ptr, cnt_ptr, acc, rows, M, N, stride_y, GLU: tl.constexpr, SPLIT: tl.constexpr):
         """Store the few-row GEMMs' [BLOCK_M, BLOCK_N] results (acc: (gate or all, up)), with GLU silu(gate) * up.
         With SPLIT > 1 each program holds a K slice's partial sums: it writes them to the workspace, and the
         slice that finishes last (counted by an atomic) adds them all, in slice order, and stores."""
-        if PDL:  # this program's reads of W and x are done: the kernel after it may launch (and wait)
-            tl.extra.cuda.gdc_launch_dependents()
         BLOCK_M: tl.constexpr = acc[0].shape[0]
         BLOCK_N: tl.constexpr = acc[0].shape[1]
         m = tl.arange(0, BLOCK_M)
@@ -707,13 +704,6 @@ def _build():
                 y = _silu_mul(y, a1, out_ty)
             tl.store(y_ptr + m[:, None] * stride_y + rows[None, :], y.to(out_ty),
                      mask=(m < M)[:, None] & (rows < N)[None, :])
-
-    @triton.jit
-    def _gemm_wait(PDL: tl.constexpr):
-        """A few-row GEMM launched with PDL waits for the kernels before it (and lets the next launch only in
-        _finish, once its reads are done: launched at once it would take the programs this one still needs)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
 
     @triton.jit
     def _gemm_rows(w_ptr, N, row_words, BLOCK_N: tl.constexpr, STACK: tl.constexpr = False):
@@ -772,14 +762,13 @@ def _build():
     def skinny_q4k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr,
-                           QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                           QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0):
         """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
         sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
         scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
         sub-block j) with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum -
         dmin m xs. A gate/up product of BLOCK_N == STACK_ROWS rows a program takes its gate rows and their up
         rows as one tile of 2 BLOCK_N rows (_gemm_rows), the same sums in one product a step."""
-        _gemm_wait(PDL)
         FIVE: tl.constexpr = QTYPE == 13
         SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
         STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
@@ -825,17 +814,15 @@ def _build():
                     acc = nxt if PARTS == 2 else (nxt[0], acc[1])
         if STACK:  # the tile's gate rows, then its up rows
             acc = tl.split(tl.permute(tl.reshape(acc[0], [2, BLOCK_N, 16]), (1, 2, 0)))
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT, PDL)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def skinny_q8_0_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
         """Q8_0 times a few rows of int8 x (quantize_x), as its GEMV computes: per block of 32 the int8 dot of
         its bytes in BLOCK_N rows with the x block on integer tensor cores, scaled by d xd. A step takes 4
         blocks (136 bytes, 8-byte aligned as rows are 16-byte aligned); blocks 0 and 2 start 2 bytes into a
         word, their words joined from two. Where 512 | K, skinny_q8_0w_kernel takes its place."""
-        _gemm_wait(PDL)
         rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         j8 = tl.arange(0, 8)[None, :]
         acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
@@ -856,7 +843,7 @@ def _build():
                     isum = tl.dot(_bytes(qw, ASM), xt, out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT, PDL)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def _chunks4(t):
@@ -869,7 +856,7 @@ def _build():
     @triton.jit
     def skinny_q8_0w_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                             GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                            STAGES: tl.constexpr, STACK_ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                            STAGES: tl.constexpr, STACK_ROWS: tl.constexpr = 0):
         """Q8_0 times a few rows of int8 x on integer tensor cores, its weights read in runs of 128 bytes a row
         (8 lanes a row, 4 rows a warp's load): a step takes 16 blocks of each row, 544 bytes (16-byte aligned),
         as 17 chunks of 32 bytes. x comes laid out as a Q8_0 row (quantize_x's tail: zeros under each d), so a
@@ -877,7 +864,6 @@ def _build():
         rest block c's. Block b's integer sum, the int8 dots of chunk b with x's part from 2 b and of chunk
         b + 1 with x's part before 2 b + 2, is then scaled by d xd, as the GEMV's are. STACK_ROWS: as
         skinny_q4k8's."""
-        _gemm_wait(PDL)
         STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
         PARTS: tl.constexpr = 2 if GLU and not STACK else 1  # tiles a step: gate and up, or one
         R: tl.constexpr = 2 * BLOCK_N if STACK else BLOCK_N  # rows of a tile
@@ -918,7 +904,7 @@ def _build():
                 acc = nxt if PARTS == 2 else (nxt[0], acc[1])
         if STACK:  # the tile's gate rows, then its up rows
             acc = tl.split(tl.permute(tl.reshape(acc[0], [2, BLOCK_N, 16]), (1, 2, 0)))
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT, PDL)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
     def _words_from(w32, base, k0: tl.constexpr, n: tl.constexpr, odd):
@@ -938,13 +924,12 @@ def _build():
     @triton.jit
     def skinny_q6k8_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                           STAGES: tl.constexpr):
         """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
         of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
         int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
         whose int32 sums are weighted by their int8 scales in integers, then scaled by xd; d once a
         superblock. Superblocks in pairs from 4-byte boundaries (512 | K), odd ones' words assembled from two."""
-        _gemm_wait(PDL)
         rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
         pos = tl.arange(0, 32)[:, None]
         c = tl.arange(0, 32)[None, :]  # x's block as [32, 32]: its rows' first halves, then their second halves
@@ -988,12 +973,12 @@ def _build():
                 for s in tl.static_range(2 if GLU else 1):
                     nxt += (tl.fma(part[s], heads[s][2][:, None], acc[s]),)
                 acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT, PDL)
+        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
-                   _gemm_rows, _x_scales, _gemm_wait):  # called by name, as _halves is
+                   _gemm_rows, _x_scales):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
@@ -1171,9 +1156,6 @@ INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: 
 #: 5.520 ms against 17.028 on an H100 (bench/results/q5k-word-gemm-ab-h100.json)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q5_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0"}
 X_ROWS = 16
-#: the few-row word GEMMs launch with PDL: each waits for the kernels before it at its start and lets the
-#: next launch once its main loop is done (_gemm_wait, _finish)
-GEMM_PDL = False
 #: the programs of a 1-row word GEMV whose rows start within this many bytes of W (of the gate rows, with
 #: GLU) ask their rows into L2 before they wait for the kernel ahead (_prefetch_rows; 0: none): the first
 #: of its weights stream while the norm or attention before it finishes. Q4_K_M 8B shape, H100, ms a 1-row
@@ -1310,8 +1292,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
                   n, k, data.stride(0) // 4)
         args = (*(x8 or quantize_x(x)), data, *common, y.stride(0))
         extra = {"GLU": glu, "ASM": not _interpreting(), **({"QTYPE": qtype} if word == "skinny_q4k8" else {}),
-                 **({"STACK_ROWS": GLU_STACK_ROWS} if word in ("skinny_q4k8", "skinny_q8_0w") else {}),
-                 **(pdl.options(x.device) if GEMM_PDL else {})}
+                 **({"STACK_ROWS": GLU_STACK_ROWS} if word in ("skinny_q4k8", "skinny_q8_0w") else {})}
         if tuned:
             kernels[f"{word}_tuned"][lambda meta: (cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **extra)
         else:
