@@ -1163,7 +1163,9 @@ X_ROWS = 16
 #: 2.505, 8 MiB 2.604, 16 MiB 2.692; every program prefetching its rows 2.782 / 2.800 against 2.579 / 2.586.
 #: There the tuner had chosen each GEMV's block shape without prefetching (the first setting was 0), as
 #: _word_gemv has it choose now: on another H100, shapes chosen with 2 MiB prefetching took 2.538 / 2.537 ms
-#: with it and 2.784 / 2.788 without, where main's step ranged 2.53-2.59 over this session's machines
+#: with it and 2.784 / 2.788 without, where main's step ranged 2.53-2.59 over this session's machines. With
+#: shapes chosen so, one H100: Q4_K_M 2.504 / 2.502 against 2.526 / 2.527, Q8_0 3.525 / 3.515 against 3.617
+#: (bench/results/gemv-prefetch-plain-tuning-h100.json)
 GEMV_PREFETCH = 2 ** 21
 #: quantized experts on the word GEMVs (int8 x) where their type has one, else all on the byte kernel (float
 #: x): a random 30B-A3B Q4_K_M step took 1.998 ms against 3.006 on the H200
