@@ -722,6 +722,15 @@ def _build():
         return rows, offs, w_ptr.to(tl.pointer_type(tl.uint32))
 
     @triton.jit
+    def _unstacked(acc, STACK: tl.constexpr):
+        """The few-row GEMMs' sums (gate or all, up): with STACK, of the stacked tile's gate rows, then its up
+        rows (_gemm_rows); else acc as it is."""
+        if STACK:
+            R: tl.constexpr = acc[0].shape[0]
+            acc = tl.split(tl.permute(tl.reshape(acc[0], [2, R // 2, 16]), (1, 2, 0)))
+        return acc
+
+    @triton.jit
     def _bytes(w, ASM: tl.constexpr):
         """The bytes of 32-bit words w [R, C] as int8 [R, 4 C] (byte b of word c at 4 c + b): on the device each
         word, repeated over its 4 bytes, is packed back into the one register it came from."""
@@ -812,8 +821,7 @@ def _build():
                         a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
                         nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
                     acc = nxt if PARTS == 2 else (nxt[0], acc[1])
-        if STACK:  # the tile's gate rows, then its up rows
-            acc = tl.split(tl.permute(tl.reshape(acc[0], [2, BLOCK_N, 16]), (1, 2, 0)))
+        acc = _unstacked(acc, STACK)
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
@@ -902,8 +910,7 @@ def _build():
                                    out_dtype=tl.int32)
                     nxt += (tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s]),)
                 acc = nxt if PARTS == 2 else (nxt[0], acc[1])
-        if STACK:  # the tile's gate rows, then its up rows
-            acc = tl.split(tl.permute(tl.reshape(acc[0], [2, BLOCK_N, 16]), (1, 2, 0)))
+        acc = _unstacked(acc, STACK)
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
     @triton.jit
@@ -978,7 +985,7 @@ def _build():
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
-                   _gemm_rows, _x_scales):  # called by name, as _halves is
+                   _gemm_rows, _x_scales, _unstacked):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
