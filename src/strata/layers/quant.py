@@ -7,6 +7,7 @@ briefly for prefill-sized products (one matrix at a time)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,14 +26,9 @@ KERNEL_MAX_ROWS = 16
 #: side-by-side-1-row-ab-h100.json
 SEGMENTS_SIDE_BY_SIDE = 1
 
-_SIDE: dict = {}
-
-
-def _side_stream(device) -> torch.cuda.Stream:
-    key = str(device)
-    if key not in _SIDE:
-        _SIDE[key] = torch.cuda.Stream(device)
-    return _SIDE[key]
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 @dataclass

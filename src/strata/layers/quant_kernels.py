@@ -1030,15 +1030,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-_TABLES: dict = {}
-
-
-def _table(device) -> torch.Tensor:
+@functools.cache
+def _table(device: torch.device) -> torch.Tensor:
     """IQ4_XS's 16 non-linear levels, on the device (kernels of other types ignore it)."""
-    key = str(device)
-    if key not in _TABLES:
-        _TABLES[key] = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=device)
-    return _TABLES[key]
+    return torch.tensor(IQ4_VALUES, dtype=torch.int8, device=device)
 
 
 def _check(data: torch.Tensor, qtype: int, cols: int) -> None:
@@ -1133,21 +1128,20 @@ def _prune_split(name: str, configs, named_args, **kwargs):
                                               named_args["K"])]
 
 
-_COUNTERS: dict = {}
-
-
 LANES = 2  # products that may run at once on a device (quant.SEGMENTS_SIDE_BY_SIDE: a stream and a second)
 
 
-def _counters(device, lane: int = 0) -> torch.Tensor:
+def _counters(device: torch.device, lane: int = 0) -> torch.Tensor:
     """The split GEMMs' arrival counts, one per block of rows: zero between products (the last slice resets
     its own), so one buffer serves every product that runs after another; products run side by side take
     different lanes. Every lane is made at the first call, so that none is first made inside a graph's
     capture (whose zeros would be written only when that graph is replayed)."""
-    key = str(device)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(LANES, SPLIT_PROGRAMS, dtype=torch.int32, device=device)
-    return _COUNTERS[key][lane]
+    return _count_lanes(device)[lane]
+
+
+@functools.cache
+def _count_lanes(device: torch.device) -> torch.Tensor:
+    return torch.zeros(LANES, SPLIT_PROGRAMS, dtype=torch.int32, device=device)
 
 
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
