@@ -982,134 +982,6 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
-    @triton.jit
-    def skinny_q4k8b_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr,
-                           QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0):
-        """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
-        sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
-        scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
-        sub-block j) with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum -
-        dmin m xs. A gate/up product of BLOCK_N == STACK_ROWS rows a program takes its gate rows and their up
-        rows as one tile of 2 BLOCK_N rows (_gemm_rows), the same sums in one product a step."""
-        FIVE: tl.constexpr = QTYPE == 13
-        SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
-        STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
-        PARTS: tl.constexpr = 2 if GLU and not STACK else 1  # tiles a step: gate and up, or one
-        R: tl.constexpr = 2 * BLOCK_N if STACK else BLOCK_N  # rows of a tile
-        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N, STACK)
-        i4 = tl.arange(0, 4)[None, :]
-        acc = (tl.zeros([R, 16], dtype=tl.float32), tl.zeros([R, 16], dtype=tl.float32))
-        lo, hi = _k_range(K // 256, SPLIT)
-        for sb in tl.range(lo, hi, num_stages=STAGES):
-            heads = ()
-            for s in tl.static_range(PARTS):
-                base = tl.multiple_of(offs[s] + sb * SB, 4)[:, None]
-                w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
-                d, dmin = _half2(w0, True)
-                heads += ((base, d, dmin, d * -8388608.0, dmin * -8388608.0,
-                           (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)),
-                           (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
-            quarters = ()
-            fifths = ()
-            for s in tl.static_range(PARTS):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's load
-                q4 = tl.load(w32 + heads[s][0] + SB - 32 + tl.arange(0, 32)[None, :])
-                lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [R, 2, 2, 8]), (0, 3, 1, 2)))
-                a0, a1 = tl.split(lo2)
-                b0, b1 = tl.split(hi2)
-                quarters += ((a0, b0, a1, b1),)
-                if FIVE:  # qh word c: the fifth bits of the weights of each quarter's word c
-                    fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
-            iacc = (tl.zeros([R, 16], dtype=tl.int32), tl.zeros([R, 16], dtype=tl.int32))
-            imin = (tl.zeros([R, 16], dtype=tl.int32), tl.zeros([R, 16], dtype=tl.int32))
-            for p in tl.static_range(4):
-                for h in tl.static_range(2):
-                    j = 8 * sb + 2 * p + h
-                    xt = tl.load(q_ptr + tl.arange(0, 16)[None, :] * K + 32 * j + tl.arange(0, 32)[:, None])
-                    pair = tl.load(ds_ptr.to(tl.pointer_type(tl.int64)) + 16 * j + tl.arange(0, 16))
-                    qs = (pair >> 32).to(tl.int32)
-                    ni = ()
-                    nm = ()
-                    for s in tl.static_range(PARTS):
-                        scs = heads[s][5]
-                        mns = heads[s][6]
-                        sci = ((scs[p // 2] >> (8 * (2 * (p % 2) + h))) & 0xFF).to(tl.int32)
-                        mi = ((mns[p // 2] >> (8 * (2 * (p % 2) + h))) & 0xFF).to(tl.int32)
-                        nib = (quarters[s][p] >> (4 * h)) & 0x0F0F0F0F
-                        if FIVE:
-                            nib = nib | (((fifths[s] >> (2 * p + h)) & 0x01010101) << 4)
-                        isum = tl.dot(_bytes(nib, ASM), xt, out_dtype=tl.int32)
-                        ni += (iacc[s] + isum * sci[:, None],)
-                        nm += (imin[s] + mi[:, None] * qs[None, :],)
-                    iacc = ni if PARTS == 2 else (ni[0], iacc[1])
-                    imin = nm if PARTS == 2 else (nm[0], imin[1])
-            xd8 = tl.load(ds_ptr.to(tl.pointer_type(tl.int64)) + 16 * (8 * sb) + tl.arange(0, 16))
-            xdf = xd8.to(tl.int32).to(tl.float32, bitcast=True)
-            nxt = ()
-            for s in tl.static_range(PARTS):
-                d = heads[s][1]
-                dmin = heads[s][2]
-                a = tl.fma(iacc[s].to(tl.float32), d[:, None] * xdf[None, :], acc[s])
-                nxt += (tl.fma(imin[s].to(tl.float32), -(dmin[:, None] * xdf[None, :]), a),)
-            acc = nxt if PARTS == 2 else (nxt[0], acc[1])
-        acc = _unstacked(acc, STACK)
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
-
-    @triton.jit
-    def skinny_q6k8b_kernel(q_ptr, ds_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, row_words, stride_y,
-                           GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                           STAGES: tl.constexpr):
-        """Q6_K times a few rows of int8 x (quantize_x) on integer tensor cores, as its GEMV computes: a quarter
-        of a half superblock (weights 128 h2 + 32 mq + l) is one x block; its values q - 32 in BLOCK_N rows, as
-        int8, are dotted with the block's two halves (the other half zeroed) for its two sub-blocks of 16,
-        whose int32 sums are weighted by their int8 scales in integers, then scaled by xd; d once a
-        superblock. Superblocks in pairs from 4-byte boundaries (512 | K), odd ones' words assembled from two."""
-        rows, offs, w32 = _gemm_rows(w_ptr, N, row_words, BLOCK_N)
-        pos = tl.arange(0, 32)[:, None]
-        c = tl.arange(0, 32)[None, :]  # x's block as [32, 32]: its rows' first halves, then their second halves
-        xcols = q_ptr + (c % 16) * K + pos
-        xhalf = (pos < 16) == (c < 16)
-        acc = (tl.zeros([BLOCK_N, 16], dtype=tl.float32), tl.zeros([BLOCK_N, 16], dtype=tl.float32))
-        lo, hi = _k_range(K // 512, SPLIT)
-        for sb2 in tl.range(lo, hi, num_stages=STAGES):
-            for odd in tl.static_range(2):
-                sb = 2 * sb2 + odd
-                heads = ()
-                for s in tl.static_range(2 if GLU else 1):
-                    base = offs[s] + sb2 * 105 + 52 * odd
-                    scw = _words(_words_from(w32, base, 48, 4, odd).to(tl.int32, bitcast=True))  # 16 int8 scales
-                    dword = tl.load(w32 + base + 52)  # d: bytes 208, 209 (of an odd one: the word's high half)
-                    d, _ = _half2(dword >> 16 if odd else dword, True)
-                    heads += ((base, scw, d),)
-                part = (tl.zeros([BLOCK_N, 16], dtype=tl.int32), tl.zeros([BLOCK_N, 16], dtype=tl.int32))
-                for h2 in tl.static_range(2):
-                    bits = ()
-                    for s in tl.static_range(2 if GLU else 1):  # low 4 bits in ql bytes 64 h2 + 32 (mq % 2) + l,
-                        base = heads[s][0]  # high 2 in bits 2 mq of qh byte 32 h2 + l
-                        bits += ((_words_from(w32, base, 16 * h2, 8, odd), _words_from(w32, base, 16 * h2 + 8, 8, odd),
-                                  _words_from(w32, base, 32 + 8 * h2, 8, odd)),)
-                    for mq in tl.static_range(4):
-                        j = 8 * sb + 4 * h2 + mq
-                        x2 = tl.load(xcols + 32 * j, mask=xhalf, other=0)
-                        nxt = ()
-                        for s in tl.static_range(2 if GLU else 1):
-                            qb = _bytes(_minus32(_q6_bits(bits[s][mq % 2], bits[s][2], mq)), ASM)
-                            sw = heads[s][1][2 * h2 + mq // 2]  # scales 8 h2 + 2 mq, + 1: its bytes 2 (mq % 2), + 1
-                            sc_lo = (sw << (24 - 16 * (mq % 2))) >> 24
-                            sc_hi = (sw << (16 - 16 * (mq % 2))) >> 24
-                            ilo, ihi = tl.split(tl.permute(tl.reshape(tl.dot(qb, x2, out_dtype=tl.int32),
-                                                                      [BLOCK_N, 2, 16]), (0, 2, 1)))
-                            isum = ilo * sc_lo[:, None] + ihi * sc_hi[:, None]
-                            nxt += (part[s] + isum,)
-                        part = nxt if GLU else (nxt[0], part[1])
-                nxt = ()
-                xd, _ = _x_scales(ds_ptr, 8 * sb)
-                for s in tl.static_range(2 if GLU else 1):
-                    nxt += (tl.fma(part[s].to(tl.float32), heads[s][2][:, None] * xd[None, :], acc[s]),)
-                acc = nxt if GLU else (nxt[0], acc[1])
-        _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
-
     for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows,
                    _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
                    _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
@@ -1121,9 +993,6 @@ def _build():
                "gemv_q6k8c": gemv_q6k8c_kernel, "gemv_q8_0c": gemv_q8_0c_kernel,
                "skinny_q4k8": skinny_q4k8_kernel, "skinny_q8_0": skinny_q8_0_kernel,
                "skinny_q8_0w": skinny_q8_0w_kernel, "skinny_q6k8": skinny_q6k8_kernel}
-    if INT_SB_BOUND:
-        kernels["skinny_q4k8"] = skinny_q4k8b_kernel
-        kernels["skinny_q6k8"] = skinny_q6k8b_kernel
     if not _interpreting():  # the block shapes measured on the device at first use (the runner's warm-up)
         autotune = functools.partial(triton.autotune, **_disk_cache(triton))
         kernels["gemv_tuned"] = autotune(
@@ -1230,7 +1099,6 @@ WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8
 #: shape swept, Q5_K 39.6 against 42.5, Q8_0 89.2 at (32, 4, 2, 1) against 106.4. 0 stacks none (A/B runs: the tuner's
 #: disk cache is keyed by the config list, not by this, so a setting of it wants a list of its own).
 GLU_STACK_ROWS = 32
-INT_SB_BOUND = False  # scratch: timing bound of integer sums over a superblock (wrong values)
 SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many (the workspace with them)
 
 
