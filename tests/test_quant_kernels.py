@@ -574,7 +574,8 @@ def test_random_quantized_moe_targets_keep_their_experts_in_blocks():
 def test_the_autotuners_keep_their_measurements_on_disk():
     """Built outside the interpreter (in a process of its own; building needs no GPU), every autotuned kernel
     keeps what it measured in Triton's cache directory (cache_results), so that a restarted server does not
-    tune again."""
+    tune again. The lanes-along-K GEMVs' tuners key by LANE_K_TUNE_KEY, each name a parameter of their kernel
+    (_word_gemv keys the shapes they chose without prefetching by it)."""
     import os
     import subprocess
     import sys
@@ -582,12 +583,14 @@ def test_the_autotuners_keep_their_measurements_on_disk():
 
     script = ("import sys; sys.path.insert(0, sys.argv[1]); from strata.layers import quant_kernels as qk; "
               "k = qk._build(); tuned = [n for n in k if n.endswith('_tuned')]; "
-              "print(len(tuned), all(k[n].cache_results for n in tuned))")
+              "lanes = [k[n + '_tuned'] for n in set(qk.INT8_GEMVS.values())]; "
+              "print(len(tuned), all(k[n].cache_results for n in tuned), len(lanes), "
+              "all(t.keys == list(qk.LANE_K_TUNE_KEY) and set(t.keys) <= set(t.fn.arg_names) for t in lanes))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).resolve().parents[1] / "src")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["9", "True"], out.stdout
+    assert out.stdout.split() == ["9", "True", "3", "True"], out.stdout
 
 
 def test_the_gemvs_block_shape_is_chosen_without_prefetching(monkeypatch):
