@@ -1076,11 +1076,11 @@ SKINNY_CONFIGS = [(32, 4, 2), (16, 4, 2), (32, 4, 4), (16, 4, 4), (64, 4, 2), (3
 #: six shapes with warps sharing rows, swept on an H100 over the 8B shape's matrices
 #: (bench/results/quant-sweep-lanes-k-split-h100.json), one beat every other shape: (1, 4, 1, 2) on Q8_0's
 #: down, 12288 columns, 22.5 us against 24.3 ((2, 4, 1, 2) tied on Q4_K's LM head, 118.9 us against 118.9)
+LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2, 1, 1), (1, 4, 2, 1), (2, 4, 2, 1),
+                  (1, 2, 2, 1), (2, 2, 2, 1), (1, 4, 4, 1), (1, 2, 4, 1), (4, 2, 2, 1), (8, 2, 1, 1), (1, 4, 1, 2)]
 #: the lanes-along-K GEMVs' tuning key (with, as Triton adds, their tensors' dtypes): _word_gemv keys the
 #: shapes it had the tuner choose without prefetching by it too
 LANE_K_TUNE_KEY = ("N", "K", "GLU", "QTYPE", "EXPERTS")
-LANE_K_CONFIGS = [(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1), (4, 4, 1, 1), (2, 2, 1, 1), (1, 4, 2, 1), (2, 4, 2, 1),
-                  (1, 2, 2, 1), (2, 2, 2, 1), (1, 4, 4, 1), (1, 2, 4, 1), (4, 2, 2, 1), (8, 2, 1, 1), (1, 4, 1, 2)]
 
 #: the word GEMMs' (skinny_q4k8, skinny_q6k8, skinny_q8_0, skinny_q8_0w): (rows of W per program, warps, stages,
 #: K slices). A few rows over a small matrix make few programs: K slices multiply them (_finish)
@@ -1336,14 +1336,15 @@ def _word_gemv(word: str, x8: tuple, data: torch.Tensor, y: torch.Tensor, qtype:
     if config is None and f"{word}_tuned" in kernels:
         tuner = kernels[f"{word}_tuned"]
         grid = lambda meta: (cdiv(n, covered(meta)), programs)  # noqa: E731
-        named = {"N": n, "K": k, "GLU": glu, "QTYPE": qtype, "EXPERTS": experts.get("EXPERTS", False)}
-        shape = (*(named[name] for name in LANE_K_TUNE_KEY), *(a.dtype for a in args if hasattr(a, "dtype")))
-        plain = vars(tuner).setdefault("strata_chosen_plain", set())  # the shapes it chose without prefetching
-        if extra["PREFETCH"] and shape not in plain:
-            # the tuner times a product alone, where a prefetch has no kernel ahead to overlap: it chooses as
-            # without prefetching (GEMV_PREFETCH's figures were measured so)
-            tuner[grid](*args, **{**extra, "PREFETCH": 0})
-            plain.add(shape)
+        if extra["PREFETCH"]:  # products over experts never prefetch
+            named = {"N": n, "K": k, "GLU": glu, "QTYPE": qtype, "EXPERTS": False}
+            shape = (*(named[name] for name in LANE_K_TUNE_KEY), *(a.dtype for a in args if hasattr(a, "dtype")))
+            plain = vars(tuner).setdefault("strata_chosen_plain", set())  # shapes it chose without prefetching
+            if shape not in plain:
+                # the tuner times a product alone, where a prefetch has no kernel ahead to overlap: it chooses
+                # as without prefetching (GEMV_PREFETCH's figures were measured so)
+                tuner[grid](*args, **{**extra, "PREFETCH": 0})
+                plain.add(shape)
         tuner[grid](*args, **extra)
         return
     rt, warps, ku, ks = config or LANE_K_CONFIGS[0]
