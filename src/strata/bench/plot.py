@@ -5,6 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def title(result: dict) -> str:
+    """What was run: the model (its label names a --quant file type), where, and the run's shape."""
+    s = result["shape"]
+    parts = [result.get("model"), f"{s['layers']}L h{s['hidden']}", result["env"]["device"], result["env"]["dtype"],
+             f"prompt {result['prompt_len']}, {result['new_tokens']} new, W={result['window']}"]
+    return ", ".join(p for p in parts if p)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -28,9 +36,7 @@ def plot(result: dict, path: Path) -> None:
     bars = ax1.barh(names, values, color=["#999999"] + ["#3b75af"] * (len(names) - 1))
     ax1.bar_label(bars, fmt="%.0f", padding=3)
     ax1.set_xlabel("tokens / s")
-    s = result["shape"]
-    ax1.set_title(f"{result['env']['device']}, {result['env']['dtype']}, {s['layers']}L h{s['hidden']}, "
-                  f"prompt {result['prompt_len']}, {result['new_tokens']} new, W={result['window']}", fontsize=9)
+    ax1.set_title(title(result), fontsize=9)
     for key, label in (("dflash", "DFlash drafter"), ("dflash_oracle", "oracle")):
         if key in result and result[key]["per_position_acceptance"]:
             acc = result[key]["per_position_acceptance"]
