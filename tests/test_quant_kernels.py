@@ -93,8 +93,50 @@ def test_dequantize_is_bit_exact_and_products_match(qtype):
     assert torch.equal(qk.gather(data, int(qtype), 512, tokens, torch.float32), w[tokens])
 
 
+def test_iq4_levels_by_prmt_as_looked_up():
+    """IQ4_XS's word kernels take a nibble's level with PTX prmts on the device (three per 4 nibbles; two
+    more put them in weight order for the GEMM, or put the GEMV's x in their order): those prmts, spelled
+    out in the interpreter, give the levels of gguf's table for every nibble value at every position, as
+    the interpreter's lookup does, and x's bytes in the order of the levels."""
+    import triton
+    import triton.language as tl
+
+    qk._build()
+
+    @triton.jit
+    def levels(q_ptr, out_ptr, LOOKUP: tl.constexpr):
+        q = tl.load(q_ptr + tl.arange(0, 64))
+        a, b = qk._iq4_pairs(q, False, LOOKUP)
+        lo, hi = qk._iq4_levels(q, False, LOOKUP)
+        at = out_ptr + 6 * tl.arange(0, 64)
+        tl.store(at, a)
+        tl.store(at + 1, b)
+        tl.store(at + 2, lo)
+        tl.store(at + 3, hi)
+        tl.store(at + 4, qk._prmt(q, q >> 8, q * 0 + 0x5140, False))
+        tl.store(at + 5, qk._prmt(q, q >> 8, q * 0 + 0x7362, False))
+
+    q = torch.from_numpy(np.random.default_rng(5).integers(0, 2 ** 32, 64, dtype=np.uint32).view(np.int32))
+    q[:16] = torch.tensor([0x01234567 * i for i in range(16)], dtype=torch.int64).to(torch.int32)
+    got = {}
+    for lookup in (True, False):
+        out = torch.empty(64, 6, dtype=torch.int32)
+        levels[(1,)](q, out, lookup)
+        got[lookup] = out.numpy().view(np.int8).reshape(64, 6, 4)
+    assert np.array_equal(got[True][:, :4], got[False][:, :4])
+    nib = (q.numpy().view(np.uint32)[:, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    want = np.array(quants.IQ4_NL.kvalues, dtype=np.int8)[nib]  # nibbles 0, 1, ..., 7 of each word
+    assert np.array_equal(got[False][:, 0], want[:, :4]) and np.array_equal(got[False][:, 1], want[:, 4:])
+    assert np.array_equal(got[False][:, 2], want[:, 0::2]) and np.array_equal(got[False][:, 3], want[:, 1::2])
+    # x's words a and b = a >> 8 (bytes a0..a3, a1..a3 0|sign): interleaved as the levels are
+    a = q.numpy().view(np.uint8).reshape(64, 4).view(np.int8)
+    b = (q.numpy() >> 8).view(np.uint8).reshape(64, 4).view(np.int8)
+    assert np.array_equal(got[False][:, 4], np.stack([a[:, 0], b[:, 0], a[:, 1], b[:, 1]], 1))
+    assert np.array_equal(got[False][:, 5], np.stack([a[:, 2], b[:, 2], a[:, 3], b[:, 3]], 1))
+
+
 @pytest.mark.parametrize("qtype,rows", [(T.Q4_K, 1), (T.Q4_K, 5), (T.Q5_K, 1), (T.Q5_K, 5), (T.Q6_K, 1), (T.Q6_K, 5),
-                                       (T.Q8_0, 1), (T.Q8_0, 5)],
+                                       (T.Q8_0, 1), (T.Q8_0, 5), (T.IQ4_XS, 1), (T.IQ4_XS, 5)],
                          ids=lambda v: getattr(v, "name", f"rows {v}"))
 def test_word_kernels_match_the_reference_dequantization(qtype, rows, monkeypatch):
     """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every
@@ -381,7 +423,7 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
 def test_expert_gemvs_over_quantized_experts(qtype):
     """expert_matmul: each (row, expert) assignment a GEMV over its own expert's blocks (repeats included),
     the gate/up variant with a row shared by its k assignments, against torch on gguf's dequantization;
-    the types with a word GEMV (Q4_K, Q5_K, Q6_K, Q8_0) run it on each row's int8 x, exactly as on the x
+    the types with a word GEMV (Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS) run it on each row's int8 x, exactly as on the x
     that int8 x stands for; Q6_K's with its rows at 4-byte (512 columns), 16-byte (2048) and 2-byte (768,
     dense) offsets."""
     e, n, k = 3, 24, 512
@@ -391,7 +433,7 @@ def test_expert_gemvs_over_quantized_experts(qtype):
     ids = torch.tensor([2, 0, 2, 2])
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, k, generator=gen)
-    assert qk.int8_x(int(qtype), 1, k) == (qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0))
+    assert qk.int8_x(int(qtype), 1, k) == (qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS))
     computed = [as_computed(row[None], qtype, k)[0] for row in x]
     want = torch.stack([computed[a // 2] @ values[i].T for a, i in enumerate(ids.tolist())])
     # few programs for the interpreter (the result does not depend on the block shape)

@@ -292,6 +292,68 @@ def _build():
         return c + tl.sum(a4 * ((tl.expand_dims(b, -1) << up) >> 24), axis=-1)
 
     @triton.jit
+    def _prmt(a, b, sel, ASM: tl.constexpr):
+        """PTX's byte permute (prmt.b32, default mode) of int32 words: byte i of the result is byte s & 7 of
+        b:a (a's bytes 0-3, b's 4-7), s the nibble i of sel, or that byte's sign bit spread over 8 bits where
+        s & 8; one instruction on the device, spelled out for the interpreter."""
+        if ASM:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        out = a * 0
+        for i in tl.static_range(4):
+            s = (sel >> (4 * i)) & 0xF
+            at = 8 * (s & 3)
+            byte = tl.where((s & 7) < 4, a >> at, b >> at) & 0xFF
+            byte = tl.where(s >= 8, tl.where(byte >= 128, 0xFF, 0), byte)
+            out = out | (byte << (8 * i))
+        return out
+
+    @triton.jit
+    def _iq4_table(q):
+        """IQ4_VALUES as int8, 4 to a little-endian int32, each word as a tensor shaped as q."""
+        return (tl.full(q.shape, -1079142271, tl.int32), tl.full(q.shape, -152379953, tl.int32),
+                tl.full(q.shape, 639175937, tl.int32), tl.full(q.shape, 1901675829, tl.int32))
+
+    @triton.jit
+    def _iq4_pairs(q, ASM: tl.constexpr, LOOKUP: tl.constexpr = True):
+        """IQ4_XS's levels (as int8) of words q of 8 nibbles, in two words: those of bytes 0 and 1's low,
+        high, low, high nibbles, then bytes 2 and 3's. Each table half (levels 0-7, 8-15) is two words that a
+        prmt indexes by the nibbles' low 3 bits; a third picks per byte by their fourth. The interpreter
+        (not ASM) looks them up in fewer ops unless not LOOKUP (a test's check of the prmts)."""
+        q = q.to(tl.int32, bitcast=True)
+        if not ASM and LOOKUP:
+            return _iq4_bytes(q, 0, 4, 8, 12), _iq4_bytes(q, 16, 20, 24, 28)
+        t0, t1, t2, t3 = _iq4_table(q)
+        out = ()
+        for half in tl.static_range(2):
+            s = q >> (16 * half)
+            pick = ((s & 0x8888) >> 1) | 0x3210
+            out += (_prmt(_prmt(t0, t1, s & 0x7777, ASM), _prmt(t2, t3, s & 0x7777, ASM), pick, ASM),)
+        return out
+
+    @triton.jit
+    def _iq4_levels(q, ASM: tl.constexpr, LOOKUP: tl.constexpr = True):
+        """_iq4_pairs in weight order: the levels of q's 4 low nibbles (bytes 0-3), then of its 4 high ones."""
+        if not ASM and LOOKUP:
+            q = q.to(tl.int32, bitcast=True)
+            return _iq4_bytes(q, 0, 8, 16, 24), _iq4_bytes(q, 4, 12, 20, 28)
+        a, b = _iq4_pairs(q, ASM, LOOKUP)
+        return _prmt(a, b, a * 0 + 0x6420, ASM), _prmt(a, b, a * 0 + 0x7531, ASM)
+
+    @triton.jit
+    def _iq4_bytes(q, b0: tl.constexpr, b1: tl.constexpr, b2: tl.constexpr, b3: tl.constexpr):
+        """For the interpreter (fewer ops than the prmts spelled out): a word of the levels of q's nibbles at
+        bits b0, b1, b2, b3, looked up in _iq4_table's words as the prmts do."""
+        return _iq4_byte(q, b0) | (_iq4_byte(q, b1) << 8) | (_iq4_byte(q, b2) << 16) | (_iq4_byte(q, b3) << 24)
+
+    @triton.jit
+    def _iq4_byte(q, at: tl.constexpr):
+        t0, t1, t2, t3 = _iq4_table(q)
+        n = (q >> at) & 0xF
+        word = tl.where(n < 8, tl.where(n < 4, t0, t1), tl.where(n < 12, t2, t3))
+        return (word >> (8 * (n & 3))) & 0xFF
+
+    @triton.jit
     def quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, M, KB, MP, NB, BLOCK: tl.constexpr, SUMS: tl.constexpr,
                           PDL: tl.constexpr = False):
         """x [M, KB * 32] -> int8 q [MP, KB * 32] with x ~ d * q per 32 values (d = max |x| / 127, q rounded
@@ -418,7 +480,8 @@ def _build():
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
                           KS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
-        """Q4_K (QTYPE 12) or Q5_K (13) times an int8 x (quantize_x_kernel) with lanes along K: a warp reads
+        """Q4_K (QTYPE 12), Q5_K (13) or IQ4_XS (23) times an int8 x (quantize_x_kernel) with lanes along K
+        (IQ4_XS: lane l's 16 bytes are sub-block l % 8's 32 weights, their levels by _iq4_pairs); a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
         the 7 other lanes of that superblock, its 16-byte header (Q5_K: and the half of qh with their fifth
@@ -431,8 +494,11 @@ def _build():
             w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr = _assignment(w_ptr, q_ptr, xd_ptr, xs_ptr, y_ptr, ids_ptr,
                                                                expert_bytes, K, stride_y, SHARE, PDL)
         FIVE: tl.constexpr = QTYPE == 13
-        SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
-        QS: tl.constexpr = 12 if FIVE else 4
+        IQ4: tl.constexpr = QTYPE == 23
+        # words a superblock: d and dmin, 12 scale bytes, (qh,) qs; IQ4_XS: d and the scales' high bits, their
+        # low bits, qs (8-byte aligned only)
+        SB: tl.constexpr = 34 if IQ4 else 44 if FIVE else 36
+        QS: tl.constexpr = 2 if IQ4 else 12 if FIVE else 4
         HI: tl.constexpr = 1.0 if FIVE else 0.0625  # the high sub-block's values: at bit 4, or in place
         w32 = w_ptr.to(tl.pointer_type(tl.uint32))
         q32 = q_ptr.to(tl.pointer_type(tl.int32))
@@ -450,41 +516,65 @@ def _build():
             xs = ()
             for u in tl.static_range(KU):
                 live, sbc = _lane_superblocks(it + 4 * (u * KS + kpart), blocks, WARPS)
-                xw = (sbc * 64 + 16 * g + 4 * h)[:, :, None]
-                xs += ((live, sbc * SB, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 8 + i)),
-                        tl.load(xd_ptr + sbc * 8 + 2 * g), tl.load(xd_ptr + sbc * 8 + 2 * g + 1),
-                        tl.load(xs_ptr + sbc * 16 + 4 * g + h), tl.load(xs_ptr + sbc * 16 + 4 * g + 2 + h)),)
+                if IQ4:  # lane c's 16 bytes are sub-block c's 32 weights: x block c, in _iq4_pairs' order
+                    xw = (sbc * 64 + 8 * c)[:, :, None]
+                    xlo = _words(tl.load(q32 + xw + i))
+                    xhi = _words(tl.load(q32 + xw + 4 + i))
+                    xa = ()
+                    xb = ()
+                    for w in tl.static_range(4):
+                        xa += (_prmt(xlo[w], xhi[w], xlo[w] * 0 + 0x5140, ASM),)
+                        xb += (_prmt(xlo[w], xhi[w], xlo[w] * 0 + 0x7362, ASM),)
+                    xs += ((live, sbc * SB, xa, xb, tl.load(xd_ptr + sbc * 8 + c)),)
+                else:
+                    xw = (sbc * 64 + 16 * g + 4 * h)[:, :, None]
+                    xs += ((live, sbc * SB, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 8 + i)),
+                            tl.load(xd_ptr + sbc * 8 + 2 * g), tl.load(xd_ptr + sbc * 8 + 2 * g + 1),
+                            tl.load(xs_ptr + sbc * 16 + 4 * g + h), tl.load(xs_ptr + sbc * 16 + 4 * g + 2 + h)),)
             nxt = ()
             for r in tl.static_range(NR):
                 a = acc[r]
                 for u in tl.static_range(KU):
-                    live, off, xlo, xhi, xdl, xdh, xsl, xsh = xs[u]
-                    base = tl.multiple_of(bases[r] + off, (4, 4))[:, :, None]
-                    h0, h1, h2, h3 = _words(tl.load(w32 + base + i))
-                    qs = _words(tl.load(w32 + base + QS + 4 * c[:, :, None] + i))
-                    if FIVE:
-                        qh = _words(tl.load(w32 + base + 4 + 4 * h[:, :, None] + i))
-                    d, dmin = _half2(h0, True)
-                    d = tl.where(live, d, 0.0)
-                    dmin = tl.where(live, dmin, 0.0)
-                    scw = tl.where(g < 2, h1 & 0x3F3F3F3F, (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030)) >> at
-                    mnw = tl.where(g < 2, h2 & 0x3F3F3F3F,
-                                   ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030)) >> at
-                    ilo = tl.zeros([WARPS, 32], dtype=tl.int32)
-                    ihi = tl.zeros([WARPS, 32], dtype=tl.int32)
-                    for w in tl.static_range(4):
+                    if IQ4:
+                        live, off, xa, xb, xd = xs[u]
+                        base = tl.multiple_of(bases[r] + off, (2, 2))[:, :, None]
+                        h0, h1 = tl.split(tl.load(w32 + base + tl.arange(0, 2)[None, None, :]))
+                        qs = _words(tl.load(w32 + base + QS + 4 * c[:, :, None] + i))
+                        d = tl.where(live, _half2(h0, True)[0], 0.0)
+                        scale = _f(((h1 >> (4 * c)) & 0xF) | (((h0 >> (16 + 2 * c)) & 3) << 4)) - 32.0
+                        isum = tl.zeros([WARPS, 32], dtype=tl.int32)
+                        for w in tl.static_range(4):
+                            pa, pb = _iq4_pairs(qs[w], ASM)
+                            isum = _dp4a(pb, xb[w], _dp4a(pa, xa[w], isum, ASM, True), ASM, True)
+                        a += d * (scale * (xd * isum.to(tl.float32)))
+                    else:
+                        live, off, xlo, xhi, xdl, xdh, xsl, xsh = xs[u]
+                        base = tl.multiple_of(bases[r] + off, (4, 4))[:, :, None]
+                        h0, h1, h2, h3 = _words(tl.load(w32 + base + i))
+                        qs = _words(tl.load(w32 + base + QS + 4 * c[:, :, None] + i))
                         if FIVE:
-                            lo = (qs[w] & 0x0F0F0F0F) | (((qh[w] >> (2 * g)) & 0x01010101) << 4)
-                            hi = ((qs[w] >> 4) & 0x0F0F0F0F) | (((qh[w] >> (2 * g + 1)) & 0x01010101) << 4)
-                        else:
-                            lo = qs[w] & 0x0F0F0F0F
-                            hi = qs[w] & 0xF0F0F0F0
-                        ilo = _dp4a(lo, xlo[w], ilo, ASM)
-                        ihi = _dp4a(hi, xhi[w], ihi, ASM)
-                    dot = _f(scw & 0xFF) * (xdl * ilo.to(tl.float32)) \
-                        + _f((scw >> 8) & 0xFF) * (xdh * (ihi.to(tl.float32) * HI))
-                    mins = _f(mnw & 0xFF) * xsl + _f((mnw >> 8) & 0xFF) * xsh
-                    a += d * dot - dmin * mins
+                            qh = _words(tl.load(w32 + base + 4 + 4 * h[:, :, None] + i))
+                        d, dmin = _half2(h0, True)
+                        d = tl.where(live, d, 0.0)
+                        dmin = tl.where(live, dmin, 0.0)
+                        scw = tl.where(g < 2, h1 & 0x3F3F3F3F, (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030)) >> at
+                        mnw = tl.where(g < 2, h2 & 0x3F3F3F3F,
+                                       ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030)) >> at
+                        ilo = tl.zeros([WARPS, 32], dtype=tl.int32)
+                        ihi = tl.zeros([WARPS, 32], dtype=tl.int32)
+                        for w in tl.static_range(4):
+                            if FIVE:
+                                lo = (qs[w] & 0x0F0F0F0F) | (((qh[w] >> (2 * g)) & 0x01010101) << 4)
+                                hi = ((qs[w] >> 4) & 0x0F0F0F0F) | (((qh[w] >> (2 * g + 1)) & 0x01010101) << 4)
+                            else:
+                                lo = qs[w] & 0x0F0F0F0F
+                                hi = qs[w] & 0xF0F0F0F0
+                            ilo = _dp4a(lo, xlo[w], ilo, ASM)
+                            ihi = _dp4a(hi, xhi[w], ihi, ASM)
+                        dot = _f(scw & 0xFF) * (xdl * ilo.to(tl.float32)) \
+                            + _f((scw >> 8) & 0xFF) * (xdh * (ihi.to(tl.float32) * HI))
+                        mins = _f(mnw & 0xFF) * xsl + _f((mnw >> 8) & 0xFF) * xsh
+                        a += d * dot - dmin * mins
                 nxt += (a,)
             acc = nxt
         _store_lane_rows(y_ptr, acc, first, N, GLU, RT, WARPS, KS)
@@ -760,10 +850,14 @@ def _build():
         return pair.to(tl.int32).to(tl.float32, bitcast=True), (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _x_block(q_ptr, ds_ptr, K, j):
+    def _x_block(q_ptr, ds_ptr, K, j, PAIRED: tl.constexpr = False):
         """Block j (32 columns) of the few-row GEMMs' int8 x (quantize_x, X_ROWS rows), transposed: [32, X_ROWS],
-        with its scales and sums (_x_scales)."""
-        xt = tl.load(q_ptr + tl.arange(0, 16)[None, :] * K + 32 * j + tl.arange(0, 32)[:, None])
+        with its scales and sums (_x_scales). PAIRED: its 8 words in the order of IQ4_XS's levels of 4 words
+        of nibbles, those of the low nibbles beside those of the high (word 2 k + s: word k + 4 s)."""
+        t = tl.arange(0, 32)
+        if PAIRED:
+            t = t // 8 * 4 + t // 4 % 2 * 16 + t % 4
+        xt = tl.load(q_ptr + tl.arange(0, 16)[None, :] * K + 32 * j + t[:, None])
         xd, xs = _x_scales(ds_ptr, j)
         return xt, xd, xs
 
@@ -772,14 +866,16 @@ def _build():
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr,
                            QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0):
-        """Q4_K (QTYPE 12) or Q5_K (13) times a few rows of int8 x (quantize_x) on integer tensor cores: per
-        sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a thread's
-        scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
-        sub-block j) with the x block, then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum -
-        dmin m xs. A gate/up product of BLOCK_N == STACK_ROWS rows a program takes its gate rows and their up
+        """Q4_K (QTYPE 12), Q5_K (13) or IQ4_XS (23) times a few rows of int8 x (quantize_x) on integer tensor
+        cores: per sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a
+        thread's scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
+        sub-block j; IQ4_XS: their levels, _iq4_pairs', against x's rows in that order) with the x block, then
+        scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs (IQ4_XS: d (sc - 32) xd isum).
+        A gate/up product of BLOCK_N == STACK_ROWS rows a program takes its gate rows and their up
         rows as one tile of 2 BLOCK_N rows (_gemm_rows), the same sums in one product a step."""
         FIVE: tl.constexpr = QTYPE == 13
-        SB: tl.constexpr = 44 if FIVE else 36  # words a superblock: d and dmin, 12 scale bytes, (qh,) qs
+        IQ4: tl.constexpr = QTYPE == 23
+        SB: tl.constexpr = 34 if IQ4 else 44 if FIVE else 36  # words a superblock (gemv_q4k8c_kernel's)
         STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
         PARTS: tl.constexpr = 2 if GLU and not STACK else 1  # tiles a step: gate and up, or one
         R: tl.constexpr = 2 * BLOCK_N if STACK else BLOCK_N  # rows of a tile
@@ -790,15 +886,20 @@ def _build():
         for sb in tl.range(lo, hi, num_stages=STAGES):
             heads = ()
             for s in tl.static_range(PARTS):
-                base = tl.multiple_of(offs[s] + sb * SB, 4)[:, None]
-                w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
-                d, dmin = _half2(w0, True)
-                heads += ((base, d, dmin, d * -8388608.0, dmin * -8388608.0,
-                           (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)),
-                           (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
+                if IQ4:  # d, the scales' high bits, their low bits
+                    base = tl.multiple_of(offs[s] + sb * SB, 2)[:, None]
+                    w0, w1 = tl.split(tl.load(w32 + base + tl.arange(0, 2)[None, :]))
+                    heads += ((base, _half2(w0, True)[0], w0 >> 16, w1),)
+                else:
+                    base = tl.multiple_of(offs[s] + sb * SB, 4)[:, None]
+                    w0, w1, w2, w3 = _words(tl.load(w32 + base + i4))
+                    d, dmin = _half2(w0, True)
+                    heads += ((base, d, dmin, d * -8388608.0, dmin * -8388608.0,
+                               (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)),
+                               (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
             quarters = ()
             fifths = ()
-            for s in tl.static_range(PARTS):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's load
+            for s in tl.static_range(0 if IQ4 else PARTS):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's
                 q4 = tl.load(w32 + heads[s][0] + SB - 32 + tl.arange(0, 32)[None, :])
                 lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [R, 2, 2, 8]), (0, 3, 1, 2)))
                 a0, a1 = tl.split(lo2)
@@ -808,18 +909,26 @@ def _build():
                     fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
             for p in tl.static_range(4):
                 for h in tl.static_range(2):
-                    xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h)
+                    xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h, IQ4)
                     nxt = ()
                     for s in tl.static_range(PARTS):
-                        _, d, dmin, d_off, dmin_off, scs, mns = heads[s]
-                        ds = _byte_times(scs[p // 2], 2 * (p % 2) + h, d, d_off)
-                        dm = _byte_times(mns[p // 2], 2 * (p % 2) + h, dmin, dmin_off)
-                        nib = (quarters[s][p] >> (4 * h)) & 0x0F0F0F0F
-                        if FIVE:
-                            nib = nib | (((fifths[s] >> (2 * p + h)) & 0x01010101) << 4)
-                        isum = tl.dot(_bytes(nib, ASM), xt, out_dtype=tl.int32)
-                        a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
-                        nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
+                        if IQ4:
+                            _, d, sh, sl = heads[s]
+                            j = 2 * p + h
+                            ds = d * (_f(((sl >> (4 * j)) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32.0)
+                            lo4, hi4 = _iq4_levels(tl.load(w32 + heads[s][0] + 2 + 4 * j + i4), ASM)  # its 16 bytes
+                            isum = tl.dot(_bytes(tl.reshape(tl.join(lo4, hi4), [R, 8]), ASM), xt, out_dtype=tl.int32)
+                            nxt += (tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s]),)
+                        else:
+                            _, d, dmin, d_off, dmin_off, scs, mns = heads[s]
+                            ds = _byte_times(scs[p // 2], 2 * (p % 2) + h, d, d_off)
+                            dm = _byte_times(mns[p // 2], 2 * (p % 2) + h, dmin, dmin_off)
+                            nib = (quarters[s][p] >> (4 * h)) & 0x0F0F0F0F
+                            if FIVE:
+                                nib = nib | (((fifths[s] >> (2 * p + h)) & 0x01010101) << 4)
+                            isum = tl.dot(_bytes(nib, ASM), xt, out_dtype=tl.int32)
+                            a = tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s])
+                            nxt += (tl.fma(dm[:, None], -xs[None, :], a),)
                     acc = nxt if PARTS == 2 else (nxt[0], acc[1])
         acc = _unstacked(acc, STACK)
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
@@ -982,10 +1091,11 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows,
-                   _f, _words, _bf16x2, _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block,
-                   _words_from, _k_range, _finish, quantize_blocks, _chunks4, _minus32,
-                   _gemm_rows, _x_scales, _unstacked):  # called by name, as _halves is
+    for helper in (_dp4a, _prmt, _iq4_table, _iq4_pairs, _iq4_levels, _iq4_bytes, _iq4_byte, _assignment,
+                   _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows, _f, _words, _bf16x2, _half2,
+                   _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block, _words_from, _k_range, _finish,
+                   quantize_blocks, _chunks4, _minus32, _gemm_rows, _x_scales,
+                   _unstacked):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
@@ -1150,7 +1260,7 @@ def _count_lanes(device: torch.device) -> torch.Tensor:
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
 #: products do: dp4a over bytes in place of float arithmetic per weight (against float x:
 #: bench/results/quant-sweep-int8-x-h200.json), all with lanes along K (LANE_K_CONFIGS); their names in _build()
-INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0c"}
+INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0c", IQ4_XS: "gemv_q4k8c"}
 #: the types with a few-row GEMM of their own on 32-bit words, on int8 x (X_ROWS rows of quantize_x's) and
 #: integer tensor cores, as their GEMVs compute (Q8_0's is skinny_q8_0w where 512 | K: _word_kernel). Q6_K's
 #: (skinny_q6k8) ran as fast as the float-tile kernel it replaced on an H100, 16 rows: the LM head 435.5 us
@@ -1158,7 +1268,8 @@ INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: 
 #: Q5_K's runs in Q4_K's kernel (QTYPE 13), as its GEMV does, in place of the byte kernel on float x (which
 #: computed a verify differently from its int8-x decode); a random 8B-shaped Q5_K_M verify of 16 rows took
 #: 5.520 ms against 17.028 on an H100 (bench/results/q5k-word-gemm-ab-h100.json)
-WORD_KERNELS = {Q4_K: "skinny_q4k8", Q5_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0"}
+WORD_KERNELS = {Q4_K: "skinny_q4k8", Q5_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0",
+                IQ4_XS: "skinny_q4k8"}
 X_ROWS = 16
 #: the programs of a 1-row word GEMV whose rows start within this many bytes of W (of the gate rows, with
 #: GLU) ask their rows into L2 before they wait for the kernel ahead (_prefetch_rows; 0: none): the first
