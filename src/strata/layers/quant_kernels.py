@@ -299,14 +299,12 @@ def _build():
         if ASM:
             return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32,
                                              is_pure=True, pack=1)
-        out = a * 0
-        for i in tl.static_range(4):
-            s = (sel >> (4 * i)) & 0xF
-            at = 8 * (s & 3)
-            byte = tl.where((s & 7) < 4, a >> at, b >> at) & 0xFF
-            byte = tl.where(s >= 8, tl.where(byte >= 128, 0xFF, 0), byte)
-            out = out | (byte << (8 * i))
-        return out
+        i = tl.arange(0, 4)
+        s = (tl.expand_dims(sel, -1) >> (4 * i)) & 0xF
+        at = 8 * (s & 3)
+        byte = tl.where((s & 7) < 4, tl.expand_dims(a, -1) >> at, tl.expand_dims(b, -1) >> at) & 0xFF
+        byte = tl.where(s >= 8, tl.where(byte >= 128, 0xFF, 0), byte)
+        return tl.sum(byte << (8 * i), axis=-1)
 
     @triton.jit
     def _iq4_table(q):
@@ -322,7 +320,7 @@ def _build():
         (not ASM) looks them up in fewer ops unless not LOOKUP (a test's check of the prmts)."""
         q = q.to(tl.int32, bitcast=True)
         if not ASM and LOOKUP:
-            return _iq4_bytes(q, 0, 4, 8, 12), _iq4_bytes(q, 16, 20, 24, 28)
+            return _iq4_bytes(q, 0, 4), _iq4_bytes(q, 16, 4)
         t0, t1, t2, t3 = _iq4_table(q)
         out = ()
         for half in tl.static_range(2):
@@ -336,22 +334,17 @@ def _build():
         """_iq4_pairs in weight order: the levels of q's 4 low nibbles (bytes 0-3), then of its 4 high ones."""
         if not ASM and LOOKUP:
             q = q.to(tl.int32, bitcast=True)
-            return _iq4_bytes(q, 0, 8, 16, 24), _iq4_bytes(q, 4, 12, 20, 28)
+            return _iq4_bytes(q, 0, 8), _iq4_bytes(q, 4, 8)
         a, b = _iq4_pairs(q, ASM, LOOKUP)
         return _prmt(a, b, a * 0 + 0x6420, ASM), _prmt(a, b, a * 0 + 0x7531, ASM)
 
     @triton.jit
-    def _iq4_bytes(q, b0: tl.constexpr, b1: tl.constexpr, b2: tl.constexpr, b3: tl.constexpr):
+    def _iq4_bytes(q, first: tl.constexpr, step: tl.constexpr):
         """For the interpreter (fewer ops than the prmts spelled out): a word of the levels of q's nibbles at
-        bits b0, b1, b2, b3, looked up in _iq4_table's words as the prmts do."""
-        return _iq4_byte(q, b0) | (_iq4_byte(q, b1) << 8) | (_iq4_byte(q, b2) << 16) | (_iq4_byte(q, b3) << 24)
-
-    @triton.jit
-    def _iq4_byte(q, at: tl.constexpr):
-        t0, t1, t2, t3 = _iq4_table(q)
-        n = (q >> at) & 0xF
-        word = tl.where(n < 8, tl.where(n < 4, t0, t1), tl.where(n < 12, t2, t3))
-        return (word >> (8 * (n & 3))) & 0xFF
+        bits first + step i, i = 0..3, looked up in _iq4_table's words as the prmts do."""
+        n = (tl.expand_dims(q, -1) >> (first + step * tl.arange(0, 4))) & 0xF
+        word = tl.where(n < 8, tl.where(n < 4, -1079142271, -152379953), tl.where(n < 12, 639175937, 1901675829))
+        return tl.sum(((word >> (8 * (n & 3))) & 0xFF) << (8 * tl.arange(0, 4)), axis=-1)
 
     @triton.jit
     def quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, M, KB, MP, NB, BLOCK: tl.constexpr, SUMS: tl.constexpr,
@@ -1091,7 +1084,7 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _prmt, _iq4_table, _iq4_pairs, _iq4_levels, _iq4_bytes, _iq4_byte, _assignment,
+    for helper in (_dp4a, _prmt, _iq4_table, _iq4_pairs, _iq4_levels, _iq4_bytes, _assignment,
                    _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows, _f, _words, _bf16x2, _half2,
                    _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block, _words_from, _k_range, _finish,
                    quantize_blocks, _chunks4, _minus32, _gemm_rows, _x_scales,
