@@ -136,7 +136,8 @@ def test_iq4_levels_by_prmt_as_looked_up():
 
 
 @pytest.mark.parametrize("qtype,rows", [(T.Q4_K, 1), (T.Q4_K, 5), (T.Q5_K, 1), (T.Q5_K, 5), (T.Q6_K, 1), (T.Q6_K, 5),
-                                       (T.Q8_0, 1), (T.Q8_0, 5), (T.IQ4_XS, 1), (T.IQ4_XS, 5)],
+                                       (T.Q8_0, 1), (T.Q8_0, 5), (T.IQ4_XS, 1), (T.IQ4_XS, 5),
+                                       (T.Q4_0, 1), (T.Q4_0, 5)],
                          ids=lambda v: getattr(v, "name", f"rows {v}"))
 def test_word_kernels_match_the_reference_dequantization(qtype, rows, monkeypatch):
     """The GEMV (1 row) and the few-row GEMM on 32-bit words: 2048 columns put Q6_K's superblocks at every
@@ -433,7 +434,7 @@ def test_expert_gemvs_over_quantized_experts(qtype):
     ids = torch.tensor([2, 0, 2, 2])
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, k, generator=gen)
-    assert qk.int8_x(int(qtype), 1, k) == (qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS))
+    assert qk.int8_x(int(qtype), 1, k) == (qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q4_0))
     computed = [as_computed(row[None], qtype, k)[0] for row in x]
     want = torch.stack([computed[a // 2] @ values[i].T for a, i in enumerate(ids.tolist())])
     # few programs for the interpreter (the result does not depend on the block shape)

@@ -66,9 +66,9 @@ def main() -> None:
     skinny8_sig = {"q_ptr": "*i8", "ds_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32",
                    "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "row_words": "i32", "stride_y": "i32",
                    "GLU": "constexpr", "BLOCK_N": "constexpr", "SPLIT": "constexpr", "ASM": "constexpr"}
-    for name, skinny in (("Q4_K", "skinny_q4k8"), ("IQ4_XS", "skinny_q4k8"), ("Q6_K", "skinny_q6k8"),
-                         ("Q8_0", "skinny_q8_0w"), ("Q8_0", "skinny_q8_0")):
-        qtype = {"QTYPE": qk.IQ4_XS} if name == "IQ4_XS" else {}
+    for name, skinny in (("Q4_K", "skinny_q4k8"), ("IQ4_XS", "skinny_q4k8"), ("Q4_0", "skinny_q4k8"),
+                         ("Q6_K", "skinny_q6k8"), ("Q8_0", "skinny_q8_0w"), ("Q8_0", "skinny_q8_0")):
+        qtype = {"QTYPE": {"IQ4_XS": qk.IQ4_XS, "Q4_0": qk.Q4_0}[name]} if name in ("IQ4_XS", "Q4_0") else {}
         for block_n, warps, stages, split in qk.WORD_SKINNY_CONFIGS[:3:2]:
             loop = qk._loop_stages(skinny, stages)
             sass = compile_sass(kernels[skinny], {**skinny8_sig, **{k: "constexpr" for k in loop}},
@@ -80,8 +80,8 @@ def main() -> None:
     lane_sig = {"q_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "N": "i32",
                 "K": "i32", "row_words": "i32", "GLU": "constexpr", "RT": "constexpr", "WARPS": "constexpr",
                 "KU": "constexpr", "ASM": "constexpr", "QTYPE": "constexpr"}
-    for name, qtype in (("Q4_K", qk.Q4_K), ("Q5_K", qk.Q5_K), ("IQ4_XS", qk.IQ4_XS), ("Q6_K", qk.Q6_K),
-                        ("Q8_0", qk.Q8_0)):
+    for name, qtype in (("Q4_K", qk.Q4_K), ("Q5_K", qk.Q5_K), ("IQ4_XS", qk.IQ4_XS), ("Q4_0", qk.Q4_0),
+                        ("Q6_K", qk.Q6_K), ("Q8_0", qk.Q8_0)):
         sig = {("row_bytes" if k == "row_words" and qtype == qk.Q6_K else k): v for k, v in lane_sig.items()}
         for rt, warps, ku, ks in qk.LANE_K_CONFIGS[:2]:
             sass = compile_sass(kernels[qk.INT8_GEMVS[qtype]], sig,

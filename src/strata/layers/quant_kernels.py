@@ -7,16 +7,16 @@ float32 operations, in the same order, as gguf's reference
 (`gguf.quants.dequantize`), so the dequantization kernel matches it bit for bit (the tests run it in
 Triton's interpreter). Over it: a 1-row GEMV and a few-row GEMM (a verify window, a drafter block) on
 tensor cores, both with the gate/up silu*up variant, an embedding gather, and a whole-matrix
-dequantization. The exceptions read blocks as 32-bit words. The 1-row GEMVs of Q4_K, Q5_K, Q6_K and
-Q8_0 (gemv_q4k8c_kernel for the first two, gemv_q6k8c_kernel, gemv_q8_0c_kernel) take x quantized to int8
-per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times bytes with dp4a
-before applying the scales. They run their lanes along K, so that a warp's loads are runs of consecutive
+dequantization. The exceptions read blocks as 32-bit words. The 1-row GEMVs of Q4_K, Q5_K, IQ4_XS,
+Q4_0, Q6_K and Q8_0 (gemv_q4k8c_kernel for the first four, gemv_q6k8c_kernel, gemv_q8_0c_kernel) take x
+quantized to int8 per 32 values (quantize_x_kernel), as llama.cpp's GPU products do, and sum bytes times
+bytes with dp4a before applying the scales. They run their lanes along K, so that a warp's loads are runs of consecutive
 bytes of a row: with a thread per (row, block), as Q8_0's GEMV had until 58bdb13, each load touched 32
 cache lines, and the L1 and L2 requests, not the instructions, bound the GEMV.
-The few-row GEMMs of Q4_K, Q5_K, Q6_K and Q8_0 (a verify window, a drafter block) take the same int8 x and
+The few-row GEMMs of the same types (a verify window, a drafter block) take the same int8 x and
 run on integer tensor cores, their integer sums scaled as the GEMVs scale their dp4a sums: Q4_K's nibbles
-(Q5_K's with their fifth bits) as int8 (skinny_q4k8_kernel), Q6_K's 6-bit values less 32
-(skinny_q6k8_kernel), Q8_0's bytes (skinny_q8_0w_kernel, or skinny_q8_0_kernel where 512 does not divide
+(Q5_K's with their fifth bits, IQ4_XS's levels, Q4_0's) as int8 (skinny_q4k8_kernel), Q6_K's 6-bit values
+less 32 (skinny_q6k8_kernel), Q8_0's bytes (skinny_q8_0w_kernel, or skinny_q8_0_kernel where 512 does not divide
 K). Q4_K's and Q8_0's read a row's weights in runs of 128 bytes a warp's load can take whole, for the same
 reason. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit at even
 offsets, so they are read through a float16 view of the same bytes."""
@@ -473,8 +473,9 @@ def _build():
                           QTYPE: tl.constexpr, PDL: tl.constexpr = False, ids_ptr=None, expert_bytes=0,
                           stride_y=0, EXPERTS: tl.constexpr = False, SHARE: tl.constexpr = 1,
                           KS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
-        """Q4_K (QTYPE 12), Q5_K (13) or IQ4_XS (23) times an int8 x (quantize_x_kernel) with lanes along K
-        (IQ4_XS: lane l's 16 bytes are sub-block l % 8's 32 weights, their levels by _iq4_pairs); a warp reads
+        """Q4_K (QTYPE 12), Q5_K (13), IQ4_XS (23) or Q4_0 (2) times an int8 x (quantize_x_kernel) with lanes
+        along K (IQ4_XS: lane l's 16 bytes are sub-block l % 8's 32 weights, their levels by _iq4_pairs; Q4_0:
+        a superblock is 8 blocks, 144 bytes, lane l taking block l % 8's 18: d (nibble - 8) xd isum); a warp reads
         4 superblocks of a row at once, lane l the 16 qs bytes 16 (l % 8) of superblock l // 8 (its 32
         weights: 16 of sub-block 2g in the low nibbles, 16 of 2g + 1 in the high, g = l % 8 // 2) and, with
         the 7 other lanes of that superblock, its 16-byte header (Q5_K: and the half of qh with their fifth
@@ -488,8 +489,9 @@ def _build():
                                                                expert_bytes, K, stride_y, SHARE, PDL)
         FIVE: tl.constexpr = QTYPE == 13
         IQ4: tl.constexpr = QTYPE == 23
+        Q40: tl.constexpr = QTYPE == 2
         # words a superblock: d and dmin, 12 scale bytes, (qh,) qs; IQ4_XS: d and the scales' high bits, their
-        # low bits, qs (8-byte aligned only)
+        # low bits, qs (8-byte aligned only); Q4_0: 8 blocks of 18 bytes, d then 16 of qs
         SB: tl.constexpr = 34 if IQ4 else 44 if FIVE else 36
         QS: tl.constexpr = 2 if IQ4 else 12 if FIVE else 4
         HI: tl.constexpr = 1.0 if FIVE else 0.0625  # the high sub-block's values: at bit 4, or in place
@@ -509,7 +511,12 @@ def _build():
             xs = ()
             for u in tl.static_range(KU):
                 live, sbc = _lane_superblocks(it + 4 * (u * KS + kpart), blocks, WARPS)
-                if IQ4:  # lane c's 16 bytes are sub-block c's 32 weights: x block c, in _iq4_pairs' order
+                if Q40:  # lane c takes block c: x block c, its first 16 values then 16, and their sum
+                    xw = (sbc * 64 + 8 * c)[:, :, None]
+                    xs += ((live, sbc * SB, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 4 + i)),
+                            tl.load(xd_ptr + sbc * 8 + c),
+                            tl.load(xs_ptr + sbc * 16 + 2 * c) + tl.load(xs_ptr + sbc * 16 + 2 * c + 1)),)
+                elif IQ4:  # lane c's 16 bytes are sub-block c's 32 weights: x block c, in _iq4_pairs' order
                     xw = (sbc * 64 + 8 * c)[:, :, None]
                     xlo = _words(tl.load(q32 + xw + i))
                     xhi = _words(tl.load(q32 + xw + 4 + i))
@@ -528,7 +535,17 @@ def _build():
             for r in tl.static_range(NR):
                 a = acc[r]
                 for u in tl.static_range(KU):
-                    if IQ4:
+                    if Q40:  # block c's 18 bytes from the word holding its start: d, then qs 2 or 4 bytes in
+                        live, off, xlo, xhi, xd, xsum = xs[u]
+                        at0 = bases[r] + off + 9 * c // 2
+                        w = _words(tl.load(w32 + at0[:, :, None] + i)) + (tl.load(w32 + at0 + 4),)
+                        d = tl.where(live, _half2(tl.where(h == 1, w[0] >> 16, w[0]), True)[0], 0.0)
+                        isum = tl.zeros([WARPS, 32], dtype=tl.int32)
+                        for k in tl.static_range(4):
+                            q = tl.where(h == 1, w[k + 1], (w[k] >> 16) | (w[k + 1] << 16))
+                            isum = _dp4a((q >> 4) & 0x0F0F0F0F, xhi[k], _dp4a(q & 0x0F0F0F0F, xlo[k], isum, ASM), ASM)
+                        a += d * (xd * isum.to(tl.float32) - 8.0 * xsum)
+                    elif IQ4:
                         live, off, xa, xb, xd = xs[u]
                         base = tl.multiple_of(bases[r] + off, (2, 2))[:, :, None]
                         h0, h1 = tl.split(tl.load(w32 + base + tl.arange(0, 2)[None, None, :]))
@@ -859,15 +876,18 @@ def _build():
                            GLU: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                            STAGES: tl.constexpr,
                            QTYPE: tl.constexpr = 12, STACK_ROWS: tl.constexpr = 0):
-        """Q4_K (QTYPE 12), Q5_K (13) or IQ4_XS (23) times a few rows of int8 x (quantize_x) on integer tensor
-        cores: per sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows (the first operand, so that a
-        thread's scales serve 4 x rows; Q5_K: each with its fifth bit from qh, byte l's bit j for weight l of
-        sub-block j; IQ4_XS: their levels, _iq4_pairs', against x's rows in that order) with the x block, then
-        scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs (IQ4_XS: d (sc - 32) xd isum).
+        """Q4_K (QTYPE 12), Q5_K (13), IQ4_XS (23) or Q4_0 (2: 8 blocks a step) times a few rows of int8 x
+        (quantize_x) on integer tensor cores: per sub-block, the int8 dot of its 32 nibbles in BLOCK_N rows
+        (the first operand, so that a thread's scales serve 4 x rows; Q5_K: each with its fifth bit from qh,
+        byte l's bit j for weight l of sub-block j; IQ4_XS: their levels, by _iq4_levels) with the x block,
+        then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs (IQ4_XS: d (sc - 32) xd
+        isum; Q4_0: d xd isum - 8 d xs). IQ4_XS's and Q4_0's tiles hold a word's low nibbles' 4 values beside
+        its high nibbles', and x's words are read in that order (_x_block's PAIRED).
         A gate/up product of BLOCK_N == STACK_ROWS rows a program takes its gate rows and their up
         rows as one tile of 2 BLOCK_N rows (_gemm_rows), the same sums in one product a step."""
         FIVE: tl.constexpr = QTYPE == 13
         IQ4: tl.constexpr = QTYPE == 23
+        Q40: tl.constexpr = QTYPE == 2
         SB: tl.constexpr = 34 if IQ4 else 44 if FIVE else 36  # words a superblock (gemv_q4k8c_kernel's)
         STACK: tl.constexpr = GLU and BLOCK_N == STACK_ROWS
         PARTS: tl.constexpr = 2 if GLU and not STACK else 1  # tiles a step: gate and up, or one
@@ -879,7 +899,9 @@ def _build():
         for sb in tl.range(lo, hi, num_stages=STAGES):
             heads = ()
             for s in tl.static_range(PARTS):
-                if IQ4:  # d, the scales' high bits, their low bits
+                if Q40:  # 8 blocks, each read below
+                    heads += ((tl.multiple_of(offs[s] + sb * SB, 4),),)
+                elif IQ4:  # d, the scales' high bits, their low bits
                     base = tl.multiple_of(offs[s] + sb * SB, 2)[:, None]
                     w0, w1 = tl.split(tl.load(w32 + base + tl.arange(0, 2)[None, :]))
                     heads += ((base, _half2(w0, True)[0], w0 >> 16, w1),)
@@ -892,7 +914,7 @@ def _build():
                                (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
             quarters = ()
             fifths = ()
-            for s in tl.static_range(0 if IQ4 else PARTS):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's
+            for s in tl.static_range(0 if IQ4 or Q40 else PARTS):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's
                 q4 = tl.load(w32 + heads[s][0] + SB - 32 + tl.arange(0, 32)[None, :])
                 lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [R, 2, 2, 8]), (0, 3, 1, 2)))
                 a0, a1 = tl.split(lo2)
@@ -902,10 +924,26 @@ def _build():
                     fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
             for p in tl.static_range(4):
                 for h in tl.static_range(2):
-                    xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h, IQ4)
+                    xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h, IQ4 or Q40)
                     nxt = ()
                     for s in tl.static_range(PARTS):
-                        if IQ4:
+                        if Q40:  # block j: 18 bytes from word 9 j // 2 (its start, or 2 bytes before it)
+                            j = 2 * p + h
+                            at0 = heads[s][0] + 9 * j // 2
+                            head = tl.load(w32 + at0)
+                            if h == 1:
+                                d = _half2(head >> 16, True)[0]
+                                q4 = tl.load(w32 + at0[:, None] + 1 + i4)
+                            else:
+                                d = _half2(head, True)[0]
+                                q4 = (tl.load(w32 + at0[:, None] + i4) >> 16) | \
+                                    (tl.load(w32 + at0[:, None] + 1 + i4) << 16)
+                            lo4 = q4 & 0x0F0F0F0F
+                            isum = tl.dot(_bytes(tl.reshape(tl.join(lo4, (q4 >> 4) & 0x0F0F0F0F), [R, 8]), ASM), xt,
+                                          out_dtype=tl.int32)
+                            a = tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s])
+                            nxt += (tl.fma(8.0 * d[:, None], -xs[None, :], a),)
+                        elif IQ4:
                             _, d, sh, sl = heads[s]
                             j = 2 * p + h
                             ds = d * (_f(((sl >> (4 * j)) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32.0)
@@ -1253,7 +1291,8 @@ def _count_lanes(device: torch.device) -> torch.Tensor:
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x (quantize_x), as llama.cpp's GPU
 #: products do: dp4a over bytes in place of float arithmetic per weight (against float x:
 #: bench/results/quant-sweep-int8-x-h200.json), all with lanes along K (LANE_K_CONFIGS); their names in _build()
-INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0c", IQ4_XS: "gemv_q4k8c"}
+INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0c", IQ4_XS: "gemv_q4k8c",
+              Q4_0: "gemv_q4k8c"}
 #: the types with a few-row GEMM of their own on 32-bit words, on int8 x (X_ROWS rows of quantize_x's) and
 #: integer tensor cores, as their GEMVs compute (Q8_0's is skinny_q8_0w where 512 | K: _word_kernel). Q6_K's
 #: (skinny_q6k8) ran as fast as the float-tile kernel it replaced on an H100, 16 rows: the LM head 435.5 us
@@ -1262,7 +1301,7 @@ INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: 
 #: computed a verify differently from its int8-x decode); a random 8B-shaped Q5_K_M verify of 16 rows took
 #: 5.520 ms against 17.028 on an H100 (bench/results/q5k-word-gemm-ab-h100.json)
 WORD_KERNELS = {Q4_K: "skinny_q4k8", Q5_K: "skinny_q4k8", Q6_K: "skinny_q6k8", Q8_0: "skinny_q8_0",
-                IQ4_XS: "skinny_q4k8"}
+                IQ4_XS: "skinny_q4k8", Q4_0: "skinny_q4k8"}
 X_ROWS = 16
 #: the programs of a 1-row word GEMV whose rows start within this many bytes of W (of the gate rows, with
 #: GLU) ask their rows into L2 before they wait for the kernel ahead (_prefetch_rows; 0: none): the first
