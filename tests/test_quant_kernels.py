@@ -424,7 +424,7 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
 def test_expert_gemvs_over_quantized_experts(qtype):
     """expert_matmul: each (row, expert) assignment a GEMV over its own expert's blocks (repeats included),
     the gate/up variant with a row shared by its k assignments, against torch on gguf's dequantization;
-    the types with a word GEMV (Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS) run it on each row's int8 x, exactly as on the x
+    the types with a word GEMV (all six here) run it on each row's int8 x, exactly as on the x
     that int8 x stands for; Q6_K's with its rows at 4-byte (512 columns), 16-byte (2048) and 2-byte (768,
     dense) offsets."""
     e, n, k = 3, 24, 512
