@@ -664,3 +664,23 @@ def test_the_gemvs_block_shape_is_chosen_without_prefetching(monkeypatch):
     monkeypatch.setattr(qk, "GEMV_PREFETCH", 0)
     assert qk.matmul(x, data, int(T.Q4_K), 16).equal(qk.matmul(x, data, int(T.Q4_K), 16, config=(4, 2, 1, 1)))
     assert launches == [0, 2 ** 21, 2 ** 21, 0]
+
+
+def test_the_bench_checks_each_quantized_type_against_its_blocks_dequantized(monkeypatch):
+    """strata bench first runs one product of each type the model holds (a fused matrix's segments
+    included) at each row count it will time, through the kernels the decode runs, against the blocks
+    dequantized; a kernel whose products are off stops it, naming the type and the row count."""
+    from strata.bench import run
+
+    model = torch.nn.Module()
+    model.device, model.dtype = torch.device("cpu"), torch.float32
+    model.qkv = QuantWeight([Segment(int(T.Q4_0), torch.from_numpy(blocks(T.Q4_0, 6, 512, 1))),
+                             Segment(int(T.IQ4_XS), torch.from_numpy(blocks(T.IQ4_XS, 4, 512, 2)))], 512, torch.float32)
+    errors = run.product_check(model, (1, 3))
+    assert list(errors) == ["Q4_0-1", "Q4_0-3", "IQ4_XS-1", "IQ4_XS-3"]
+    assert all(1e-4 < e <= 2e-2 for e in errors.values())  # int8 x's rounding, nothing more
+    matmul = qk.matmul
+    monkeypatch.setattr(qk, "matmul", lambda x, data, qtype, n, **kw: matmul(x, data, qtype, n, **kw) *
+                        (1.5 if qtype == int(T.IQ4_XS) and x.shape[0] > 1 else 1.0))
+    with pytest.raises(RuntimeError, match=r"IQ4_XS-3 rows: 5\.0\de-01"):
+        run.product_check(model, (1, 3))

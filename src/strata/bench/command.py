@@ -128,6 +128,9 @@ def summary(result: dict) -> list[str]:
              + (f"weights on the device, {result['host_weight_bytes'] / 1e6:.1f} MB in host memory)"
                 if "host_weight_bytes" in result else "weights)"),
              f"target-only {t['tok_s']:.1f} tok/s ({result['ratios']['target_only_vs_floor']:.2f} of floor)"]
+    if result.get("product_check"):
+        lines.insert(1, "quantized products against their blocks dequantized (relative error): " + ", ".join(
+            f"{name} rows {err:.1e}" for name, err in result["product_check"].items()))
     if "target_only_without_triton" in result:
         lines.append(f"target-only without Strata's Triton kernels {result['target_only_without_triton']['tok_s']:.1f} "
                      f"tok/s (the kernels: x{result['ratios']['triton_vs_compiled_only']:.2f})")

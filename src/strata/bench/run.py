@@ -22,7 +22,8 @@ from ..engine.drafter import OracleDrafter
 from ..engine.stats import Acceptance
 from ..errors import StrataError
 from ..layers.kernels import TritonKernels
-from ..layers.quant import weight_bytes
+from ..layers import quant_kernels as qk
+from ..layers.quant import QuantWeight, weight_bytes
 from ..models.loader import unpack
 from ..models.placement import sparse_layers
 from ..models.registry import family
@@ -69,6 +70,42 @@ def bytes_per_token(model, context: int) -> int:
         lin = cfg.linear
         kv += len(lin.layers) * lin.v_heads * lin.k_dim * lin.v_dim * 4
     return total + kv
+
+
+#: the largest relative error a quantized product may have against its blocks dequantized (product_check);
+#: int8 x alone rounds it by about 1e-2
+PRODUCT_TOLERANCE = 0.05
+
+
+def product_check(model, rows: tuple[int, ...], sample_rows: int = 256, seed: int = 0) -> dict:
+    """Each GGML type among the model's quantized matrices, through the kernels the decode runs (on a GPU:
+    the compiled code, which the CPU tests' interpreter never runs), against the same blocks dequantized:
+    the relative error of x @ W^T over the first sample_rows rows of one matrix of that type, for each row
+    count. A product beyond PRODUCT_TOLERANCE stops the bench before anything is timed."""
+    import gguf
+
+    first = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, QuantWeight):
+                for seg in value.segments:
+                    first.setdefault(seg.qtype, (seg.data, value.cols))
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    errors = {}
+    for qtype, (data, cols) in sorted(first.items()):
+        data = data[:sample_rows]
+        w = qk.dequantize(data, qtype, cols).float()
+        for m in rows:
+            x = torch.randn(m, cols, generator=gen, device=data.device).to(model.dtype)
+            want = x.float() @ w.T
+            got = qk.matmul(x, data, qtype, data.shape[0]).float()
+            errors[f"{gguf.GGMLQuantizationType(qtype).name}-{m}"] = \
+                ((got - want).abs().max() / want.abs().max()).item()
+    wrong = [f"{name} rows: {err:.2e}" for name, err in errors.items() if not err <= PRODUCT_TOLERANCE]
+    if wrong:
+        raise RuntimeError(f"quantized products off their dequantized blocks (relative error, expected <= "
+                           f"{PRODUCT_TOLERANCE}): {', '.join(wrong)}")
+    return errors
 
 
 def random_drafter(target, layers: int, block_size: int, seed: int = 0) -> DFlashDrafter:
@@ -240,6 +277,8 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         "floor_all_weights_tok_s": bw / wbytes, "floor_ms_per_token": 1e3 * floor_s,
         "floor_tok_s": 1 / floor_s, "startup_s": dict(startup or {}),
     }
+    if device.type == "cuda":
+        result["product_check"] = product_check(target, (1, window) if static and window > 1 else (1,))
     opts = replace(config, max_len=max_len, window=None, pad_rows=1)
     base_engine = Engine(target, config=opts)
     result["triton_kernels"] = isinstance(base_engine.runner.kernels, TritonKernels)
