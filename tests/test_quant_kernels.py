@@ -148,6 +148,12 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows, monkeypatc
     float32 x to 1e-6 and half-precision x as rounded; rows of W not a multiple of a program's, gate/up
     fused, K slices past the last (Q8_0's gate/up)."""
     raw = blocks(qtype, 10, 2048, 40 + qtype.value)
+    if qtype not in (T.Q8_0, T.Q4_0):  # each superblock's d its own (random blocks share one): a kernel reading
+        size = gguf.GGML_QUANT_SIZES[qtype][1]  # another block's d must fail
+        at = {T.Q6_K: size - 2}.get(qtype, 0)
+        d = raw.reshape(10, -1, size)[..., at:at + 2].copy().view(np.float16)
+        d *= np.float16(2.0) ** np.random.default_rng(7).integers(-2, 3, d.shape).astype(np.float16)
+        raw.reshape(10, -1, size)[..., at:at + 2] = d.view(np.uint8)
     w = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)).double()
     data = torch.from_numpy(raw.copy())
     assert qk._word_kernel(int(qtype), rows, 2048)
