@@ -68,7 +68,7 @@ def main() -> None:
                    "GLU": "constexpr", "BLOCK_N": "constexpr", "SPLIT": "constexpr", "ASM": "constexpr"}
     for name, skinny in (("Q4_K", "skinny_q4k8"), ("IQ4_XS", "skinny_q4k8"), ("Q4_0", "skinny_q4k8"),
                          ("Q6_K", "skinny_q6k8"), ("Q8_0", "skinny_q8_0w"), ("Q8_0", "skinny_q8_0")):
-        qtype = {"QTYPE": {"IQ4_XS": qk.IQ4_XS, "Q4_0": qk.Q4_0}[name]} if name in ("IQ4_XS", "Q4_0") else {}
+        qtype = {"QTYPE": getattr(qk, name)} if skinny == "skinny_q4k8" else {}
         for block_n, warps, stages, split in qk.WORD_SKINNY_CONFIGS[:3:2]:
             loop = qk._loop_stages(skinny, stages)
             sass = compile_sass(kernels[skinny], {**skinny8_sig, **{k: "constexpr" for k in loop}},

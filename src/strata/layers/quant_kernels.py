@@ -343,7 +343,8 @@ def _build():
         """For the interpreter (fewer ops than the prmts spelled out): a word of the levels of q's nibbles at
         bits first + step i, i = 0..3, looked up in _iq4_table's words as the prmts do."""
         n = (tl.expand_dims(q, -1) >> (first + step * tl.arange(0, 4))) & 0xF
-        word = tl.where(n < 8, tl.where(n < 4, -1079142271, -152379953), tl.where(n < 12, 639175937, 1901675829))
+        t0, t1, t2, t3 = _iq4_table(n)
+        word = tl.where(n < 8, tl.where(n < 4, t0, t1), tl.where(n < 12, t2, t3))
         return tl.sum(((word >> (8 * (n & 3))) & 0xFF) << (8 * tl.arange(0, 4)), axis=-1)
 
     @triton.jit
@@ -511,21 +512,21 @@ def _build():
             xs = ()
             for u in tl.static_range(KU):
                 live, sbc = _lane_superblocks(it + 4 * (u * KS + kpart), blocks, WARPS)
-                if Q40:  # lane c takes block c: x block c, its first 16 values then 16, and their sum
-                    xw = (sbc * 64 + 8 * c)[:, :, None]
-                    xs += ((live, sbc * SB, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 4 + i)),
-                            tl.load(xd_ptr + sbc * 8 + c),
-                            tl.load(xs_ptr + sbc * 16 + 2 * c) + tl.load(xs_ptr + sbc * 16 + 2 * c + 1)),)
-                elif IQ4:  # lane c's 16 bytes are sub-block c's 32 weights: x block c, in _iq4_pairs' order
+                if Q40 or IQ4:  # lane c takes block (sub-block) c: x block c, its first 16 values then 16
                     xw = (sbc * 64 + 8 * c)[:, :, None]
                     xlo = _words(tl.load(q32 + xw + i))
                     xhi = _words(tl.load(q32 + xw + 4 + i))
-                    xa = ()
-                    xb = ()
-                    for w in tl.static_range(4):
-                        xa += (_prmt(xlo[w], xhi[w], xlo[w] * 0 + 0x5140, ASM),)
-                        xb += (_prmt(xlo[w], xhi[w], xlo[w] * 0 + 0x7362, ASM),)
-                    xs += ((live, sbc * SB, xa, xb, tl.load(xd_ptr + sbc * 8 + c)),)
+                    xd = tl.load(xd_ptr + sbc * 8 + c)
+                    if IQ4:  # in _iq4_pairs' order
+                        xa = ()
+                        xb = ()
+                        for w in tl.static_range(4):
+                            xa += (_prmt(xlo[w], xhi[w], xlo[w] * 0 + 0x5140, ASM),)
+                            xb += (_prmt(xlo[w], xhi[w], xlo[w] * 0 + 0x7362, ASM),)
+                        xs += ((live, sbc * SB, xa, xb, xd),)
+                    else:  # and the block's sum
+                        xs += ((live, sbc * SB, xlo, xhi, xd,
+                                tl.load(xs_ptr + sbc * 16 + 2 * c) + tl.load(xs_ptr + sbc * 16 + 2 * c + 1)),)
                 else:
                     xw = (sbc * 64 + 16 * g + 4 * h)[:, :, None]
                     xs += ((live, sbc * SB, _words(tl.load(q32 + xw + i)), _words(tl.load(q32 + xw + 8 + i)),
