@@ -1143,7 +1143,8 @@ def _build():
         for skinny in {*WORD_KERNELS.values(), "skinny_q8_0w"}:
             kernels[f"{skinny}_tuned"] = autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k, **_loop_stages(skinny, st)}, num_warps=w,
-                               num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS], key=["M", "N", "K", "GLU"],
+                               num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS],
+                key=["M", "N", "K", "GLU", *(["QTYPE"] if skinny == "skinny_q4k8" else [])],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
         for name in set(INT8_GEMVS.values()):
             kernels[f"{name}_tuned"] = autotune(
