@@ -1144,7 +1144,8 @@ def _build():
             kernels[f"{skinny}_tuned"] = autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k, **_loop_stages(skinny, st)}, num_warps=w,
                                num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS],
-                key=["M", "N", "K", "GLU", *(["QTYPE"] if skinny == "skinny_q4k8" else [])],
+                key=["M", "N", "K", "GLU", *(["QTYPE"] if skinny == "skinny_q4k8" else []),
+                     *(["STACK_ROWS"] if skinny in ("skinny_q4k8", "skinny_q8_0w") else [])],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
         for name in set(INT8_GEMVS.values()):
             kernels[f"{name}_tuned"] = autotune(
@@ -1242,8 +1243,8 @@ WORD_SKINNY_CONFIGS = [(64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 4), (64, 4, 2, 8
 #: step: twice the programs of 64-row blocks, so a 12288-row gate/up spreads evenly over 132 multiprocessors.
 #: 16 rows on an H100, fused as the decoder calls them (bench/results/stacked-glu-sweep-h100.json,
 #: stacked-glu-sweep-q8_0-h100.json): Q4_K 35.1 us at (32, 4, 3, 1) against 37.2 at the best unstacked
-#: shape swept, Q5_K 39.6 against 42.5, Q8_0 89.2 at (32, 4, 2, 1) against 106.4. 0 stacks none (A/B runs: the tuner's
-#: disk cache is keyed by the config list, not by this, so a setting of it wants a list of its own).
+#: shape swept, Q5_K 39.6 against 42.5, Q8_0 89.2 at (32, 4, 2, 1) against 106.4. 0 stacks none (the tuners key
+#: by it, so an A/B of it takes each setting's own shapes).
 GLU_STACK_ROWS = 32
 SPLIT_PROGRAMS = 1024  # K slices only while the programs stay within this many (the workspace with them)
 
