@@ -1144,8 +1144,10 @@ def _build():
             kernels[f"{skinny}_tuned"] = autotune(
                 [triton.Config({"BLOCK_N": b, "SPLIT": k, **_loop_stages(skinny, st)}, num_warps=w,
                                num_stages=st) for b, w, st, k in WORD_SKINNY_CONFIGS],
-                key=["M", "N", "K", "GLU", *(["QTYPE"] if skinny == "skinny_q4k8" else []),
-                     *(["STACK_ROWS"] if skinny in ("skinny_q4k8", "skinny_q8_0w") else [])],
+                # by the constants that pick what a kernel computes too: no type (or stacking) takes shapes
+                # another chose, in a process or from the disk
+                key=["M", "N", "K", "GLU",
+                     *(a for a in ("QTYPE", "STACK_ROWS") if a in kernels[skinny].arg_names)],
                 prune_configs_by={"early_config_prune": functools.partial(_prune_split, skinny)})(kernels[skinny])
         for name in set(INT8_GEMVS.values()):
             kernels[f"{name}_tuned"] = autotune(
