@@ -36,6 +36,9 @@ Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
 BLOCKS = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
           IQ4_XS: (256, 136)}
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+#: IQ4_VALUES as int8, 4 to a little-endian int32 (the word kernels' prmt table)
+IQ4_WORDS = tuple(int.from_bytes(bytes(v & 0xFF for v in IQ4_VALUES[i:i + 4]), "little", signed=True)
+                  for i in range(0, 16, 4))
 TILE = 256  # columns a kernel step covers: one superblock, or 8 blocks of 32
 
 
@@ -155,6 +158,8 @@ def _build():
     globals()["_halves"] = _halves  # module globals
     globals()["_silu_mul"] = _silu_mul
     globals()["tl"] = tl  # the interpreter's check when another module's kernel calls one of these first
+    for i, word in enumerate(IQ4_WORDS):  # _iq4_table's words, as the constants Triton takes from globals
+        globals()[f"IQ4_W{i}"] = tl.constexpr(word)
 
     @triton.jit
     def dequant_kernel(w_ptr, tab_ptr, out_ptr, N, K, row_bytes, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -308,9 +313,9 @@ def _build():
 
     @triton.jit
     def _iq4_table(q):
-        """IQ4_VALUES as int8, 4 to a little-endian int32, each word as a tensor shaped as q."""
-        return (tl.full(q.shape, -1079142271, tl.int32), tl.full(q.shape, -152379953, tl.int32),
-                tl.full(q.shape, 639175937, tl.int32), tl.full(q.shape, 1901675829, tl.int32))
+        """IQ4_WORDS, each word as a tensor shaped as q."""
+        return (tl.full(q.shape, IQ4_W0, tl.int32), tl.full(q.shape, IQ4_W1, tl.int32),
+                tl.full(q.shape, IQ4_W2, tl.int32), tl.full(q.shape, IQ4_W3, tl.int32))
 
     @triton.jit
     def _iq4_pairs(q, ASM: tl.constexpr, LOOKUP: tl.constexpr = True):
