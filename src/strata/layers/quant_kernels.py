@@ -17,8 +17,8 @@ The few-row GEMMs of the same types (a verify window, a drafter block) take the 
 run on integer tensor cores, their integer sums scaled as the GEMVs scale their dp4a sums: Q4_K's nibbles
 (Q5_K's with their fifth bits, IQ4_XS's levels, Q4_0's) as int8 (skinny_q4k8_kernel), Q6_K's 6-bit values
 less 32 (skinny_q6k8_kernel), Q8_0's bytes (skinny_q8_0w_kernel, or skinny_q8_0_kernel where 512 does not divide
-K). Q4_K's and Q8_0's read a row's weights in runs of 128 bytes a warp's load can take whole, for the same
-reason. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit at even
+K). Q4_K's, Q4_0's and Q8_0's read a row's weights in runs of 128 bytes a warp's load can take whole, for the
+same reason. Block layouts are the GGML formats' (ggml-common.h); d and other float16 fields sit at even
 offsets, so they are read through a float16 view of the same bytes."""
 
 from __future__ import annotations
@@ -268,6 +268,45 @@ def _build():
         a0, a1 = tl.split(a)
         b0, b1 = tl.split(b)
         return a0, b0, a1, b1
+
+    @triton.jit
+    def _columns(v):
+        """[R, 32] -> its 32 columns [R], in order: register moves where a thread holds whole rows."""
+        R: tl.constexpr = v.shape[0]
+        cols = (v,)
+        for level in tl.static_range(5):
+            nxt = ()
+            for i in tl.static_range(1 << level):
+                a, b = tl.split(tl.permute(tl.reshape(cols[i], [R, 2, 16 >> level]), (0, 2, 1)))
+                nxt += (a, b)
+            cols = nxt
+        out = ()
+        for i in tl.static_range(32):
+            out += (tl.reshape(cols[i], [R]),)
+        return out
+
+    @triton.jit
+    def _joined4(a, b, c, d):
+        """Four [R] -> [R, 4] (a, b, c, d as its columns, in order), by selects on each register's column, which
+        the compiler resolves; joins cost layout conversions through shared memory (sm_90: 6.70 instructions a
+        weight in Q4_0's GEMM against 6.05)."""
+        t = tl.arange(0, 4)[None, :]
+        return tl.where(t == 0, a[:, None], tl.where(t == 1, b[:, None], tl.where(t == 2, c[:, None], d[:, None])))
+
+    @triton.jit
+    def _q40_block(W, j: tl.constexpr):
+        """Q4_0 block j of a step's 36 words W (columns [R]): its d (the low half of word 4 j + j // 2 for even
+        j, the high half for odd j) and its 16 bytes of qs after it as [R, 4] words (for even j, 2 bytes into
+        a word: each a funnel of two)."""
+        at: tl.constexpr = 4 * j + j // 2
+        if j % 2:
+            d = _half2(W[at] >> 16, True)[0]
+            q = _joined4(W[at + 1], W[at + 2], W[at + 3], W[at + 4])
+        else:
+            d = _half2(W[at], True)[0]
+            q = _joined4((W[at] >> 16) | (W[at + 1] << 16), (W[at + 1] >> 16) | (W[at + 2] << 16),
+                         (W[at + 2] >> 16) | (W[at + 3] << 16), (W[at + 3] >> 16) | (W[at + 4] << 16))
+        return d, q
 
     @triton.jit
     def _bf16x2(u):
@@ -888,7 +927,10 @@ def _build():
         byte l's bit j for weight l of sub-block j; IQ4_XS: their levels, by _iq4_levels) with the x block,
         then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs (IQ4_XS: d (sc - 32) xd
         isum; Q4_0: d xd isum - 8 d xs). IQ4_XS's and Q4_0's tiles hold a word's low nibbles' 4 values beside
-        its high nibbles', and x's words are read in that order (_x_block's PAIRED).
+        its high nibbles', and x's words are read in that order (_x_block's PAIRED). Q4_0's 144-byte step is
+        read as a Q4_K superblock is (4 words, then 32 in one 128-byte load a row) and split into its 36 words
+        in the threads that hold the row, each block's d and qs taken from them (_q40_block): loads of each
+        18-byte block where it lies, in pieces of 4 bytes, made its GEMMs 1.2-2.3x slower (H100).
         A gate/up product of BLOCK_N == STACK_ROWS rows a program takes its gate rows and their up
         rows as one tile of 2 BLOCK_N rows (_gemm_rows), the same sums in one product a step."""
         FIVE: tl.constexpr = QTYPE == 13
@@ -905,8 +947,9 @@ def _build():
         for sb in tl.range(lo, hi, num_stages=STAGES):
             heads = ()
             for s in tl.static_range(PARTS):
-                if Q40:  # 8 blocks, each read below
-                    heads += ((tl.multiple_of(offs[s] + sb * SB, 4),),)
+                if Q40:  # 8 blocks in 36 words: the first 4 here, the other 32 below, each a column [R]
+                    base = tl.multiple_of(offs[s] + sb * SB, 4)[:, None]
+                    heads += ((base,) + _words(tl.load(w32 + base + i4)),)
                 elif IQ4:  # d, the scales' high bits, their low bits
                     base = tl.multiple_of(offs[s] + sb * SB, 2)[:, None]
                     w0, w1 = tl.split(tl.load(w32 + base + tl.arange(0, 2)[None, :]))
@@ -920,30 +963,25 @@ def _build():
                                (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
             quarters = ()
             fifths = ()
-            for s in tl.static_range(0 if IQ4 or Q40 else PARTS):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's
+            for s in tl.static_range(0 if IQ4 else PARTS):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's
                 q4 = tl.load(w32 + heads[s][0] + SB - 32 + tl.arange(0, 32)[None, :])
-                lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [R, 2, 2, 8]), (0, 3, 1, 2)))
-                a0, a1 = tl.split(lo2)
-                b0, b1 = tl.split(hi2)
-                quarters += ((a0, b0, a1, b1),)
-                if FIVE:  # qh word c: the fifth bits of the weights of each quarter's word c
-                    fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
+                if Q40:  # the step's 36 words
+                    h4 = heads[s]
+                    quarters += ((h4[1], h4[2], h4[3], h4[4]) + _columns(q4),)
+                else:
+                    lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [R, 2, 2, 8]), (0, 3, 1, 2)))
+                    a0, a1 = tl.split(lo2)
+                    b0, b1 = tl.split(hi2)
+                    quarters += ((a0, b0, a1, b1),)
+                    if FIVE:  # qh word c: the fifth bits of the weights of each quarter's word c
+                        fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
             for p in tl.static_range(4):
                 for h in tl.static_range(2):
                     xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h, IQ4 or Q40)
                     nxt = ()
                     for s in tl.static_range(PARTS):
-                        if Q40:  # block j: 18 bytes from word 9 j // 2 (its start, or 2 bytes before it)
-                            j = 2 * p + h
-                            at0 = heads[s][0] + 9 * j // 2
-                            head = tl.load(w32 + at0)
-                            if h == 1:
-                                d = _half2(head >> 16, True)[0]
-                                q4 = tl.load(w32 + at0[:, None] + 1 + i4)
-                            else:
-                                d = _half2(head, True)[0]
-                                q4 = (tl.load(w32 + at0[:, None] + i4) >> 16) | \
-                                    (tl.load(w32 + at0[:, None] + 1 + i4) << 16)
+                        if Q40:
+                            d, q4 = _q40_block(quarters[s], 2 * p + h)
                             lo4 = q4 & 0x0F0F0F0F
                             isum = tl.dot(_bytes(tl.reshape(tl.join(lo4, (q4 >> 4) & 0x0F0F0F0F), [R, 8]), ASM), xt,
                                           out_dtype=tl.int32)
@@ -1132,7 +1170,7 @@ def _build():
                    _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows, _f, _words, _bf16x2, _half2,
                    _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block, _words_from, _k_range, _finish,
                    quantize_blocks, _chunks4, _minus32, _gemm_rows, _x_scales,
-                   _unstacked):  # called by name, as _halves is
+                   _unstacked, _columns, _joined4, _q40_block):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
