@@ -905,14 +905,10 @@ def _build():
         return pair.to(tl.int32).to(tl.float32, bitcast=True), (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _x_block(q_ptr, ds_ptr, K, j, PAIRED: tl.constexpr = False):
+    def _x_block(q_ptr, ds_ptr, K, j):
         """Block j (32 columns) of the few-row GEMMs' int8 x (quantize_x, X_ROWS rows), transposed: [32, X_ROWS],
-        with its scales and sums (_x_scales). PAIRED: its 8 words in the order of IQ4_XS's levels of 4 words
-        of nibbles, those of the low nibbles beside those of the high (word 2 k + s: word k + 4 s)."""
-        t = tl.arange(0, 32)
-        if PAIRED:
-            t = t // 8 * 4 + t // 4 % 2 * 16 + t % 4
-        xt = tl.load(q_ptr + tl.arange(0, 16)[None, :] * K + 32 * j + t[:, None])
+        with its scales and sums (_x_scales)."""
+        xt = tl.load(q_ptr + tl.arange(0, 16)[None, :] * K + 32 * j + tl.arange(0, 32)[:, None])
         xd, xs = _x_scales(ds_ptr, j)
         return xt, xd, xs
 
@@ -926,11 +922,14 @@ def _build():
         (the first operand, so that a thread's scales serve 4 x rows; Q5_K: each with its fifth bit from qh,
         byte l's bit j for weight l of sub-block j; IQ4_XS: their levels, by _iq4_levels) with the x block,
         then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs (IQ4_XS: d (sc - 32) xd
-        isum; Q4_0: d xd isum - 8 d xs). IQ4_XS's and Q4_0's tiles hold a word's low nibbles' 4 values beside
-        its high nibbles', and x's words are read in that order (_x_block's PAIRED). Q4_0's 144-byte step is
-        read as a Q4_K superblock is (4 words, then 32 in one 128-byte load a row) and split into its 36 words
-        in the threads that hold the row, each block's d and qs taken from them (_q40_block): loads of each
-        18-byte block where it lies, in pieces of 4 bytes, made its GEMMs 1.2-2.3x slower (H100).
+        isum; Q4_0: d xd isum - 8 d xs). IQ4_XS's and Q4_0's tiles hold a sub-block's low nibbles (its
+        weights 0-15; IQ4_XS: their levels), then its high ones, x's own order, so that each of the four lanes
+        that share a row in the product takes one qs word. With a word's low nibbles beside its high ones and
+        x read in that order, each took two (sm_90: 7.42 and 6.05 instructions a weight, 0.51 and 1.07 of them
+        shared-memory loads, stores and barriers, against 7.09 and 5.35, 0.31 and 0.31). Q4_0's
+        144-byte step is read as a Q4_K superblock is (4 words, then 32 in one 128-byte load a row) and split
+        into its 36 words in the threads that hold the row, each block's d and qs taken from them (_q40_block):
+        loads of each 18-byte block where it lies, in pieces of 4 bytes, made its GEMMs 1.2-2.3x slower (H100).
         A gate/up product of BLOCK_N == STACK_ROWS rows a program takes its gate rows and their up
         rows as one tile of 2 BLOCK_N rows (_gemm_rows), the same sums in one product a step."""
         FIVE: tl.constexpr = QTYPE == 13
@@ -977,14 +976,13 @@ def _build():
                         fifths += (tl.load(w32 + heads[s][0] + 4 + tl.arange(0, 8)[None, :]),)
             for p in tl.static_range(4):
                 for h in tl.static_range(2):
-                    xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h, IQ4 or Q40)
+                    xt, xd, xs = _x_block(q_ptr, ds_ptr, K, 8 * sb + 2 * p + h)
                     nxt = ()
                     for s in tl.static_range(PARTS):
                         if Q40:
                             d, q4 = _q40_block(quarters[s], 2 * p + h)
-                            lo4 = q4 & 0x0F0F0F0F
-                            isum = tl.dot(_bytes(tl.reshape(tl.join(lo4, (q4 >> 4) & 0x0F0F0F0F), [R, 8]), ASM), xt,
-                                          out_dtype=tl.int32)
+                            nib = tl.permute(tl.join(q4 & 0x0F0F0F0F, (q4 >> 4) & 0x0F0F0F0F), (0, 2, 1))  # [R, 2, 4]
+                            isum = tl.dot(_bytes(tl.reshape(nib, [R, 8]), ASM), xt, out_dtype=tl.int32)
                             a = tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s])
                             nxt += (tl.fma(8.0 * d[:, None], -xs[None, :], a),)
                         elif IQ4:
@@ -992,7 +990,8 @@ def _build():
                             j = 2 * p + h
                             ds = d * (_f(((sl >> (4 * j)) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32.0)
                             lo4, hi4 = _iq4_levels(tl.load(w32 + heads[s][0] + 2 + 4 * j + i4), ASM)  # its 16 bytes
-                            isum = tl.dot(_bytes(tl.reshape(tl.join(lo4, hi4), [R, 8]), ASM), xt, out_dtype=tl.int32)
+                            nib = tl.permute(tl.join(lo4, hi4), (0, 2, 1))  # [R, 2, 4]
+                            isum = tl.dot(_bytes(tl.reshape(nib, [R, 8]), ASM), xt, out_dtype=tl.int32)
                             nxt += (tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s]),)
                         else:
                             _, d, dmin, d_off, dmin_off, scs, mns = heads[s]
