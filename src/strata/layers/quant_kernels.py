@@ -924,7 +924,7 @@ def _build():
         then scaled as the 1-row GEMV scales its dp4a sums: d sc xd isum - dmin m xs (IQ4_XS: d (sc - 32) xd
         isum; Q4_0: d xd isum - 8 d xs). IQ4_XS's and Q4_0's tiles hold a sub-block's low nibbles (its
         weights 0-15; IQ4_XS: their levels), then its high ones, x's own order, so that each of the four lanes
-        that share a row in the product takes one qs word. With a word's low nibbles beside its high ones and
+        that share a row in the product builds one qs word. With a word's low nibbles beside its high ones and
         x read in that order, each took two (sm_90: 7.42 and 6.05 instructions a weight, 0.51 and 1.07 of them
         shared-memory loads, stores and barriers, against 7.09 and 5.35, 0.31 and 0.31). Q4_0's
         144-byte step is read as a Q4_K superblock is (4 words, then 32 in one 128-byte load a row) and split
