@@ -289,7 +289,7 @@ def _build():
     def _joined4(a, b, c, d):
         """Four [R] -> [R, 4] (a, b, c, d as its columns, in order), by selects on each register's column, which
         the compiler resolves; joins cost layout conversions through shared memory (sm_90: 6.70 instructions a
-        weight in Q4_0's GEMM against 6.05)."""
+        weight in 7be201f's Q4_0 GEMM against 6.05)."""
         t = tl.arange(0, 4)[None, :]
         return tl.where(t == 0, a[:, None], tl.where(t == 1, b[:, None], tl.where(t == 2, c[:, None], d[:, None])))
 
