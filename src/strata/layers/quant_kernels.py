@@ -299,14 +299,17 @@ def _build():
         j, the high half for odd j) and its 16 bytes of qs after it as [R, 4] words (for even j, 2 bytes into
         a word: each a funnel of two)."""
         at: tl.constexpr = 4 * j + j // 2
-        if j % 2:
-            d = _half2(W[at] >> 16, True)[0]
-            q = _joined4(W[at + 1], W[at + 2], W[at + 3], W[at + 4])
-        else:
-            d = _half2(W[at], True)[0]
-            q = _joined4((W[at] >> 16) | (W[at + 1] << 16), (W[at + 1] >> 16) | (W[at + 2] << 16),
-                         (W[at + 2] >> 16) | (W[at + 3] << 16), (W[at + 3] >> 16) | (W[at + 4] << 16))
-        return d, q
+        q = ()
+        for t in tl.static_range(4):
+            q += (W[at + 1 + t] if j % 2 else (W[at + t] >> 16) | (W[at + 1 + t] << 16),)
+        return _half2(W[at] >> (16 * (j % 2)), True)[0], _joined4(q[0], q[1], q[2], q[3])
+
+    @triton.jit
+    def _nibble_dot(lo, hi, xt, ASM: tl.constexpr):
+        """The int8 dot of a sub-block's 32 values in rows of 4 words of its low nibbles' values (weights
+        0-15), then 4 of its high ones' ([R, 4] each, one byte a value), with its x block xt [32, 16]."""
+        nib = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [lo.shape[0], 8])
+        return tl.dot(_bytes(nib, ASM), xt, out_dtype=tl.int32)
 
     @triton.jit
     def _bf16x2(u):
@@ -948,7 +951,7 @@ def _build():
             for s in tl.static_range(PARTS):
                 if Q40:  # 8 blocks in 36 words: the first 4 here, the other 32 below, each a column [R]
                     base = tl.multiple_of(offs[s] + sb * SB, 4)[:, None]
-                    heads += ((base,) + _words(tl.load(w32 + base + i4)),)
+                    heads += ((base, _words(tl.load(w32 + base + i4))),)
                 elif IQ4:  # d, the scales' high bits, their low bits
                     base = tl.multiple_of(offs[s] + sb * SB, 2)[:, None]
                     w0, w1 = tl.split(tl.load(w32 + base + tl.arange(0, 2)[None, :]))
@@ -962,11 +965,10 @@ def _build():
                                (w2 & 0x3F3F3F3F, ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))),)
             quarters = ()
             fifths = ()
-            for s in tl.static_range(0 if IQ4 else PARTS):  # the 128 qs bytes: 8 lanes a row, 4 rows a warp's
+            for s in tl.static_range(0 if IQ4 else PARTS):  # the last 128 bytes (Q4_K, Q5_K: qs), in one load a row
                 q4 = tl.load(w32 + heads[s][0] + SB - 32 + tl.arange(0, 32)[None, :])
                 if Q40:  # the step's 36 words
-                    h4 = heads[s]
-                    quarters += ((h4[1], h4[2], h4[3], h4[4]) + _columns(q4),)
+                    quarters += (heads[s][1] + _columns(q4),)
                 else:
                     lo2, hi2 = tl.split(tl.permute(tl.reshape(q4, [R, 2, 2, 8]), (0, 3, 1, 2)))
                     a0, a1 = tl.split(lo2)
@@ -981,8 +983,7 @@ def _build():
                     for s in tl.static_range(PARTS):
                         if Q40:
                             d, q4 = _q40_block(quarters[s], 2 * p + h)
-                            nib = tl.permute(tl.join(q4 & 0x0F0F0F0F, (q4 >> 4) & 0x0F0F0F0F), (0, 2, 1))  # [R, 2, 4]
-                            isum = tl.dot(_bytes(tl.reshape(nib, [R, 8]), ASM), xt, out_dtype=tl.int32)
+                            isum = _nibble_dot(q4 & 0x0F0F0F0F, (q4 >> 4) & 0x0F0F0F0F, xt, ASM)
                             a = tl.fma(isum.to(tl.float32), d[:, None] * xd[None, :], acc[s])
                             nxt += (tl.fma(8.0 * d[:, None], -xs[None, :], a),)
                         elif IQ4:
@@ -990,8 +991,7 @@ def _build():
                             j = 2 * p + h
                             ds = d * (_f(((sl >> (4 * j)) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32.0)
                             lo4, hi4 = _iq4_levels(tl.load(w32 + heads[s][0] + 2 + 4 * j + i4), ASM)  # its 16 bytes
-                            nib = tl.permute(tl.join(lo4, hi4), (0, 2, 1))  # [R, 2, 4]
-                            isum = tl.dot(_bytes(tl.reshape(nib, [R, 8]), ASM), xt, out_dtype=tl.int32)
+                            isum = _nibble_dot(lo4, hi4, xt, ASM)
                             nxt += (tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s]),)
                         else:
                             _, d, dmin, d_off, dmin_off, scs, mns = heads[s]
@@ -1169,7 +1169,7 @@ def _build():
                    _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows, _f, _words, _bf16x2, _half2,
                    _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block, _words_from, _k_range, _finish,
                    quantize_blocks, _chunks4, _minus32, _gemm_rows, _x_scales,
-                   _unstacked, _columns, _joined4, _q40_block):  # called by name, as _halves is
+                   _unstacked, _columns, _joined4, _q40_block, _nibble_dot):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
     kernels = {"dequant": dequant_kernel, "gather": gather_kernel, "gemv": gemv_kernel, "skinny": skinny_kernel,
