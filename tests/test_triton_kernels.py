@@ -95,7 +95,7 @@ def test_rms_norms_match_the_reference(dtype, monkeypatch):
     """The one-launch RMSNorm and residual add + RMSNorm against ops: a ragged row (200 columns in a block of
     256), one row and a window of rows, a residual sum bit for bit, a float32 weight over float16 rows; a
     row's columns split over programs (NORM_CHUNK, the last chunk of the ragged row part past it) giving the
-    same bits as one program a row."""
+    same bits as one program a row, and as its weights read after the PDL wait (PRE_WAIT_LOADS off)."""
     from strata.layers.ops import add_rms_norm, rms_norm
 
     gen = torch.Generator().manual_seed(10)
@@ -112,10 +112,16 @@ def test_rms_norms_match_the_reference(dtype, monkeypatch):
             monkeypatch.setattr(tk, "NORM_CHUNK", 64)
             chunked = tk.rms_norm(x, w, 1e-6), *tk.rms_norm(x, w, 1e-6, res)
             assert all(a.equal(b) for a, b in zip(chunked, whole, strict=True))
+            monkeypatch.setattr(tk, "PRE_WAIT_LOADS", False)
+            assert tk.rms_norm(x, w, 1e-6, res)[1].equal(whole[2])
+            monkeypatch.setattr(tk, "PRE_WAIT_LOADS", True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_norm_rotate_store_writes_q_and_the_cache_cells(dtype):
+@pytest.mark.parametrize("pre_wait", [True, False])
+def test_norm_rotate_store_writes_q_and_the_cache_cells(dtype, pre_wait, monkeypatch):
+    """Against ops.norm_rotate_store, its weights, cos and sin read before the PDL wait or after it."""
+    monkeypatch.setattr(tk, "PRE_WAIT_LOADS", pre_wait)
     gen = torch.Generator().manual_seed(3)
     t, h, hk, d = 3, 4, 2, 16
     proj = torch.randn(t, (h + 2 * hk) * d, generator=gen).to(dtype)  # one fused q/k/v projection

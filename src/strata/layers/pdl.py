@@ -58,3 +58,19 @@ def jit():
 
     globals()["tl"] = tl  # Triton and its interpreter resolve a jitted function's names in its module's globals
     return settle
+
+
+@functools.cache
+def jit_prefetch():
+    """prefetch_l2(ptrs, ok): the Triton function that asks L2 for the lines at ptrs where ok (one
+    prefetch.global.L2 each; device code only: the interpreter has no inline assembly)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def prefetch_l2(ptrs, ok):
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    globals()["tl"] = tl
+    return prefetch_l2

@@ -154,6 +154,7 @@ def _build():
         return (g * tl.sigmoid(g)).to(out_ty).to(tl.float32) * up.to(out_ty).to(tl.float32)
 
     globals()["settle"] = pdl.jit()
+    globals()["prefetch_l2"] = pdl.jit_prefetch()
     globals()["_half_cols"] = _half_cols  # the kernels call these by name: Triton resolves names in
     globals()["_halves"] = _halves  # module globals
     globals()["_silu_mul"] = _silu_mul
@@ -510,10 +511,7 @@ def _build():
                     start = w8 + (first + half * N).to(tl.int64) * row_bytes
                     for off in range(0, span, 128 * T):
                         at = off + tl.arange(0, T) * 128
-                        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                                                  "mov.u32 $0, 0; }", "=r,l,r",
-                                                  [start + at, (at < span).to(tl.int32)], dtype=tl.int32,
-                                                  is_pure=False, pack=1)
+                        prefetch_l2(start + at, at < span)
 
     @triton.jit
     def gemv_q4k8c_kernel(q_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, K, row_words, GLU: tl.constexpr,

@@ -55,6 +55,7 @@ def _build():
     from . import quant_kernels
 
     globals()["settle"] = pdl.jit()  # the kernels call it by name: Triton resolves names in module globals
+    globals()["prefetch_l2"] = pdl.jit_prefetch()
     globals()["quantize_blocks"] = quant_kernels._build()["quantize_blocks"]
 
     @triton.jit
@@ -217,11 +218,20 @@ def _build():
     def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, S, stride_cell,
                                  stride_mask, chunk, scale, T: tl.constexpr, G: tl.constexpr, HK: tl.constexpr,
                                  D: tl.constexpr, R: tl.constexpr, RT: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 PRECISION: tl.constexpr, PDL: tl.constexpr = False):
-        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells."""
-        settle(PDL)
+                                 PRECISION: tl.constexpr, PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False):
+        """R of the RT query rows (window rows x heads of a group) of one K/V head over one chunk of cells.
+        PREWAIT (with PDL): the K and V rows of its chunk's first BLOCK_S cells asked into L2 before the wait
+        for the kernel ahead (pre_wait_loads; a cell that kernel writes is read only after it)."""
         kvh = tl.program_id(0)
         split = tl.program_id(1)
+        if PREWAIT and PDL:
+            LINES: tl.constexpr = (D * 2 + 127) // 128  # of a 16-bit row
+            cell = split * chunk + tl.arange(0, BLOCK_S)[:, None]
+            at = cell.to(tl.int64) * stride_cell + kvh * D + tl.arange(0, LINES)[None, :] * 64
+            ok = (cell < S) & (cell < split * chunk + chunk)
+            prefetch_l2(k_ptr + at, ok)
+            prefetch_l2(v_ptr + at, ok)
+        settle(PDL)
         splits = tl.num_programs(1)
         r = tl.program_id(2) * R + tl.arange(0, R)
         t = r // G
@@ -305,13 +315,18 @@ def _build():
     @triton.jit
     def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, h_ptr, q_ptr, d_ptr, s_ptr, M, H, KB, MP, eps, stride_x,
                         stride_r, stride_s, stride_h, ADD: tl.constexpr, QUANT: tl.constexpr, SUMS: tl.constexpr,
-                        BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+                        PREWAIT: tl.constexpr = False):
         """One row's RMSNorm (ADD: of x + r, the sum written out too) in registers, rounding as ops.rms_norm:
         normalised in float32, cast to x's type, then scaled by the weight. QUANT: the normed row also
         quantized as quantize_x would (quant_kernels.quantize_blocks), the programs past the M rows writing
         the zero rows of its padding (MP rows). A row's CHUNK columns a program
         (program_id(1)): each reads the whole row for its sum of squares, then its own columns again (from
-        cache) to write and quantize, so that a row's work is spread over several multiprocessors."""
+        cache) to write and quantize, so that a row's work is spread over several multiprocessors. PREWAIT: its
+        weights read before the wait for the kernel ahead (pre_wait_loads)."""
+        mine = (tl.program_id(1) * CHUNK if CHUNK < BLOCK else 0) + tl.arange(0, CHUNK if CHUNK < BLOCK else BLOCK)
+        if PREWAIT:
+            w = tl.load(w_ptr + mine, mask=mine < H, other=0.0).to(tl.float32)
         settle(PDL)
         row = tl.program_id(0).to(tl.int64)
         c, m, x = _norm_columns(x_ptr, r_ptr, row, M, H, stride_x, stride_r, 0, BLOCK, ADD)
@@ -323,7 +338,9 @@ def _build():
         if ADD:
             tl.store(sum_ptr + row * stride_s + c, x, mask=m)
         n = (x32 * inv).to(x.dtype).to(tl.float32)
-        h = (n * tl.load(w_ptr + c, mask=c < H, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+        if not PREWAIT:
+            w = tl.load(w_ptr + c, mask=c < H, other=0.0).to(tl.float32)
+        h = (n * w).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * stride_h + c, h, mask=m)
         if QUANT:
             kb = tl.program_id(1) * (CHUNK // 32) + tl.arange(0, CHUNK // 32)
@@ -331,12 +348,29 @@ def _build():
                             q_ptr, d_ptr, s_ptr, SUMS)
 
     @triton.jit
+    def _rotate_inputs(qw_ptr, kw_ptr, cos_ptr, sin_ptr, t, head, H: tl.constexpr, HALF: tl.constexpr):
+        """norm_rotate_store's inputs no kernel of the layer writes: its head's norm weights (q's or k's),
+        halves apart, and its row's cos and sin halves, as float32."""
+        D: tl.constexpr = 2 * HALF
+        i = tl.arange(0, HALF)
+        if head < H:
+            w1 = tl.load(qw_ptr + i).to(tl.float32)
+            w2 = tl.load(qw_ptr + HALF + i).to(tl.float32)
+        else:
+            w1 = tl.load(kw_ptr + i).to(tl.float32)
+            w2 = tl.load(kw_ptr + HALF + i).to(tl.float32)
+        return (w1, w2, tl.load(cos_ptr + t * D + i).to(tl.float32), tl.load(cos_ptr + t * D + HALF + i).to(tl.float32),
+                tl.load(sin_ptr + t * D + i).to(tl.float32), tl.load(sin_ptr + t * D + HALF + i).to(tl.float32))
+
+    @triton.jit
     def norm_rotate_store_kernel(qk_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
                                  v_cache_ptr, eps, stride_qk, stride_v, stride_cell, H: tl.constexpr, HK: tl.constexpr,
-                                 HALF: tl.constexpr, PDL: tl.constexpr = False):
-        settle(PDL)
+                                 HALF: tl.constexpr, PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False):
         t = tl.program_id(0)
         head = tl.program_id(1)
+        if PREWAIT:
+            w1, w2, cos1, cos2, sin1, sin2 = _rotate_inputs(qw_ptr, kw_ptr, cos_ptr, sin_ptr, t, head, H, HALF)
+        settle(PDL)
         D: tl.constexpr = 2 * HALF
         i = tl.arange(0, HALF)
         src = qk_ptr + t * stride_qk + head * D
@@ -344,20 +378,12 @@ def _build():
         x2 = tl.load(src + HALF + i).to(tl.float32)
         ty = qk_ptr.dtype.element_ty
         inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-        if head < H:
-            w1 = tl.load(qw_ptr + i).to(tl.float32)
-            w2 = tl.load(qw_ptr + HALF + i).to(tl.float32)
-        else:
-            w1 = tl.load(kw_ptr + i).to(tl.float32)
-            w2 = tl.load(kw_ptr + HALF + i).to(tl.float32)
+        if not PREWAIT:
+            w1, w2, cos1, cos2, sin1, sin2 = _rotate_inputs(qw_ptr, kw_ptr, cos_ptr, sin_ptr, t, head, H, HALF)
         n1 = (x1 * inv).to(ty).to(tl.float32) * w1
         n2 = (x2 * inv).to(ty).to(tl.float32) * w2
         n1 = n1.to(ty).to(tl.float32)
         n2 = n2.to(ty).to(tl.float32)
-        cos1 = tl.load(cos_ptr + t * D + i).to(tl.float32)
-        cos2 = tl.load(cos_ptr + t * D + HALF + i).to(tl.float32)
-        sin1 = tl.load(sin_ptr + t * D + i).to(tl.float32)
-        sin2 = tl.load(sin_ptr + t * D + HALF + i).to(tl.float32)
         r1 = (n1 * cos1 - n2 * sin1).to(ty)
         r2 = (n2 * cos2 + n1 * sin2).to(ty)
         if head < H:
@@ -373,6 +399,7 @@ def _build():
             tl.store(v_cache_ptr + cell + HALF + i, tl.load(vsrc + HALF + i))
 
     globals()["_norm_columns"] = _norm_columns  # called by name, as settle is
+    globals()["_rotate_inputs"] = _rotate_inputs
     return {"gemv": gemv_kernel, "expert_down_sum": expert_down_sum_kernel, "skinny": skinny_kernel,
             "attention_partial": attention_partial_kernel, "attention_combine": attention_combine_kernel,
             "route": route_kernel, "norm_rotate_store": norm_rotate_store_kernel, "rms_norm": rms_norm_kernel}
@@ -578,6 +605,14 @@ def pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+#: the small kernels of a layer read before their PDL wait what no kernel of the layer writes: rms_norm its
+#: weights, norm_rotate_store its norm weights and its row's cos and sin, attention_partial the K and V rows of
+#: its chunk's first cells (asked into L2; a cell the kernel ahead writes is read again after the wait). Data
+#: written two or more kernels back is complete by then: the kernel ahead let this one launch only after its
+#: own wait. Q4_K_M 8B shape, one H100, off / on alternated twice in one process (tools/pdl_ab.py,
+#: bench/results/pre-wait-loads-ab-h100.json): a 1-row step 2.463 / 2.465 ms -> 2.430 / 2.429, a 16-row verify
+#: 4.487 / 4.484 -> 4.463 / 4.467; outputs identical
+PRE_WAIT_LOADS = True
 ATTENTION_BLOCK = 64  # cells a program's loop step reads
 ATTENTION_TARGET_SPLITS = 16
 ATTENTION_MAX_ROWS = 64  # query rows (window rows x heads of a group) one program holds
@@ -626,7 +661,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q = q.contiguous()
     kernels["attention_partial"][(hk, splits, row_blocks)](
         q, k, v, mask, o, m, l, s, k.stride(0), mask.stride(0), chunk, d ** -0.5, T=t, G=g, HK=hk, D=d, R=rows,
-        RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), num_warps=4, **pdl.options(q.device))
+        RT=row_blocks * rows, BLOCK_S=block, PRECISION=precision(q), PREWAIT=PRE_WAIT_LOADS, num_warps=4,
+        **pdl.options(q.device))
     out = torch.empty(t, h * d, device=q.device, dtype=q.dtype)
     quantize = quantize and t <= ATTENTION_QUANTIZE_ROWS and d % 32 == 0
     buffers, mp, sums = qk.x8_buffers(t, h * d, q.device) if quantize else ((out, out, out), t, 16)
@@ -686,7 +722,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _build()["rms_norm"][(programs, block // chunk)](
         flat, r, weight, total.view(-1, h), out.view(-1, h), *buffers, rows, h, h // 32, programs, eps,
         flat.stride(0), r.stride(0), h, h, ADD=residual is not None, QUANT=quantize, SUMS=sums, BLOCK=block,
-        CHUNK=chunk, num_warps=max(1, min(8, block // 512)), **pdl.options(x.device))
+        CHUNK=chunk, PREWAIT=PRE_WAIT_LOADS, num_warps=max(1, min(8, block // 512)), **pdl.options(x.device))
     if quantize:
         qk.remember_x8(out, buffers)
     return out if residual is None else (total, out)
@@ -711,6 +747,6 @@ def norm_rotate_store(qk: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
     _build()["norm_rotate_store"][(t, heads_total)](
         qk, v, q_weight.contiguous(), k_weight.contiguous(), cos.contiguous(), sin.contiguous(), cells, q, k_cache,
         v_cache, eps,
-        qk.stride(0), v.stride(0), k_cache.stride(0), H=heads, HK=heads_total - heads, HALF=d // 2, num_warps=1,
-        **pdl.options(qk.device))
+        qk.stride(0), v.stride(0), k_cache.stride(0), H=heads, HK=heads_total - heads, HALF=d // 2,
+        PREWAIT=PRE_WAIT_LOADS, num_warps=1, **pdl.options(qk.device))
     return q
