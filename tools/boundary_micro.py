@@ -1,0 +1,149 @@
+"""What a kernel boundary costs in a CUDA graph, three ways: a chain of L kernels, each reading the 4096
+floats the one before wrote (every program all of them, as a GEMV reads x) and streaming its own S bytes
+of a buffer larger than L2 (a product's weights), replayed as one graph; us a kernel for
+- plain: ordered launches;
+- pdl: launched with PDL, each program waiting (griddepcontrol.wait) for the whole kernel before, as
+  layers/pdl.py's settle does;
+- flag: launched with PDL but never waiting on the grid: each program of a kernel, having stored its
+  outputs, adds 1 to that kernel's counter (release, GPU scope); the next kernel's programs poll the counter
+  (acquire) until every program of the one before has arrived. The counters are zeroed at the graph's start.
+Its weights do not depend on the kernel before: each setting also runs with a program's first loads of them
+issued before its wait (the rows marked early; in the last mode, before its polling).
+
+usage: python tools/boundary_micro.py [--kernels 200] [--programs 512] [--mbytes 0 4 10 40] [--out F.json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+X = tl.constexpr(4096)
+
+
+@triton.jit
+def _poll(ptr, target):
+    """Spin until the 32-bit counter at ptr reaches target (each load an acquire at GPU scope)."""
+    seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+    while seen < target:
+        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+
+@triton.jit
+def link_kernel(x_ptr, y_ptr, w_ptr, words, cnt_ptr, k, prev_programs, MODE: tl.constexpr, EARLY: tl.constexpr,
+                BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    n = tl.num_programs(0)
+    per = words // n
+    lane = tl.arange(0, BLOCK)
+    w = w_ptr + pid.to(tl.int64) * per
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    first = tl.zeros([BLOCK], dtype=tl.int32)
+    if EARLY:
+        first = tl.load(w + lane, mask=lane < per, other=0)
+    if MODE == 1:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if MODE == 2:
+        if k > 0:
+            _poll(cnt_ptr + k - 1, prev_programs)
+        tl.extra.cuda.gdc_launch_dependents()
+    xs = tl.sum(tl.load(x_ptr + tl.arange(0, X)), axis=0)
+    start = BLOCK if EARLY else 0
+    acc += first
+    for off in range(start, per, BLOCK):
+        acc += tl.load(w + off + lane, mask=off + lane < per, other=0)
+    s = tl.sum(acc, axis=0).to(tl.float32) * 1e-9 + xs * 0.5
+    outs = X // n
+    o = tl.arange(0, 16)
+    tl.store(y_ptr + pid * outs + o, s + o.to(tl.float32), mask=o < outs)
+    if MODE == 2:
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr + k, 1, sem="release", scope="gpu")
+
+
+def run(w: torch.Tensor, kernels: int, programs: int, mbytes: float, mode: int, early: bool, reps: int) -> float:
+    words = max(int(mbytes * 2 ** 20) // 4 // programs * programs, programs)
+    total = w.numel()
+    xs = [torch.zeros(X, device="cuda") for _ in range(2)]
+    cnt = torch.zeros(kernels, dtype=torch.int32, device="cuda")
+    opts = {"launch_pdl": True} if mode else {}
+
+    def chain():
+        cnt.zero_()
+        for k in range(kernels):
+            base = (k * words) % (total - words + 1)
+            link_kernel[(programs,)](xs[k % 2], xs[(k + 1) % 2], w[base:], words, cnt, k, programs, MODE=mode,
+                                     EARLY=early, BLOCK=512, num_warps=4, **opts)
+
+    chain()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / kernels)
+    assert int(cnt[-1]) == (programs if mode == 2 else 0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", type=int, default=200)
+    ap.add_argument("--programs", type=int, nargs="+", default=[132, 512])
+    ap.add_argument("--mbytes", type=float, nargs="+", default=[0, 4, 10, 40])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    bw = None
+    big = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(big)
+    for _ in range(3):
+        dst.copy_(big)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        dst.copy_(big)
+    b.record()
+    torch.cuda.synchronize()
+    bw = 2 * 5 * 2 ** 30 / (a.elapsed_time(b) / 1000) / 1e9
+    del big, dst
+    w = torch.ones(2 ** 29, dtype=torch.int32, device="cuda")  # 2 GiB: a chain's weights come from memory
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, copy {bw:.0f} GB/s, {args.kernels} kernels a graph, us a kernel")
+    for programs in args.programs:
+        for mb in args.mbytes:
+            for early in (False, True):
+                row = {"programs": programs, "mbytes": mb, "early": early,
+                       "bytes_us": mb * 2 ** 20 / bw / 1e3}
+                for mode, name in ((0, "plain"), (1, "pdl"), (2, "flag")):
+                    row[name] = run(w, args.kernels, programs, mb, mode, early, args.reps)
+                rows.append(row)
+                print(f"programs {programs:4d} MB {mb:5.1f} early {int(early)}  bytes {row['bytes_us']:6.2f}  "
+                      f"plain {row['plain']:6.2f}  pdl {row['pdl']:6.2f}  flag {row['flag']:6.2f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": bw, "kernels": args.kernels,
+                       "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
