@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from skinny_sweep import timed  # tools/ is the script's directory
 
 X = tl.constexpr(4096)
 
@@ -76,31 +76,17 @@ def run(w: torch.Tensor, kernels: int, programs: int, mbytes: float, mode: int, 
     cnt = torch.zeros(kernels, dtype=torch.int32, device="cuda")
     opts = {"launch_pdl": True} if mode else {}
 
-    def chain():
+    def chain() -> int:
         cnt.zero_()
         for k in range(kernels):
             base = (k * words) % (total - words + 1)
             link_kernel[(programs,)](xs[k % 2], xs[(k + 1) % 2], w[base:], words, cnt, k, programs, MODE=mode,
                                      EARLY=early, BLOCK=512, num_warps=4, **opts)
+        return kernels
 
-    chain()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / kernels)
+    us = timed(chain, reps)
     assert int(cnt[-1]) == (programs if mode == 2 else 0)
-    return statistics.median(times)
+    return us
 
 
 def main() -> None:
