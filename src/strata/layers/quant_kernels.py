@@ -370,11 +370,12 @@ def _build():
         if not ASM and LOOKUP:
             return _iq4_bytes(q, 0, 4), _iq4_bytes(q, 16, 4)
         t0, t1, t2, t3 = _iq4_table(q)
+        low3 = q & 0x77777777  # a prmt reads its selector's low 16 bits: each half's selectors by one shift
+        pick = ((q >> 1) & 0x44444444) | 0x32103210
         out = ()
         for half in tl.static_range(2):
-            s = q >> (16 * half)
-            pick = ((s & 0x8888) >> 1) | 0x3210
-            out += (_prmt(_prmt(t0, t1, s & 0x7777, ASM), _prmt(t2, t3, s & 0x7777, ASM), pick, ASM),)
+            s = low3 >> (16 * half)
+            out += (_prmt(_prmt(t0, t1, s, ASM), _prmt(t2, t3, s, ASM), pick >> (16 * half), ASM),)
         return out
 
     @triton.jit
