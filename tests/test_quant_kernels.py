@@ -97,17 +97,18 @@ def test_iq4_levels_by_prmt_as_looked_up():
     """IQ4_XS's word kernels take a nibble's level with PTX prmts on the device (three per 4 nibbles; two
     more put them in weight order for the GEMM, or put the GEMV's x in their order): those prmts, spelled
     out in the interpreter, give the levels of gguf's table for every nibble value at every position, as
-    the interpreter's lookup does, and x's bytes in the order of the levels."""
+    the interpreter's lookup does, and x's bytes in the order of the levels; so do they with the table's
+    words made at run time (_iq4_registers, as the kernels make them before their K loops)."""
     import triton
     import triton.language as tl
 
     qk._build()
 
     @triton.jit
-    def levels(q_ptr, out_ptr, LOOKUP: tl.constexpr):
+    def levels(q_ptr, out_ptr, K, LOOKUP: tl.constexpr):
         q = tl.load(q_ptr + tl.arange(0, 64))
         a, b = qk._iq4_pairs(q, False, LOOKUP)
-        lo, hi = qk._iq4_levels(q, False, LOOKUP)
+        lo, hi = qk._iq4_levels(q, False, LOOKUP, qk._iq4_registers(K))
         at = out_ptr + 6 * tl.arange(0, 64)
         tl.store(at, a)
         tl.store(at + 1, b)
@@ -121,7 +122,7 @@ def test_iq4_levels_by_prmt_as_looked_up():
     got = {}
     for lookup in (True, False):
         out = torch.empty(64, 6, dtype=torch.int32)
-        levels[(1,)](q, out, lookup)
+        levels[(1,)](q, out, 4096, lookup)
         got[lookup] = out.numpy().view(np.int8).reshape(64, 6, 4)
     assert np.array_equal(got[True][:, :4], got[False][:, :4])
     nib = (q.numpy().view(np.uint32)[:, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF

@@ -361,7 +361,15 @@ def _build():
                 tl.full(q.shape, IQ4_W2, tl.int32), tl.full(q.shape, IQ4_W3, tl.int32))
 
     @triton.jit
-    def _iq4_pairs(q, ASM: tl.constexpr, LOOKUP: tl.constexpr = True):
+    def _iq4_registers(K):
+        """_iq4_table's words as values the compiler cannot fold (K >> 31 is 0: K > 0), made once before a K
+        loop: as constants, ptxas copied one into a register before each of its prmts (0.44 instructions a
+        weight of the GEMV, sm_90)."""
+        zero = K >> 31
+        return zero + IQ4_W0, zero + IQ4_W1, zero + IQ4_W2, zero + IQ4_W3
+
+    @triton.jit
+    def _iq4_pairs(q, ASM: tl.constexpr, LOOKUP: tl.constexpr = True, table=None):
         """IQ4_XS's levels (as int8) of words q of 8 nibbles, in two words: those of bytes 0 and 1's low,
         high, low, high nibbles, then bytes 2 and 3's. Each table half (levels 0-7, 8-15) is two words that a
         prmt indexes by the nibbles' low 3 bits; a third picks per byte by their fourth. The interpreter
@@ -369,7 +377,7 @@ def _build():
         q = q.to(tl.int32, bitcast=True)
         if not ASM and LOOKUP:
             return _iq4_bytes(q, 0, 4), _iq4_bytes(q, 16, 4)
-        t0, t1, t2, t3 = _iq4_table(q)
+        t0, t1, t2, t3 = _iq4_table(q) if table is None else table
         low3 = q & 0x77777777  # a prmt reads its selector's low 16 bits: each half's selectors by one shift
         pick = ((q >> 1) & 0x44444444) | 0x32103210
         out = ()
@@ -379,12 +387,12 @@ def _build():
         return out
 
     @triton.jit
-    def _iq4_levels(q, ASM: tl.constexpr, LOOKUP: tl.constexpr = True):
+    def _iq4_levels(q, ASM: tl.constexpr, LOOKUP: tl.constexpr = True, table=None):
         """_iq4_pairs in weight order: the levels of q's 4 low nibbles (bytes 0-3), then of its 4 high ones."""
         if not ASM and LOOKUP:
             q = q.to(tl.int32, bitcast=True)
             return _iq4_bytes(q, 0, 8), _iq4_bytes(q, 4, 8)
-        a, b = _iq4_pairs(q, ASM, LOOKUP)
+        a, b = _iq4_pairs(q, ASM, LOOKUP, table)
         return _prmt(a, b, a * 0 + 0x6420, ASM), _prmt(a, b, a * 0 + 0x7531, ASM)
 
     @triton.jit
@@ -552,6 +560,7 @@ def _build():
         NR: tl.constexpr = 2 * RT if GLU else RT
         blocks = K // 256
         first, acc, bases, kpart = _lane_rows(N, row_words, GLU, RT, WARPS, KS)
+        tab = _iq4_registers(K) if IQ4 else None
         _prefetch_rows(w_ptr, first, N, 4 * row_words, GLU, RT, WARPS, KS, PREFETCH, ASM)
         settle(PDL)
         for it in range(0, blocks, 4 * KU * KS):
@@ -601,7 +610,7 @@ def _build():
                         scale = _f(((h1 >> (4 * c)) & 0xF) | (((h0 >> (16 + 2 * c)) & 3) << 4)) - 32.0
                         isum = tl.zeros([WARPS, 32], dtype=tl.int32)
                         for w in tl.static_range(4):
-                            pa, pb = _iq4_pairs(qs[w], ASM)
+                            pa, pb = _iq4_pairs(qs[w], ASM, True, tab)
                             isum = _dp4a(pb, xb[w], _dp4a(pa, xa[w], isum, ASM, True), ASM, True)
                         a += d * (scale * (xd * isum.to(tl.float32)))
                     else:
@@ -945,6 +954,7 @@ def _build():
         i4 = tl.arange(0, 4)[None, :]
         acc = (tl.zeros([R, 16], dtype=tl.float32), tl.zeros([R, 16], dtype=tl.float32))
         lo, hi = _k_range(K // 256, SPLIT)
+        tab = _iq4_registers(K) if IQ4 else None
         for sb in tl.range(lo, hi, num_stages=STAGES):
             heads = ()
             for s in tl.static_range(PARTS):
@@ -989,7 +999,8 @@ def _build():
                             _, d, sh, sl = heads[s]
                             j = 2 * p + h
                             ds = d * (_f(((sl >> (4 * j)) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32.0)
-                            lo4, hi4 = _iq4_levels(tl.load(w32 + heads[s][0] + 2 + 4 * j + i4), ASM)  # its 16 bytes
+                            qs = tl.load(w32 + heads[s][0] + 2 + 4 * j + i4)  # its 16 bytes
+                            lo4, hi4 = _iq4_levels(qs, ASM, True, tab)
                             isum = _nibble_dot(lo4, hi4, xt, ASM)
                             nxt += (tl.fma(isum.to(tl.float32), ds[:, None] * xd[None, :], acc[s]),)
                         else:
@@ -1164,8 +1175,9 @@ def _build():
                 acc = nxt if GLU else (nxt[0], acc[1])
         _finish(y_ptr, ws_ptr, cnt_ptr, (tl.trans(acc[0]), tl.trans(acc[1])), rows, M, N, stride_y, GLU, SPLIT)
 
-    for helper in (_dp4a, _prmt, _iq4_table, _iq4_pairs, _iq4_levels, _iq4_bytes, _assignment,
-                   _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows, _f, _words, _bf16x2, _half2,
+    for helper in (_dp4a, _prmt, _iq4_table, _iq4_registers, _iq4_pairs, _iq4_levels, _iq4_bytes,
+                   _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows, _f, _words, _bf16x2,
+                   _half2,
                    _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block, _words_from, _k_range, _finish,
                    quantize_blocks, _chunks4, _minus32, _gemm_rows, _x_scales,
                    _unstacked, _columns, _joined4, _q40_block, _nibble_dot):  # called by name, as _halves is
