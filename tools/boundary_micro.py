@@ -17,23 +17,32 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from skinny_sweep import timed  # tools/ is the script's directory
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from strata.bench.run import copy_bandwidth  # noqa: E402
+
 X = tl.constexpr(4096)
 
 
 @triton.jit
-def _poll(ptr, target):
-    """Spin until the 32-bit counter at ptr reaches target (each load an acquire at GPU scope)."""
-    seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+def _acquire(ptr):
+    """The 32-bit counter at ptr, loaded as an acquire at GPU scope."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def _poll(ptr, target):
+    """Spin until the counter at ptr reaches target."""
+    seen = _acquire(ptr)
     while seen < target:
-        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                         is_pure=False, pack=1)
+        seen = _acquire(ptr)
 
 
 @triton.jit
@@ -97,20 +106,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    bw = None
-    big = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(big)
-    for _ in range(3):
-        dst.copy_(big)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        dst.copy_(big)
-    b.record()
-    torch.cuda.synchronize()
-    bw = 2 * 5 * 2 ** 30 / (a.elapsed_time(b) / 1000) / 1e9
-    del big, dst
+    bw = copy_bandwidth("cuda", 2 ** 30) / 1e9
     w = torch.ones(2 ** 29, dtype=torch.int32, device="cuda")  # 2 GiB: a chain's weights come from memory
     rows = []
     print(f"{torch.cuda.get_device_name()}, copy {bw:.0f} GB/s, {args.kernels} kernels a graph, us a kernel")

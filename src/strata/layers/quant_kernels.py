@@ -1187,9 +1187,8 @@ def _build():
 
     for helper in (_dp4a, _prmt, _iq4_table, _iq4_registers, _iq4_pairs, _iq4_levels, _iq4_bytes,
                    _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows, _f, _words, _bf16x2,
-                   _half2,
-                   _q6_bits, _funnel, _rotl, _window16, _bytes, _byte_times, _x_block, _words_from, _k_range, _finish,
-                   quantize_blocks, _chunks4, _minus32, _gemm_rows, _x_scales,
+                   _half2, _q6_bits, _funnel, _rotl, _window16, _bytes, _byte_times, _x_block, _words_from,
+                   _k_range, _finish, quantize_blocks, _chunks4, _minus32, _gemm_rows, _x_scales,
                    _unstacked, _columns, _joined4, _q40_block, _nibble_dot):  # called by name, as _halves is
         globals()[helper.__name__] = helper
 
