@@ -630,7 +630,7 @@ def _build():
                         ihi = tl.zeros([WARPS, 32], dtype=tl.int32)
                         for w in tl.static_range(4):
                             if FIVE:  # qh's bits 2g and 2g + 1 of each byte rotated to its bits 4 and 5
-                                fifth = _rotl(qh[w], (4 - 2 * g) & 31, ASM)
+                                fifth = _funnel(qh[w], qh[w], (2 * g - 4) & 31, ASM)
                                 lo = (qs[w] & 0x0F0F0F0F) | (fifth & 0x10101010)
                                 hi = ((qs[w] >> 4) & 0x0F0F0F0F) | ((fifth >> 1) & 0x10101010)
                             else:
@@ -662,20 +662,14 @@ def _build():
 
     @triton.jit
     def _funnel(lo, hi, shift, ASM: tl.constexpr):
-        """The 32 bits of hi:lo from bit `shift` (0 or 16) up: one instruction on the device."""
+        """The 32 bits of hi:lo from bit `shift` (0-31) up (with hi = lo: lo rotated right by shift): one
+        instruction on the device."""
         if ASM:
             return tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, shift],
                                              dtype=tl.uint32, is_pure=True, pack=1)
-        return tl.where(shift == 0, lo, (lo >> 16) | (hi << 16))
-
-    @triton.jit
-    def _rotl(x, s, ASM: tl.constexpr):
-        """x's 32 bits rotated left by s (0-31): one instruction on the device (a funnel of x with itself)."""
-        if ASM:
-            return tl.inline_asm_elementwise("shf.l.wrap.b32 $0, $1, $1, $2;", "=r,r,r", [x, s], dtype=tl.uint32,
-                                             is_pure=True, pack=1)
-        x = x.to(tl.uint32, bitcast=True)
-        return (x << s) | (x >> ((32 - s) & 31))
+        lo = lo.to(tl.uint32, bitcast=True)
+        hi = hi.to(tl.uint32, bitcast=True)
+        return tl.where(shift == 0, lo, (lo >> shift) | (hi << ((32 - shift) & 31)))
 
     @triton.jit
     def _window16(w32, at, total, i, ASM: tl.constexpr):
@@ -1187,7 +1181,7 @@ def _build():
 
     for helper in (_dp4a, _prmt, _iq4_table, _iq4_registers, _iq4_pairs, _iq4_levels, _iq4_bytes,
                    _assignment, _lane_rows, _lane_superblocks, _store_lane_rows, _prefetch_rows, _f, _words, _bf16x2,
-                   _half2, _q6_bits, _funnel, _rotl, _window16, _bytes, _byte_times, _x_block, _words_from,
+                   _half2, _q6_bits, _funnel, _window16, _bytes, _byte_times, _x_block, _words_from,
                    _k_range, _finish, quantize_blocks, _chunks4, _minus32, _gemm_rows, _x_scales,
                    _unstacked, _columns, _joined4, _q40_block, _nibble_dot):  # called by name, as _halves is
         globals()[helper.__name__] = helper
