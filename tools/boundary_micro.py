@@ -9,8 +9,14 @@ of a buffer larger than L2 (a product's weights), replayed as one graph; us a ke
   (acquire) until every program of the one before has arrived. The counters are zeroed at the graph's start.
 Its weights do not depend on the kernel before: each setting also runs with a program's first loads of them
 issued before its wait (the rows marked early; in the last mode, before its polling).
+- persist (with --persist P ...): the whole chain as one launch of resident programs, each link a phase that
+  ends at a grid barrier (arrive: a release add to the phase's counter; wait: acquire polls until every program
+  has arrived); between its arrival and its wait a program loads the first P blocks of its next phase's
+  weights into registers (P = 0: none), so that they stream while the slowest program finishes, as a persistent
+  layer kernel would have them. The programs must all be resident: run only at a few per multiprocessor.
 
-usage: python tools/boundary_micro.py [--kernels 200] [--programs 512] [--mbytes 0 4 10 40] [--out F.json]"""
+usage: python tools/boundary_micro.py [--kernels 200] [--programs 512] [--mbytes 0 4 10 40] [--persist 0 8]
+       [--out F.json]"""
 
 from __future__ import annotations
 
@@ -39,10 +45,13 @@ def _acquire(ptr):
 
 @triton.jit
 def _poll(ptr, target):
-    """Spin until the counter at ptr reaches target."""
+    """Spin until the counter at ptr reaches target (or 2**20 tries: a wrong count then shows in the check
+    after the run, not as a hung device)."""
     seen = _acquire(ptr)
-    while seen < target:
+    tries = 0
+    while (seen < target) & (tries < 1048576):
         seen = _acquire(ptr)
+        tries += 1
 
 
 @triton.jit
@@ -78,6 +87,61 @@ def link_kernel(x_ptr, y_ptr, w_ptr, words, cnt_ptr, k, prev_programs, MODE: tl.
         tl.atomic_add(cnt_ptr + k, 1, sem="release", scope="gpu")
 
 
+@triton.jit
+def persistent_kernel(x_ptr, w_ptr, words, span, cnt_ptr, phases, PRE: tl.constexpr, BLOCK: tl.constexpr):
+    """link_kernel's chain of `phases` links as phases of one launch (the persist mode): x double-buffered
+    (phase k reads half k % 2, writes the other), the weights of phase k at (k words) % span (kept as a running
+    64-bit offset: k words passes 2**31 in a long chain of large links)."""
+    pid = tl.program_id(0)
+    n = tl.num_programs(0)
+    per = words // n
+    lane = tl.arange(0, BLOCK)
+    mine = pid.to(tl.int64) * per
+    outs = X // n
+    o = tl.arange(0, 16)
+    base = mine - mine
+    pre = ()
+    for j in tl.static_range(PRE):
+        pre += (tl.load(w_ptr + mine + j * BLOCK + lane, mask=j * BLOCK + lane < per, other=0),)
+    for k in range(phases):
+        w = w_ptr + base + mine
+        xs = tl.sum(tl.load(x_ptr + (k % 2) * X + tl.arange(0, X)), axis=0)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for j in tl.static_range(PRE):
+            acc += pre[j]
+        for off in range(PRE * BLOCK, per, BLOCK):
+            acc += tl.load(w + off + lane, mask=off + lane < per, other=0)
+        s = tl.sum(acc, axis=0).to(tl.float32) * 1e-9 + xs * 0.5
+        tl.store(x_ptr + ((k + 1) % 2) * X + pid * outs + o, s + o.to(tl.float32), mask=o < outs)
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr + k, 1, sem="release", scope="gpu")
+        base += words
+        base = tl.where(base >= span, base - span, base)  # words < span
+        nxt = w_ptr + base + mine
+        more = ()
+        for j in tl.static_range(PRE):
+            more += (tl.load(nxt + j * BLOCK + lane, mask=(j * BLOCK + lane < per) & (lane * 0 + k + 1 < phases),
+                             other=0),)
+        pre = more
+        _poll(cnt_ptr + k, n)
+
+
+def run_persistent(w: torch.Tensor, kernels: int, programs: int, mbytes: float, pre: int, reps: int) -> float:
+    words = max(int(mbytes * 2 ** 20) // 4 // programs * programs, programs)
+    x = torch.zeros(2 * X, device="cuda")
+    cnt = torch.zeros(kernels, dtype=torch.int32, device="cuda")
+
+    def chain() -> int:
+        cnt.zero_()
+        persistent_kernel[(programs,)](x, w, words, w.numel() - words + 1, cnt, kernels, PRE=pre, BLOCK=512,
+                                       num_warps=4)
+        return kernels
+
+    us = timed(chain, reps)
+    assert bool((cnt == programs).all()), "a phase's barrier gave up: fewer programs resident than launched?"
+    return us
+
+
 def run(w: torch.Tensor, kernels: int, programs: int, mbytes: float, mode: int, early: bool, reps: int) -> float:
     words = max(int(mbytes * 2 ** 20) // 4 // programs * programs, programs)
     total = w.numel()
@@ -103,11 +167,14 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=200)
     ap.add_argument("--programs", type=int, nargs="+", default=[132, 512])
     ap.add_argument("--mbytes", type=float, nargs="+", default=[0, 4, 10, 40])
+    ap.add_argument("--persist", type=int, nargs="*", default=[],
+                    help="also the persist mode with these counts of 512-word blocks loaded ahead (e.g. 0 8)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bw = copy_bandwidth("cuda", 2 ** 30) / 1e9
     w = torch.ones(2 ** 29, dtype=torch.int32, device="cuda")  # 2 GiB: a chain's weights come from memory
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     print(f"{torch.cuda.get_device_name()}, copy {bw:.0f} GB/s, {args.kernels} kernels a graph, us a kernel")
     for programs in args.programs:
@@ -117,9 +184,13 @@ def main() -> None:
                        "bytes_us": mb * 2 ** 20 / bw / 1e3}
                 for mode, name in ((0, "plain"), (1, "pdl"), (2, "flag")):
                     row[name] = run(w, args.kernels, programs, mb, mode, early, args.reps)
+                if not early and programs <= 4 * sms:
+                    for pre in args.persist:
+                        row[f"persist_{pre}"] = run_persistent(w, args.kernels, programs, mb, pre, args.reps)
                 rows.append(row)
+                extra = "".join(f"  {k} {v:6.2f}" for k, v in row.items() if k.startswith("persist"))
                 print(f"programs {programs:4d} MB {mb:5.1f} early {int(early)}  bytes {row['bytes_us']:6.2f}  "
-                      f"plain {row['plain']:6.2f}  pdl {row['pdl']:6.2f}  flag {row['flag']:6.2f}", flush=True)
+                      f"plain {row['plain']:6.2f}  pdl {row['pdl']:6.2f}  flag {row['flag']:6.2f}{extra}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": bw, "kernels": args.kernels,
