@@ -15,8 +15,12 @@ issued before its wait (the rows marked early; in the last mode, before its poll
   weights into registers (P = 0: none), so that they stream while the slowest program finishes, as a persistent
   layer kernel would have them. The programs must all be resident: run only at a few per multiprocessor.
 
+With --layer, each mode also runs a step: --layers layers of links that stream the listed MB in turn, as a
+decode layer's kernels do (the norm, q/k/v, the rotation, attention, ... each a link), us a step against its
+bytes at copy speed.
+
 usage: python tools/boundary_micro.py [--kernels 200] [--programs 512] [--mbytes 0 4 10 40] [--persist 0 8]
-       [--out F.json]"""
+       [--layer 0 14 0 3 0 9.4 0 56.6 0 28 --layers 36] [--out F.json]"""
 
 from __future__ import annotations
 
@@ -88,23 +92,21 @@ def link_kernel(x_ptr, y_ptr, w_ptr, words, cnt_ptr, k, prev_programs, MODE: tl.
 
 
 @triton.jit
-def persistent_kernel(x_ptr, w_ptr, words, span, cnt_ptr, phases, PRE: tl.constexpr, BLOCK: tl.constexpr):
+def persistent_kernel(x_ptr, w_ptr, words_ptr, base_ptr, cnt_ptr, phases, PRE: tl.constexpr, BLOCK: tl.constexpr):
     """link_kernel's chain of `phases` links as phases of one launch (the persist mode): x double-buffered
-    (phase k reads half k % 2, writes the other), the weights of phase k at (k words) % span (kept as a running
-    64-bit offset: k words passes 2**31 in a long chain of large links)."""
+    (phase k reads half k % 2, writes the other); phase k streams words_ptr[k] words from base_ptr[k] (both
+    listed one past the last phase, as 0)."""
     pid = tl.program_id(0)
     n = tl.num_programs(0)
-    per = words // n
     lane = tl.arange(0, BLOCK)
-    mine = pid.to(tl.int64) * per
     outs = X // n
     o = tl.arange(0, 16)
-    base = mine - mine
+    per = tl.load(words_ptr) // n
+    w = w_ptr + tl.load(base_ptr) + pid.to(tl.int64) * per
     pre = ()
     for j in tl.static_range(PRE):
-        pre += (tl.load(w_ptr + mine + j * BLOCK + lane, mask=j * BLOCK + lane < per, other=0),)
+        pre += (tl.load(w + j * BLOCK + lane, mask=j * BLOCK + lane < per, other=0),)
     for k in range(phases):
-        w = w_ptr + base + mine
         xs = tl.sum(tl.load(x_ptr + (k % 2) * X + tl.arange(0, X)), axis=0)
         acc = tl.zeros([BLOCK], dtype=tl.int32)
         for j in tl.static_range(PRE):
@@ -115,47 +117,60 @@ def persistent_kernel(x_ptr, w_ptr, words, span, cnt_ptr, phases, PRE: tl.conste
         tl.store(x_ptr + ((k + 1) % 2) * X + pid * outs + o, s + o.to(tl.float32), mask=o < outs)
         tl.debug_barrier()
         tl.atomic_add(cnt_ptr + k, 1, sem="release", scope="gpu")
-        base += words
-        base = tl.where(base >= span, base - span, base)  # words < span
-        nxt = w_ptr + base + mine
+        per = tl.load(words_ptr + k + 1) // n
+        w = w_ptr + tl.load(base_ptr + k + 1) + pid.to(tl.int64) * per
         more = ()
         for j in tl.static_range(PRE):
-            more += (tl.load(nxt + j * BLOCK + lane, mask=(j * BLOCK + lane < per) & (lane * 0 + k + 1 < phases),
-                             other=0),)
+            more += (tl.load(w + j * BLOCK + lane, mask=j * BLOCK + lane < per, other=0),)
         pre = more
         _poll(cnt_ptr + k, n)
 
 
-def run_persistent(w: torch.Tensor, kernels: int, programs: int, mbytes: float, pre: int, reps: int) -> float:
-    words = max(int(mbytes * 2 ** 20) // 4 // programs * programs, programs)
+def link_words(mbytes: float, programs: int) -> int:
+    """A link's words: mbytes of int32, a whole number for each program (at least one)."""
+    return max(int(mbytes * 2 ** 20) // 4 // programs * programs, programs)
+
+
+def link_bases(sizes: list[int], total: int) -> list[int]:
+    """Each link's first word in a buffer of `total`: one after another, from 0 again where one would not fit."""
+    bases, at = [], 0
+    for size in sizes:
+        at = 0 if at + size > total else at
+        bases.append(at)
+        at += size
+    return bases
+
+
+def run_persistent(w: torch.Tensor, sizes: list[int], programs: int, pre: int, reps: int) -> float:
+    """us a link of the chain of links of `sizes` words, run as one persistent launch."""
+    words = torch.tensor([*sizes, 0], dtype=torch.int32, device="cuda")
+    bases = torch.tensor([*link_bases(sizes, w.numel()), 0], dtype=torch.int64, device="cuda")
     x = torch.zeros(2 * X, device="cuda")
-    cnt = torch.zeros(kernels, dtype=torch.int32, device="cuda")
+    cnt = torch.zeros(len(sizes), dtype=torch.int32, device="cuda")
 
     def chain() -> int:
         cnt.zero_()
-        persistent_kernel[(programs,)](x, w, words, w.numel() - words + 1, cnt, kernels, PRE=pre, BLOCK=512,
-                                       num_warps=4)
-        return kernels
+        persistent_kernel[(programs,)](x, w, words, bases, cnt, len(sizes), PRE=pre, BLOCK=512, num_warps=4)
+        return len(sizes)
 
     us = timed(chain, reps)
     assert bool((cnt == programs).all()), "a phase's barrier gave up: fewer programs resident than launched?"
     return us
 
 
-def run(w: torch.Tensor, kernels: int, programs: int, mbytes: float, mode: int, early: bool, reps: int) -> float:
-    words = max(int(mbytes * 2 ** 20) // 4 // programs * programs, programs)
-    total = w.numel()
+def run(w: torch.Tensor, sizes: list[int], programs: int, mode: int, early: bool, reps: int) -> float:
+    """us a link of the chain of links of `sizes` words, a launch each."""
+    bases = link_bases(sizes, w.numel())
     xs = [torch.zeros(X, device="cuda") for _ in range(2)]
-    cnt = torch.zeros(kernels, dtype=torch.int32, device="cuda")
+    cnt = torch.zeros(len(sizes), dtype=torch.int32, device="cuda")
     opts = {"launch_pdl": True} if mode else {}
 
     def chain() -> int:
         cnt.zero_()
-        for k in range(kernels):
-            base = (k * words) % (total - words + 1)
-            link_kernel[(programs,)](xs[k % 2], xs[(k + 1) % 2], w[base:], words, cnt, k, programs, MODE=mode,
+        for k, (size, base) in enumerate(zip(sizes, bases)):
+            link_kernel[(programs,)](xs[k % 2], xs[(k + 1) % 2], w[base:], size, cnt, k, programs, MODE=mode,
                                      EARLY=early, BLOCK=512, num_warps=4, **opts)
-        return kernels
+        return len(sizes)
 
     us = timed(chain, reps)
     assert int(cnt[-1]) == (programs if mode == 2 else 0)
@@ -169,6 +184,10 @@ def main() -> None:
     ap.add_argument("--mbytes", type=float, nargs="+", default=[0, 4, 10, 40])
     ap.add_argument("--persist", type=int, nargs="*", default=[],
                     help="also the persist mode with these counts of 512-word blocks loaded ahead (e.g. 0 8)")
+    ap.add_argument("--layer", type=float, nargs="*", default=[],
+                    help="also a chain of --layers layers whose links stream these MB each in turn (a decode "
+                         "layer's kernels: e.g. 0 14 0 3 0 9.4 0 56.6 0 28), us a step")
+    ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -179,23 +198,39 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, copy {bw:.0f} GB/s, {args.kernels} kernels a graph, us a kernel")
     for programs in args.programs:
         for mb in args.mbytes:
+            sizes = [link_words(mb, programs)] * args.kernels
             for early in (False, True):
                 row = {"programs": programs, "mbytes": mb, "early": early,
                        "bytes_us": mb * 2 ** 20 / bw / 1e3}
                 for mode, name in ((0, "plain"), (1, "pdl"), (2, "flag")):
-                    row[name] = run(w, args.kernels, programs, mb, mode, early, args.reps)
+                    row[name] = run(w, sizes, programs, mode, early, args.reps)
                 if not early and programs <= 4 * sms:
                     for pre in args.persist:
-                        row[f"persist_{pre}"] = run_persistent(w, args.kernels, programs, mb, pre, args.reps)
+                        row[f"persist_{pre}"] = run_persistent(w, sizes, programs, pre, args.reps)
                 rows.append(row)
                 extra = "".join(f"  {k} {v:6.2f}" for k, v in row.items() if k.startswith("persist"))
                 print(f"programs {programs:4d} MB {mb:5.1f} early {int(early)}  bytes {row['bytes_us']:6.2f}  "
                       f"plain {row['plain']:6.2f}  pdl {row['pdl']:6.2f}  flag {row['flag']:6.2f}{extra}", flush=True)
+    steps = []
+    if args.layer:
+        print(f"a step of {args.layers} layers of links of {args.layer} MB, us a step")
+    for programs in args.programs if args.layer else []:
+        sizes = [link_words(mb, programs) for mb in args.layer] * args.layers
+        step = {"programs": programs, "bytes_us": sum(sizes) * 4 / bw / 1e3, "links": len(sizes)}
+        for mode, name in ((0, "plain"), (1, "pdl"), (2, "flag")):
+            step[name] = run(w, sizes, programs, mode, False, args.reps) * len(sizes)
+        if programs <= 4 * sms:
+            for pre in args.persist:
+                step[f"persist_{pre}"] = run_persistent(w, sizes, programs, pre, args.reps) * len(sizes)
+        steps.append(step)
+        print(f"programs {programs:4d}  " + "  ".join(f"{k} {v:8.1f}" for k, v in step.items()
+                                                      if k not in ("programs", "links")), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": bw, "kernels": args.kernels,
                        "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "layer_mbytes": args.layer, "layers": args.layers, "steps": steps}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
