@@ -13,7 +13,8 @@ issued before its wait (the rows marked early; in the last mode, before its poll
   ends at a grid barrier (arrive: a release add to the phase's counter; wait: acquire polls until every program
   has arrived); between its arrival and its wait a program loads the first P blocks of its next phase's
   weights into registers (P = 0: none), so that they stream while the slowest program finishes, as a persistent
-  layer kernel would have them. The programs must all be resident: run only at a few per multiprocessor.
+  layer kernel would have them. It runs only where its programs' registers let them all be resident at once
+  (else its rows show -).
 
 With --layer, each mode also runs a step: --layers layers of links that stream the listed MB in turn, as a
 decode layer's kernels do (the norm, q/k/v, the rotation, attention, ... each a link), us a step against its
@@ -49,11 +50,11 @@ def _acquire(ptr):
 
 @triton.jit
 def _poll(ptr, target):
-    """Spin until the counter at ptr reaches target (or 2**20 tries: a wrong count then shows in the check
-    after the run, not as a hung device)."""
+    """Spin until the counter at ptr reaches target (or 2**16 tries, tens of ms: a wrong count then shows in the
+    check after the run, not as a hung device)."""
     seen = _acquire(ptr)
     tries = 0
-    while (seen < target) & (tries < 1048576):
+    while (seen < target) & (tries < 65536):
         seen = _acquire(ptr)
         tries += 1
 
@@ -141,12 +142,21 @@ def link_bases(sizes: list[int], total: int) -> list[int]:
     return bases
 
 
-def run_persistent(w: torch.Tensor, sizes: list[int], programs: int, pre: int, reps: int) -> float:
-    """us a link of the chain of links of `sizes` words, run as one persistent launch."""
+def run_persistent(w: torch.Tensor, sizes: list[int], programs: int, pre: int, reps: int) -> float | None:
+    """us a link of the chain of links of `sizes` words, run as one persistent launch; None where its programs
+    would not all be resident at once (by their registers: the barrier would never open)."""
     words = torch.tensor([*sizes, 0], dtype=torch.int32, device="cuda")
     bases = torch.tensor([*link_bases(sizes, w.numel()), 0], dtype=torch.int64, device="cuda")
     x = torch.zeros(2 * X, device="cuda")
     cnt = torch.zeros(len(sizes), dtype=torch.int32, device="cuda")
+    compiled = persistent_kernel.warmup(x, w, words, bases, cnt, len(sizes), PRE=pre, BLOCK=512, num_warps=4,
+                                        grid=(programs,))
+    compiled._init_handles()
+    props = torch.cuda.get_device_properties(0)
+    regs = -(-max(compiled.n_regs, 1) // 8) * 8  # a thread's registers, as allocated (in eights)
+    per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // (regs * 4 * 32), 16)
+    if programs > per_sm * props.multi_processor_count:
+        return None
 
     def chain() -> int:
         cnt.zero_()
@@ -208,7 +218,8 @@ def main() -> None:
                     for pre in args.persist:
                         row[f"persist_{pre}"] = run_persistent(w, sizes, programs, pre, args.reps)
                 rows.append(row)
-                extra = "".join(f"  {k} {v:6.2f}" for k, v in row.items() if k.startswith("persist"))
+                extra = "".join(f"  {k} {'-' if v is None else f'{v:6.2f}'}" for k, v in row.items()
+                                if k.startswith("persist"))
                 print(f"programs {programs:4d} MB {mb:5.1f} early {int(early)}  bytes {row['bytes_us']:6.2f}  "
                       f"plain {row['plain']:6.2f}  pdl {row['pdl']:6.2f}  flag {row['flag']:6.2f}{extra}", flush=True)
     steps = []
@@ -221,10 +232,12 @@ def main() -> None:
             step[name] = run(w, sizes, programs, mode, False, args.reps) * len(sizes)
         if programs <= 4 * sms:
             for pre in args.persist:
-                step[f"persist_{pre}"] = run_persistent(w, sizes, programs, pre, args.reps) * len(sizes)
+                us = run_persistent(w, sizes, programs, pre, args.reps)
+                step[f"persist_{pre}"] = None if us is None else us * len(sizes)
         steps.append(step)
-        print(f"programs {programs:4d}  " + "  ".join(f"{k} {v:8.1f}" for k, v in step.items()
-                                                      if k not in ("programs", "links")), flush=True)
+        print(f"programs {programs:4d}  " + "  ".join(f"{k} {'-' if v is None else f'{v:8.1f}'}"
+                                                      for k, v in step.items() if k not in ("programs", "links")),
+              flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": bw, "kernels": args.kernels,
