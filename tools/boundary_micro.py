@@ -187,6 +187,21 @@ def run(w: torch.Tensor, sizes: list[int], programs: int, mode: int, early: bool
     return us
 
 
+def timings(w: torch.Tensor, sizes: list[int], programs: int, early: bool, persist: list[int],
+            reps: int) -> dict:
+    """us a link of the chain of links of `sizes` words in each mode: plain, pdl, flag and (not early) persist_P
+    for each P in persist (None where its programs would not all be resident)."""
+    us = {name: run(w, sizes, programs, mode, early, reps) for mode, name in ((0, "plain"), (1, "pdl"), (2, "flag"))}
+    for pre in [] if early else persist:
+        us[f"persist_{pre}"] = run_persistent(w, sizes, programs, pre, reps)
+    return us
+
+
+def shown(values: dict, spec: str) -> str:
+    """name value pairs for a printed line, - for a mode that did not run."""
+    return "  ".join(f"{k} {'-' if v is None else format(v, spec)}" for k, v in values.items())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", type=int, default=200)
@@ -203,41 +218,26 @@ def main() -> None:
     args = ap.parse_args()
     bw = copy_bandwidth("cuda", 2 ** 30) / 1e9
     w = torch.ones(2 ** 29, dtype=torch.int32, device="cuda")  # 2 GiB: a chain's weights come from memory
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     print(f"{torch.cuda.get_device_name()}, copy {bw:.0f} GB/s, {args.kernels} kernels a graph, us a kernel")
     for programs in args.programs:
         for mb in args.mbytes:
             sizes = [link_words(mb, programs)] * args.kernels
             for early in (False, True):
-                row = {"programs": programs, "mbytes": mb, "early": early,
-                       "bytes_us": mb * 2 ** 20 / bw / 1e3}
-                for mode, name in ((0, "plain"), (1, "pdl"), (2, "flag")):
-                    row[name] = run(w, sizes, programs, mode, early, args.reps)
-                if not early and programs <= 4 * sms:
-                    for pre in args.persist:
-                        row[f"persist_{pre}"] = run_persistent(w, sizes, programs, pre, args.reps)
-                rows.append(row)
-                extra = "".join(f"  {k} {'-' if v is None else f'{v:6.2f}'}" for k, v in row.items()
-                                if k.startswith("persist"))
-                print(f"programs {programs:4d} MB {mb:5.1f} early {int(early)}  bytes {row['bytes_us']:6.2f}  "
-                      f"plain {row['plain']:6.2f}  pdl {row['pdl']:6.2f}  flag {row['flag']:6.2f}{extra}", flush=True)
+                us = timings(w, sizes, programs, early, args.persist, args.reps)
+                rows.append({"programs": programs, "mbytes": mb, "early": early,
+                             "bytes_us": mb * 2 ** 20 / bw / 1e3, **us})
+                print(f"programs {programs:4d} MB {mb:5.1f} early {int(early)}  "
+                      f"{shown({'bytes': rows[-1]['bytes_us'], **us}, '6.2f')}", flush=True)
     steps = []
     if args.layer:
         print(f"a step of {args.layers} layers of links of {args.layer} MB, us a step")
     for programs in args.programs if args.layer else []:
         sizes = [link_words(mb, programs) for mb in args.layer] * args.layers
-        step = {"programs": programs, "bytes_us": sum(sizes) * 4 / bw / 1e3, "links": len(sizes)}
-        for mode, name in ((0, "plain"), (1, "pdl"), (2, "flag")):
-            step[name] = run(w, sizes, programs, mode, False, args.reps) * len(sizes)
-        if programs <= 4 * sms:
-            for pre in args.persist:
-                us = run_persistent(w, sizes, programs, pre, args.reps)
-                step[f"persist_{pre}"] = None if us is None else us * len(sizes)
-        steps.append(step)
-        print(f"programs {programs:4d}  " + "  ".join(f"{k} {'-' if v is None else f'{v:8.1f}'}"
-                                                      for k, v in step.items() if k not in ("programs", "links")),
-              flush=True)
+        us = {k: None if v is None else v * len(sizes)
+              for k, v in timings(w, sizes, programs, False, args.persist, args.reps).items()}
+        steps.append({"programs": programs, "bytes_us": sum(sizes) * 4 / bw / 1e3, "links": len(sizes), **us})
+        print(f"programs {programs:4d}  {shown({'bytes_us': steps[-1]['bytes_us'], **us}, '8.1f')}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": bw, "kernels": args.kernels,
