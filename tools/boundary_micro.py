@@ -93,6 +93,18 @@ def link_kernel(x_ptr, y_ptr, w_ptr, words, cnt_ptr, k, prev_programs, MODE: tl.
 
 
 @triton.jit
+def _phase_ahead(w_ptr, words_ptr, base_ptr, k, pid, n, PRE: tl.constexpr, BLOCK: tl.constexpr):
+    """Phase k's words a program, its first word and its first PRE blocks of BLOCK words, loaded."""
+    per = tl.load(words_ptr + k) // n
+    w = w_ptr + tl.load(base_ptr + k) + pid.to(tl.int64) * per
+    lane = tl.arange(0, BLOCK)
+    pre = ()
+    for j in tl.static_range(PRE):
+        pre += (tl.load(w + j * BLOCK + lane, mask=j * BLOCK + lane < per, other=0),)
+    return per, w, pre
+
+
+@triton.jit
 def persistent_kernel(x_ptr, w_ptr, words_ptr, base_ptr, cnt_ptr, phases, PRE: tl.constexpr, BLOCK: tl.constexpr):
     """link_kernel's chain of `phases` links as phases of one launch (the persist mode): x double-buffered
     (phase k reads half k % 2, writes the other); phase k streams words_ptr[k] words from base_ptr[k] (both
@@ -102,11 +114,7 @@ def persistent_kernel(x_ptr, w_ptr, words_ptr, base_ptr, cnt_ptr, phases, PRE: t
     lane = tl.arange(0, BLOCK)
     outs = X // n
     o = tl.arange(0, 16)
-    per = tl.load(words_ptr) // n
-    w = w_ptr + tl.load(base_ptr) + pid.to(tl.int64) * per
-    pre = ()
-    for j in tl.static_range(PRE):
-        pre += (tl.load(w + j * BLOCK + lane, mask=j * BLOCK + lane < per, other=0),)
+    per, w, pre = _phase_ahead(w_ptr, words_ptr, base_ptr, 0, pid, n, PRE, BLOCK)
     for k in range(phases):
         xs = tl.sum(tl.load(x_ptr + (k % 2) * X + tl.arange(0, X)), axis=0)
         acc = tl.zeros([BLOCK], dtype=tl.int32)
@@ -118,12 +126,7 @@ def persistent_kernel(x_ptr, w_ptr, words_ptr, base_ptr, cnt_ptr, phases, PRE: t
         tl.store(x_ptr + ((k + 1) % 2) * X + pid * outs + o, s + o.to(tl.float32), mask=o < outs)
         tl.debug_barrier()
         tl.atomic_add(cnt_ptr + k, 1, sem="release", scope="gpu")
-        per = tl.load(words_ptr + k + 1) // n
-        w = w_ptr + tl.load(base_ptr + k + 1) + pid.to(tl.int64) * per
-        more = ()
-        for j in tl.static_range(PRE):
-            more += (tl.load(w + j * BLOCK + lane, mask=j * BLOCK + lane < per, other=0),)
-        pre = more
+        per, w, pre = _phase_ahead(w_ptr, words_ptr, base_ptr, k + 1, pid, n, PRE, BLOCK)
         _poll(cnt_ptr + k, n)
 
 
