@@ -13,9 +13,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import run_cli
 
@@ -108,9 +111,11 @@ def test_models_stop_and_seed(live):
     full = live.client.completions.create(model="strata-demo", prompt=PROMPTS[0], max_tokens=24, temperature=0)
     text = full.choices[0].text
     cut = text[5:9]
+    stops = live.metric("strata:request_success_total", '{finish_reason="stop"}')
     out = live.client.completions.create(model="strata-demo", prompt=PROMPTS[0], max_tokens=24, temperature=0,
                                          stop=[cut])
     assert out.choices[0].text == text[: text.index(cut)] and out.choices[0].finish_reason == "stop"
+    assert live.metric("strata:request_success_total", '{finish_reason="stop"}') == stops + 1  # counted as told
     a, b = (live.client.completions.create(model="strata-demo", prompt=PROMPTS[1], max_tokens=16, temperature=0.9,
                                            seed=5).choices[0].text for _ in range(2))
     assert a == b
@@ -129,6 +134,8 @@ BAD = [
     ('{"prompt": "x", "top_p": 0}', 400, "top_p"),
     ('[1, 2]', 400, "JSON object"),
     ('{"prompt": [99999]}', 400, "outside the vocabulary"),
+    ('{"prompt": "x", "model": "\\ud800"}', 404, "model '\ud800' does not exist"),
+    ('{"prompt": "x", "stop_token_ids": [7, 4096]}', 400, "stop token id 4096 outside the vocabulary 0..4095"),
 ]
 
 
@@ -340,7 +347,39 @@ def test_accepted_counter_counts_delivered_tokens_only(live):
     assert out.model_extra["strata"]["tau"] * out.model_extra["strata"]["rounds"] == out.usage.completion_tokens - 1
 
 
-def test_bodies_are_capped_and_a_big_prompt_does_not_stall_the_others(live):
+def test_a_prompt_is_refused_by_its_length_before_it_is_tokenized_whole(live):
+    """A 7.5 MB prompt for a 2048-token context: refused without tokenizing, at once, holding no memory."""
+    def rss() -> int:
+        status = open(f"/proc/{live.proc.pid}/status").read()
+        return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) << 10
+
+    before = rss()
+    for path, body in (("/v1/completions", {"prompt": "x = compute(y)\n" * 500_000}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y = 2 * x\n" * 750_000}]})):
+        t0 = time.time()
+        r = httpx.post(live.url + path, json=body, timeout=120)
+        assert r.status_code == 400 and "characters does not fit the context of 2048" in r.json()["error"]["message"]
+        assert time.time() - t0 < 5, "a prompt the context cannot hold was tokenized"
+    assert rss() - before < 200 << 20
+
+
+def test_a_long_text_is_counted_in_pieces_and_refused_as_soon_as_it_passes(monkeypatch):
+    from strata import demo
+    from strata.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(demo.TARGET)
+    text = (Path(__file__).parent / "test_serve.py").read_text()
+    whole = tok.encode_prompt(text)
+    assert tok.encode_within(text, len(whole), added=True, piece=2000) == whole  # what fits is encoded whole
+    assert tok.encode_within(text, len(whole) - 1, added=True, piece=2000) is None
+    encoded = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda t, *a, **k: encoded.append(len(t)) or real(t, *a, **k))
+    assert tok.encode_within(text * 4, 500, piece=2000) is None  # within the character bound, over the limit
+    assert sum(encoded) < 8000, "the pieces went on past the limit"
+
+
+def test_bodies_are_capped(live):
     big = b'{"prompt": "' + b"x" * (9 << 20) + b'"}'
     r = httpx.post(live.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and "larger than 8388608 bytes" in r.json()["error"]["message"]
@@ -353,21 +392,7 @@ def test_bodies_are_capped_and_a_big_prompt_does_not_stall_the_others(live):
 
     r = httpx.post(live.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413
-    finished = []
-
-    def post_big():
-        body = {"prompt": "def f(x):\n    return x\n" * 160_000, "max_tokens": 4}  # 3.8 MB to tokenize
-        finished.append(("big", httpx.post(live.url + "/v1/completions", json=body, timeout=120)))
-
-    t = threading.Thread(target=post_big)
-    t.start()
-    time.sleep(0.5)
-    health = httpx.get(live.url + "/health", timeout=60)
-    finished.append(("health", health))
-    t.join()
-    assert health.status_code == 200
-    assert [name for name, _ in finished] == ["health", "big"], "/health waited for the big request's tokenizing"
-    assert finished[1][1].status_code == 400 and "does not fit the context" in finished[1][1].json()["error"]["message"]
+    assert httpx.get(live.url + "/health").status_code == 200
 
 
 @pytest.mark.parametrize("body,param", [
@@ -406,6 +431,42 @@ def test_deep_json_bad_messages_and_unknown_routes(live):
     body = httpx.get(live.url + "/metrics").text
     assert "/random/" not in body and 'endpoint="unmatched"' in body
     assert len([ln for ln in body.splitlines() if ln.startswith("strata:requests_total{")]) < 30
+
+
+def test_no_request_body_gets_a_server_error(live):
+    """Random request bodies, typed and untyped, to both endpoints: every answer is a 2xx or a 4xx with the
+    JSON error body, never a 500."""
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(), st.text(max_size=12))
+    value = st.recursive(scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6),
+                                                                                            inner, max_size=3),
+                         max_leaves=8)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "banana"]),
+                                     "content": st.text(max_size=20) | value})
+    fields = st.sampled_from(["prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                              "stop_token_ids", "n", "logprobs", "stream", "echo", "messages", "tools",
+                              "max_completion_tokens", "top_logprobs", "tool_choice"])
+    bodies = st.dictionaries(fields, value | st.lists(message, max_size=2) | st.lists(st.integers(-3, 5000),
+                                                                                       max_size=4), max_size=6)
+
+    @settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(bodies, st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    def check(body, path):
+        body = {**body, "max_tokens": 2, "max_completion_tokens": 2} if "max_tokens" not in body else body
+        r = httpx.post(live.url + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                       timeout=120)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            assert r.json()["error"]["message"], (body, r.text)
+
+    check()
+    with socket.create_connection(("127.0.0.1", live.port)) as s:  # one h11 cannot parse
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 12x\r\n\r\n{}")
+        s.settimeout(10)
+        answer = b"".join(iter(lambda: s.recv(65536), b""))  # the server closes the connection after it
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert "malformed HTTP request" in json.loads(body)["error"]["message"]
 
 
 def test_api_gaps(live):

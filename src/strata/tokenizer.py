@@ -10,6 +10,31 @@ from pathlib import Path
 from .errors import StrataError
 
 
+#: encode_within's margin on its character bound (a normalizer may compose characters)
+CHARS_PER_TOKEN_BOUND = 4
+#: characters of a piece encode_within counts a long text in, and the tokens a cut may add to the count
+PIECE_CHARS = 1 << 16
+PIECE_SLACK = 16
+
+
+def pieces(text: str, size: int):
+    """text in consecutive pieces of about `size` characters, each cut after the last line break in its
+    second half, else before the last whitespace there, else at `size`."""
+    start = 0
+    while start < len(text):
+        end = start + size
+        if end < len(text):
+            half = start + size // 2
+            cut = text.rfind("\n", half, end)
+            if cut >= 0:
+                end = cut + 1
+            else:
+                space = max(text.rfind(" ", half, end), text.rfind("\t", half, end))
+                end = space if space > half else end
+        yield text[start:end]
+        start = end
+
+
 class Tokenizer:
     def __init__(self, tok, chat_template: str | None = None, special: dict[str, str] | None = None,
                  chat_strips: tuple[str, str] | None = None, end_ids: set[int] | None = None):
@@ -71,28 +96,59 @@ class Tokenizer:
             chat_template = template_file.read_text(encoding="utf-8")
         return cls(tok, chat_template, special)
 
-    def encode(self, text: str, added: bool = False) -> list[int]:
+    def encode(self, text: str, added: bool = False, limit: int | None = None) -> list[int] | None:
         """The ids of text; added: with the tokens the model puts around a prompt (BOS). Through
         encode_batch, which releases the GIL while it works (a single encode held it for seconds on a long
-        prompt, stalling every other thread, the server's event loop too)."""
+        prompt, stalling every other thread, the server's event loop too). limit: None instead of ids past
+        this many tokens, found with work and memory bounded by the limit, not by the text (encode_within)."""
+        if limit is not None:
+            return self.encode_within(text, limit, added)
         return self._tok.encode_batch([text], add_special_tokens=added)[0].ids
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """A user's prompt, as the model's own tools encode it: with the BOS / EOS its tokenizer adds."""
-        return self.encode(text, added=True)
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """Characters of the vocabulary's longest token as the vocabulary spells it (a byte-level token one
+        character per byte, a SentencePiece token one per character): a text of n characters takes at least
+        n / longest_token tokens."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_within(self, text: str, limit: int, added: bool = False, piece: int = PIECE_CHARS) -> list[int] | None:
+        """encode(text, added), or None when that is more than `limit` tokens. A text of more than
+        CHARS_PER_TOKEN_BOUND x limit x longest_token characters is refused untokenized; a long one is
+        first counted in pieces of `piece` characters cut at whitespace, and refused as soon as the count passes
+        the limit by more than PIECE_SLACK tokens a cut (a cut changes a count by a token or two), so an
+        oversized text costs about `limit` tokens of work whatever its length."""
+        if len(text) > CHARS_PER_TOKEN_BOUND * limit * self.longest_token:
+            return None
+        if len(text) > piece:
+            count = 0
+            for n, part in enumerate(pieces(text, piece), 1):
+                count += len(self.encode(part))
+                if count > limit + PIECE_SLACK * n:
+                    return None
+        ids = self.encode(text, added)
+        return ids if len(ids) <= limit else None
+
+    def encode_prompt(self, text: str, limit: int | None = None) -> list[int] | None:
+        """A user's prompt, as the model's own tools encode it: with the BOS / EOS its tokenizer adds."""
+        return self.encode(text, added=True, limit=limit)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    limit: int | None = None) -> list[int] | None:
         """A conversation through the chat template, encoded as transformers (a folder) or llama.cpp (a GGUF
         vocabulary) does: both give one BOS where the template writes it and the model adds it."""
+        if limit is not None and sum(len(m["content"]) for m in messages) > \
+                CHARS_PER_TOKEN_BOUND * limit * self.longest_token:
+            return None
         text = self.apply_chat_template(messages, add_generation_prompt)
         if self.chat_strips is None:
-            return self.encode(text)
+            return self.encode(text, limit=limit)
         head, tail = self.chat_strips
         if head and text.startswith(head):
             text = text[len(head):]
         if tail and text.endswith(tail):
             text = text[:-len(tail)]
-        return self.encode_prompt(text)
+        return self.encode_prompt(text, limit)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -4,11 +4,13 @@ One engine, one sequence at a time: a single worker thread runs generations in a
 requests never share cache state. Admission is bounded (429 past --max-queue). A client that goes
 away, streaming or not, has its generation stopped within one decode round. Bodies are capped and
 read under a deadline; parsing and tokenizing run off the event loop, so a huge request never
-stalls the others or /health."""
+stalls the others or /health, and a prompt the context cannot hold is refused by its length, or
+after as many tokens as the context holds, whatever its size. Every error is a JSON body."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -35,6 +37,8 @@ log = logging.getLogger("strata.serve")
 
 #: OpenAI's defaults for sampling fields a request leaves out (the server's own defaults come first)
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None}
+#: characters of a prompt past which its tokenizing's freed memory is handed back to the system
+LONG_TEXT = 1 << 20
 
 
 @dataclass
@@ -147,7 +151,8 @@ class Server:
                 job.cancel.set()
 
     # -- request -> job
-    def build_job(self, req, prompt_ids: list[int], loop, max_tokens: int | None, echo: str = "") -> Job:
+    def check_request(self, req, max_tokens: int | None) -> SamplingParams:
+        """Everything of a request but its prompt, before the prompt is tokenized: its sampling parameters."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", kind="not_found_error")
@@ -155,6 +160,18 @@ class Server:
             raise APIError(400, "n must be 1 (several choices per request are not supported)", param="n")
         if req.logprobs or getattr(req, "top_logprobs", None):
             raise APIError(400, "logprobs are not supported", param="logprobs")
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        if max_tokens is not None and max_tokens >= self.engine.max_len:
+            raise APIError(400, f"this model's context is {self.engine.max_len} tokens; max_tokens asks for "
+                                f"{max_tokens}", param="max_tokens")
+        if any(not s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        vocab = self.engine.target.cfg.vocab_size
+        bad = [i for i in req.stop_token_ids or [] if not 0 <= i < vocab]
+        if bad:
+            raise APIError(400, f"stop token id {bad[0]} outside the vocabulary 0..{vocab - 1}", param="stop_token_ids")
+
         def pick(key: str):
             """The request's value, else the server's default, else OpenAI's."""
             for value in (getattr(req, key), self.config.defaults.get(key)):
@@ -163,20 +180,32 @@ class Server:
             return OPENAI_DEFAULTS[key]
 
         try:
-            self.engine.check_prompt(prompt_ids)
             params = SamplingParams(pick("temperature"), pick("top_k"), pick("top_p"), pick("seed"))
             self.engine.config.check_sampling(params)
         except StrataError as e:
-            raise APIError(400, str(e), param=e.param or "prompt") from None
+            raise APIError(400, str(e), param=e.param) from None
+        return params
+
+    def prompt_limit(self, max_tokens: int | None) -> int:
+        """The most tokens a prompt may have: the context less the tokens asked for (one at least)."""
+        return self.engine.max_len - max(max_tokens or 1, 1)
+
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """A prompt's ids against the vocabulary and the context: the tokens left after it."""
+        try:
+            self.engine.check_prompt(prompt_ids)
+        except StrataError as e:
+            raise APIError(400, str(e), param="prompt") from None
         room = self.engine.max_len - len(prompt_ids)
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"this model's context is {self.engine.max_len} tokens; the prompt has "
                                 f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more", param="max_tokens")
+        return room
+
+    def build_job(self, req, params: SamplingParams, prompt_ids: list[int], loop, max_tokens: int | None,
+                  echo: str = "") -> Job:
+        room = self.check_prompt(prompt_ids, max_tokens)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if any(not s for s in stops):
-            raise APIError(400, "stop strings must not be empty", param="stop")
         stop_ids = self.config.stop_ids | set(req.stop_token_ids or [])
         return Job(prompt_ids, max_tokens or room, params, stop_ids, stops, self.tokenizer, loop, echo)
 
@@ -190,7 +219,7 @@ class Server:
             else:
                 job.result = self.engine.generate(job.prompt_ids, job.max_tokens, job.stop_ids, job.params,
                                                   on_tokens=job.on_tokens, should_stop=job.cancel.is_set)
-            self.metrics.record_generation(job.result)
+            self.metrics.record_generation(job.result, job.finish_reason)
         finally:
             with self.lock:
                 self.running -= 1
@@ -211,6 +240,15 @@ class Server:
                 "total_tokens": len(job.prompt_ids) + res.new_tokens}, {
             "drafter": res.drafter, "window": res.window, "tau": acc.tau, "rounds": acc.rounds,
             "acceptance_rate": acc.acceptance_rate, "per_position_acceptance": acc.per_position}
+
+
+async def failed_as_api_error(fut: asyncio.Future) -> None:
+    """A generation's end; one the model stopped with a StrataError (non-finite logits) becomes a 500 that
+    says why."""
+    try:
+        await fut
+    except StrataError as e:
+        raise APIError(500, str(e), kind="server_error") from None
 
 
 def off_loop(fn, *args):
@@ -256,20 +294,50 @@ def decode_request(raw: bytes, model):
         raise APIError(400, f"field '{where}': {err['msg']}", param=where) from None
 
 
-def encode(tokenizer: Tokenizer | None, text: str, param: str) -> list[int]:
+def too_long(chars: int, limit: int, max_len: int, param: str) -> APIError:
+    return APIError(400, f"prompt of {chars} characters does not fit the context of {max_len} tokens (it encodes "
+                         f"to more than the {limit} tokens a prompt may have beside max_tokens)", param=param)
+
+
+def encode(tokenizer: Tokenizer | None, text: str, param: str, limit: int, max_len: int) -> list[int]:
+    """A prompt's ids, refused as soon as it is known to pass `limit` tokens (Tokenizer.encode_within)."""
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param=param)
     check_unicode(text, param)
-    return tokenizer.encode_prompt(text)
+    try:
+        ids = tokenizer.encode_prompt(text, limit)
+    finally:
+        give_back_memory(len(text))
+    if ids is None:
+        raise too_long(len(text), limit, max_len, param)
+    return ids
 
 
-def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer: Tokenizer, messages: list[dict], limit: int, max_len: int) -> list[int]:
     for i, m in enumerate(messages):
         check_unicode(m["content"], f"messages[{i}].content")
+    chars = sum(len(m["content"]) for m in messages)
     try:
-        return tokenizer.encode_chat(messages)
+        ids = tokenizer.encode_chat(messages, limit=limit)
     except StrataError as e:
         raise APIError(400, str(e), param="messages") from None
+    finally:
+        give_back_memory(chars)
+    if ids is None:
+        raise too_long(chars, limit, max_len, "messages")
+    return ids
+
+
+def give_back_memory(chars: int) -> None:
+    """After a long text's tokenizing: the heap's free memory returned to the system (glibc keeps what a
+    large request freed, and a server would hold its peak for good)."""
+    if chars < LONG_TEXT:
+        return
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
 
 
 def check_unicode(text: str, param: str) -> None:
@@ -279,8 +347,17 @@ def check_unicode(text: str, param: str) -> None:
         raise APIError(400, f"{param} is not valid Unicode ({e.reason} at character {e.start})", param=param) from None
 
 
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped, so that any string a client sent can be echoed back (a
+    lone surrogate is valid JSON but cannot be encoded as UTF-8)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="Strata", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Strata", docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=ASCIIJSONResponse)
     app.state.server = server
     cfg = server.config
     app.add_middleware(Guard, metrics=server.metrics, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
@@ -288,19 +365,20 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status), status_code=exc.status,
-                            headers=exc.headers)
+        return ASCIIJSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status), status_code=exc.status,
+                                 headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail), "not_found_error" if exc.status_code == 404 else
-                                       "invalid_request_error", None, exc.status_code), status_code=exc.status_code)
+        return ASCIIJSONResponse(error_body(str(exc.detail), "not_found_error" if exc.status_code == 404 else
+                                            "invalid_request_error", None, exc.status_code),
+                                 status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(_, exc: Exception):
         log.error("internal error: %s: %s", type(exc).__name__, exc)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, 500),
-                            status_code=500)
+        return ASCIIJSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, 500),
+                                 status_code=500)
 
     @app.get("/health")
     async def health():
@@ -324,16 +402,20 @@ def create_app(server: Server) -> FastAPI:
             if len(prompt) != 1:
                 raise APIError(400, "batched prompts are not supported: send one prompt", param="prompt")
             prompt = prompt[0]
+        params = server.check_request(req, req.max_tokens)
+        max_len = server.engine.max_len
         if isinstance(prompt, str):
-            ids = await off_loop(encode, server.tokenizer, prompt, "prompt")
+            ids = await off_loop(encode, server.tokenizer, prompt, "prompt", server.prompt_limit(req.max_tokens),
+                                 max_len)
             echo = prompt if req.echo else ""
         else:
             ids = list(prompt)
             echo = ""
+            server.check_prompt(ids, req.max_tokens)  # before decoding the echo
             if req.echo and server.tokenizer is not None:
                 echo = await off_loop(server.tokenizer.decode, ids)
-        max_tokens = req.max_tokens if req.max_tokens is not None else min(16, server.engine.max_len - len(ids))
-        job = server.build_job(req, ids, asyncio.get_running_loop(), max_tokens, echo)
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(16, max_len - len(ids))
+        job = server.build_job(req, params, ids, asyncio.get_running_loop(), max_tokens, echo)
         return await respond(request, req, job, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -346,10 +428,12 @@ def create_app(server: Server) -> FastAPI:
                                 "tool_choice 'none')", param="tools")
         if server.tokenizer is None or not server.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = await off_loop(encode_chat, server.tokenizer, messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = server.build_job(req, ids, asyncio.get_running_loop(), max_tokens)
+        params = server.check_request(req, max_tokens)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = await off_loop(encode_chat, server.tokenizer, messages, server.prompt_limit(max_tokens),
+                             server.engine.max_len)
+        job = server.build_job(req, params, ids, asyncio.get_running_loop(), max_tokens)
         return await respond(request, req, job, chat=True)
 
     async def respond(request: Request, req, job: Job, chat: bool):
@@ -366,7 +450,7 @@ def create_app(server: Server) -> FastAPI:
                 if not fut.done() and await request.is_disconnected():
                     gone = True
                     job.cancel.set()
-            await fut
+            await failed_as_api_error(fut)
             if gone:  # nobody to answer: counted as nginx's "client closed request"
                 return Response(status_code=499)
             if job.cut:
@@ -407,7 +491,7 @@ def create_app(server: Server) -> FastAPI:
                     if delta is None:
                         break
                     yield chunk(delta, None)
-                await fut
+                await failed_as_api_error(fut)
                 if job.cut:
                     yield f"data: {json.dumps(error_body(cut_message, 'server_error', None, 503))}\n\n"
                 else:
@@ -417,6 +501,10 @@ def create_app(server: Server) -> FastAPI:
                 yield "data: [DONE]\n\n"
             except asyncio.CancelledError:
                 raise
+            except APIError as e:  # the model failed this request (NaN logits): said, not a crash
+                log.error("generation failed: %s", e.message)
+                yield f"data: {json.dumps(error_body(e.message, e.kind, None, e.status))}\n\n"
+                yield "data: [DONE]\n\n"
             except Exception as e:  # noqa: BLE001 - a failed stream ends with an error event, not a crash
                 log.error("stream failed: %s: %s", type(e).__name__, e)
                 yield f"data: {json.dumps(error_body(f'internal error: {type(e).__name__}', 'server_error'))}\n\n"

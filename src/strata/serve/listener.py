@@ -5,9 +5,12 @@ cut-off response)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import signal
 import threading
+
+from .protocol import error_body
 
 log = logging.getLogger("strata.serve")
 
@@ -53,6 +56,20 @@ def timed_protocol(head_timeout: float):
         def connection_lost(self, exc):
             self._disarm()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse (a malformed request line, header or Content-Length) answered in
+            the API's JSON error body, as every other error is."""
+            import h11
+
+            body = json.dumps(error_body("malformed HTTP request (its request line or a header, such as "
+                                         "Content-Length, does not follow HTTP/1.1)", code=400)).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
     return TimedH11Protocol
 

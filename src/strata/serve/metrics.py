@@ -27,10 +27,11 @@ class Metrics:
         for i in range(max(0, max_window - 1)):
             self.accepted_per_pos.labels(position=str(i))
 
-    def record_generation(self, res) -> None:
+    def record_generation(self, res, finish_reason: str) -> None:
+        """finish_reason: as the client is told (a stop string is "stop", though it ended the engine's run)."""
         self.prompt_tokens.inc(len(res.prompt_ids))
         self.generation_tokens.inc(res.new_tokens)
-        self.finished.labels(finish_reason=res.finish_reason).inc()
+        self.finished.labels(finish_reason=finish_reason).inc()
         acc = res.acceptance
         drafted = sum(acc.drafted)
         if drafted:
