@@ -92,6 +92,20 @@ def run_cli(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
                           timeout=timeout, **kw)
 
 
+def cli(*args) -> tuple[int, str]:
+    """The `strata` command run in this process (for what ends before or soon after a small model loads):
+    its exit code and what it wrote to stderr."""
+    import contextlib
+    import io
+
+    from strata.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main([str(a) for a in args])
+    return code, err.getvalue()
+
+
 def write_hf_drafter(path: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                      head_dim: int = 16, intermediate: int = 96, taps=(0, 2), target_hidden: int | None = None,
                      block_size: int = 8, mask_token_id: int = 255, num_target_layers: int = 3, vocab: int = 256,

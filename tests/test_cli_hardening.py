@@ -6,17 +6,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from strata.demo import DRAFTER as DEMO_DRAFTER
 from strata.engine.decode import Engine
 from strata.engine.runner import ModelRunner
 from strata.models.loader import load_target
+from strata.models.random_init import qwen3_config
+from strata.models.shapes import SHAPES
 
-from conftest import run_cli
+from conftest import cli, run_cli, write_byte_tokenizer, write_hf_drafter
 
 
 def test_context_past_the_model_is_refused_unless_allowed(qwen3_dir, tmp_path):
@@ -79,7 +84,7 @@ def test_threads_default_to_one_and_follow_the_user(qwen3_dir, tmp_path):
         assert r.returncode == 0, r.stderr
         assert json.loads(stats.read_text())["threads"] == want, (extra, omp)
     r = run_cli(*base, "--threads", "0")
-    assert r.returncode == 2 and "--threads must be >= 1" in r.stderr
+    assert r.returncode == 2 and "--threads must be between 1 and the" in r.stderr
 
 
 def test_the_context_end_is_reported(tmp_path):
@@ -152,3 +157,99 @@ def test_summary_of_one_token_and_the_round_split_on_the_cpu(tmp_path):
     data = json.loads(stats.read_text())
     assert data["rounds"] > 0 and data["draft_s"] > 0 and data["verify_s"] > 0
     assert data["draft_s"] + data["verify_s"] <= data["decode_s"]
+
+
+def test_an_output_never_replaces_a_device_a_fifo_or_a_link(tmp_path):
+    drafter = write_hf_drafter(tmp_path / "d")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    specials = {fifo: stat.S_ISFIFO}
+    device = tmp_path / "full"
+    try:  # /dev/full's numbers: a character device that is not the machine's own
+        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+        specials[device] = stat.S_ISCHR
+    except PermissionError:
+        pass
+    for path, kind in specials.items():
+        for args in (("generate", "--prompt-ids", "1,2", "--stats-json", path), ("gate", "--stats-json", path),
+                     ("bench", "--shape", "tiny", "--out", path), ("convert-dflash", drafter, path)):
+            code, err = cli(*args)
+            assert code == 2 and "which writing a file there would replace" in err, (args, err)
+            assert len(err.strip().splitlines()) == 1 and kind(os.lstat(path).st_mode), args
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    link.symlink_to(real)  # written through: the link stays, its target gets the statistics
+    code, err = cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--stats-json", link)
+    assert code == 0 and link.is_symlink() and json.loads(real.read_text())["new_tokens"] == 3, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["d", "link.json", "real.json", *[p.name for p in specials]])
+    for args in (("generate", "--prompt-ids", "1,2", "--stats-json", "/proc/strata.json"),
+                 ("gate", "--stats-json", "/sys/strata.json"), ("convert-dflash", drafter, "/proc/d.gguf")):
+        code, err = cli(*args)  # pseudo file systems take no new file: refused before the work, also for root
+        assert code == 2 and "cannot create a file in" in err, (args, err)
+
+
+def test_an_output_never_overwrites_the_commands_own_inputs(tmp_path, qwen3_dir):
+    model = shutil.copytree(qwen3_dir, tmp_path / "m")
+    drafter = write_hf_drafter(tmp_path / "d", taps=(0, 2))
+    write_byte_tokenizer(model, 256)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def quicksort(arr):")
+    os.link(prompt, tmp_path / "also-p.json")
+    before = {p: p.read_bytes() for folder in (model, drafter) for p in folder.iterdir()} | {prompt: prompt.read_bytes()}
+    for args in (("convert-dflash", drafter, drafter / "model.safetensors"),
+                 ("convert-dflash", drafter, model / "tokenizer.json", "--target", model),
+                 ("generate", "--model", model, "--prompt-ids", "1,2", "--stats-json", model / "config.json"),
+                 ("generate", "--prompt-file", prompt, "--stats-json", tmp_path / "also-p.json"),
+                 ("gate", "--model", model, "--dflash", drafter, "--stats-json", drafter / "tokenizer.json"),
+                 ("bench", "--model", model, "--out", model / "model.safetensors"),
+                 ("train-drafter", "--target", model, "--data", prompt, "--out", model),
+                 ("train-drafter", "--target", model, "--data", prompt, "--out", tmp_path)):
+        code, err = cli(*args)
+        assert code == 2 and "an input" in err and "would destroy it" in err, (args, err)
+    code, err = cli("init-random", model)
+    assert code == 2 and "not empty" in err and "--force" in err
+    assert {p: p.read_bytes() for p in before} == before
+    (model / "model.safetensors.index.json").write_text("{}")  # --force: the folder becomes the new model
+    code, err = cli("init-random", model, "--force", "--shape", "tiny")
+    assert code == 0 and "removed model.safetensors.index.json" in err
+    assert load_target(model).cfg.num_layers == 4 and not (model / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("generate", "def", "--tree", "100000"), "--tree 100000: a verify step of 100001 rows does not fit the "
+                                              "context of 2048 tokens"),
+    (("generate", "def", "--tree", "100000", "--max-model-len", "300000", "--allow-long-context"), "GiB, more than"),
+    (("generate", "def", "--spec", "8", "--max-model-len", "8"), "--spec 8: a verify step of 8 rows"),
+    (("generate", "def", "--threads", "100000"), "--threads must be between 1 and the"),
+    (("bench", "--shape", "tiny", "--runs", "0"), "--runs must be >= 1, got 0"),
+    (("bench", "--shape", "tiny", "--runs", "-1"), "--runs must be >= 1, got -1"),
+    (("bench", "--shape", "tiny", "--prompt-len", "5000"), "--prompt-len 5000 does not fit the context of 2048"),
+    (("bench", "--shape", "tiny", "--verify-windows", "4", "100000"), "--verify-windows 100000: a verify step"),
+    (("bench", "--shape", "tiny", "--drafter-layers", "1", "--tree", "8", "100000"), "--tree 100000: a verify step"),
+])
+def test_every_size_is_bounded_before_the_work(args, needle):
+    code, err = cli(*args)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_server_with_an_impossible_tree_is_refused_before_it_loads():
+    r = run_cli("serve", "--tree", "100000", "--port", "9", timeout=60)
+    assert r.returncode == 2 and "--tree 100000: a verify step of 100001 rows" in r.stderr
+
+
+def test_inputs_that_are_not_what_they_claim_get_one_clear_line(tmp_path, qwen3_dir):
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(DEMO_DRAFTER.read_bytes()[:3_000_000])
+    code, err = cli("generate", "def", "--dflash", truncated)
+    assert code == 2 and "cut.gguf: truncated at tensor 'blk." in err and "run past the end of the file" in err, err
+    for option in ("--dflash", "--model"):
+        code, err = cli("generate", "def", option, "/dev/null")
+        assert code == 2 and "/dev/null: is a character device (expected a" in err, err
+    code, err = cli("generate", "--model", qwen3_dir, "--prompt-ids", "1,2", "--stop-ids", "7,256")
+    assert code == 2 and "--stop-ids: token id 256 outside the vocabulary 0..255" in err, err
+    code, err = cli("generate", "--model", qwen3_dir, "--prompt-ids", "1,2", "--expert-cache", "64")
+    assert code == 2 and "--expert-cache: the target is a dense model" in err, err
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps(qwen3_config(**{**SHAPES["tiny-moe"], "mlp_only_layers": [1, 4]})))
+    code, err = cli("generate", "--model", moe, "--prompt-ids", "1,2")
+    assert code == 2 and "'mlp_only_layers' names layer 4, outside the model's 4 layers 0..3" in err, err

@@ -21,7 +21,7 @@ from strata.errors import StrataError
 from strata.models.loader import load_target
 from strata.tokenizer import Tokenizer as StrataTokenizer
 
-from conftest import run_cli, write_hf_drafter, write_hf_model
+from conftest import cli, run_cli, write_hf_drafter, write_hf_model
 from test_interop import random_blocks
 
 T = gguf.GGMLQuantizationType
@@ -308,6 +308,10 @@ def test_gguf_target_errors_reach_the_cli_in_one_line(checkpoints, monkeypatch, 
     r = run_cli("generate", "--model", huge, "--prompt-ids", "1,2")
     assert r.returncode == 2 and "a KV cache of 200000000 positions" in r.stderr and "--max-model-len" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    target = tmp_path / "target.gguf"  # a target's file given as the drafter is called what it is
+    write_gguf_target(target, hf["qwen3"], "qwen3")
+    code, err = cli("generate", "--model", hf["qwen3"], "--prompt-ids", "1,2", "--dflash", target)
+    assert code == 2 and "general.architecture is 'qwen3'" in err and "give it as --model" in err, err
 
 
 def spm_layout(user=()) -> tuple[list[str], list[float], list[int]]:

@@ -44,6 +44,30 @@ def refuse_unless_fits(num_layers: int, shape: tuple, device, dtype) -> StrataEr
     return too_big
 
 
+def step_bytes(cfg, rows: int, cells: int) -> int:
+    """Bytes one forward of `rows` rows over `cells` cells holds at its peak beyond the weights and the
+    cache, float32 where kernels upcast: the logits, one layer's attention scores, a tree's masks, and
+    the widest activations."""
+    width = max(3 * cfg.intermediate_size, 4 * cfg.hidden_size, 3 * cfg.num_heads * cfg.head_dim)
+    return 4 * rows * (cfg.vocab_size + cfg.num_heads * cells + width) + rows * (rows + cells)
+
+
+def refuse_rows_unless_fit(rows: int, what: str, cfg, max_len: int, device, dtype) -> None:
+    """A step of `rows` rows (a verify window, or a tree's nodes and its anchor) is refused before the
+    weights load when no round could run it (its rows take cells of the context after the prompt) or the
+    device could not hold it beside the cache."""
+    if rows >= max_len:
+        raise StrataError(f"{what}: a verify step of {rows} rows does not fit the context of {max_len} tokens "
+                          f"(its rows follow at least one prompt token; --max-model-len)")
+    cells = aligned_cells(max_len + rows)
+    cache = 2 * cfg.num_layers * cells * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    need = cache + step_bytes(cfg, rows, cells)
+    have = memory(torch.device(device))
+    if need > have:
+        raise StrataError(f"{what}: a verify step of {rows} rows and its cache need about {need / 2 ** 30:.1f} GiB, "
+                          f"more than the {have / 2 ** 30:.1f} GiB of {torch.device(device).type} memory")
+
+
 class KVCache:
     def __init__(self, num_layers: int, cells: int, kv_heads: int, head_dim: int, device, dtype,
                  batch: int | None = None):

@@ -19,7 +19,9 @@ def pair_spec(args, model: str | None = None):
     return PairSpec(model=model or args.model, device=args.device, dtype=args.dtype, dflash=args.dflash,
                     no_dflash=args.no_dflash, prompt_lookup=args.prompt_lookup, dflash_window=args.dflash_window,
                     expert_cache=getattr(args, "expert_cache", None),
-                    expert_placement=getattr(args, "expert_placement", "static"))
+                    expert_placement=getattr(args, "expert_placement", "static"),
+                    check_tensors=getattr(args, "check_tensors", False),
+                    stop_ids=tuple(parse_ids(args.stop_ids, "--stop-ids")) if getattr(args, "stop_ids", None) else ())
 
 
 def engine_config(args, window: int | None = None):
@@ -43,8 +45,13 @@ def sampling_params(args):
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
 
-def stop_ids(args, pair) -> set[int]:
-    return pair.stop_ids | set(parse_ids(args.stop_ids, "--stop-ids") if args.stop_ids else [])
+def inputs_of(args) -> list:
+    """What a command reads, which its outputs must not overwrite: the target and drafter (the demo pair's
+    when it runs) and the prompt files."""
+    from .engine.loader import resolve
+
+    model, drafter, _ = resolve(pair_spec(args))
+    return [model, drafter, getattr(args, "prompt_file", None), getattr(args, "prompts", None)]
 
 
 def load(args, drafter: bool = True, window: int | None = None, prompt=None):
@@ -79,14 +86,12 @@ def prompt_text(args) -> str | None:
 def cmd_generate(args) -> int:
     from .engine.decode import Engine
     from .engine.loader import text_tokenizer
-    from .files import check_output
     from .tokenizer import StreamDecoder
 
+    stats_json = args.stats_json and check_output(args.stats_json, what="--stats-json", inputs=inputs_of(args))
     text = prompt_text(args)
     params = sampling_params(args)
     engine_config(args).check_sampling(params)
-    if args.stats_json:
-        check_output(args.stats_json, what="--stats-json")
 
     def prompt(tokenizer, no_tokenizer: str) -> list[int]:
         if text is None:
@@ -114,7 +119,7 @@ def cmd_generate(args) -> int:
             first[0] = False
             sys.stdout.flush()
 
-    res = engine.generate(prompt_ids, args.max_new_tokens, stop_ids(args, pair), params, on_tokens=on_tokens)
+    res = engine.generate(prompt_ids, args.max_new_tokens, pair.stop_ids, params, on_tokens=on_tokens)
     sys.stdout.write((stream.finish() if tokenizer is not None and not args.ids else "") + "\n")
     sys.stdout.flush()
     stats = res.stats()
@@ -133,19 +138,27 @@ def cmd_generate(args) -> int:
         print(f"experts: the prompt's prefill moved {plan.moved} onto the device (--expert-placement prefill)",
               file=sys.stderr)
         stats["experts_moved"] = plan.moved
-    if args.stats_json:
+    if stats_json:
         import torch
 
-        write_json_atomic(Path(args.stats_json), {**stats, "threads": torch.get_num_threads()})
+        write_json_atomic(stats_json, {**stats, "threads": torch.get_num_threads()})
     return 0
 
 
 def cmd_init_random(args) -> int:
     from .models.random_init import write_random_model
 
-    check_output(args.out_dir, folder=True)
-    out = write_random_model(args.out_dir, shape=args.shape, seed=args.seed)
-    print(f"wrote a random {args.shape} model to {out}", file=sys.stderr)
+    out = check_output(args.out_dir, folder=True)
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise StrataError(f"{args.out_dir}: exists and is not empty (add --force to write the model there, "
+                          f"replacing its config.json and weights)")
+    stale = sorted(p for p in out.glob("*.safetensors*") if p.name != "model.safetensors") if out.is_dir() else []
+    for path in stale:  # other weights there would load in place of (or beside) the new ones
+        path.unlink()
+    if stale:
+        print(f"removed {', '.join(p.name for p in stale)}: weights of the model that was there", file=sys.stderr)
+    write_random_model(out, shape=args.shape, seed=args.seed)
+    print(f"wrote a random {args.shape} model to {args.out_dir}", file=sys.stderr)
     return 0
 
 
@@ -235,15 +248,14 @@ def cmd_gate(args) -> int:
     from .dflash.tools import gate, gate_report
     from .prompts import prompt_set
 
-    if args.stats_json:
-        check_output(args.stats_json, what="--stats-json")
+    stats_json = args.stats_json and check_output(args.stats_json, what="--stats-json", inputs=inputs_of(args))
     pair, config = dflash_pair(args)
     windows = args.spec_list or [pair.drafter.max_window]
     for w in windows:
         replace(config, window=w).window_for(pair.drafter)
     prompts = prompt_set(pair, args.prompt_ids, args.prompts)
     records = []
-    for rec in gate(pair.target, pair.drafter, prompts, windows, args.max_new_tokens, stop_ids(args, pair), config):
+    for rec in gate(pair.target, pair.drafter, prompts, windows, args.max_new_tokens, pair.stop_ids, config):
         records.append(rec)
         st = rec.dflash.acceptance
         print(f"prompt {rec.prompt} W={rec.window}: "
@@ -256,8 +268,8 @@ def cmd_gate(args) -> int:
               + " ".join(f"{p:.2f}" for p in agg["per_position_acceptance"]))
     print(f"gate: {'PASS' if report['failures'] == 0 else 'FAIL'} "
           f"({len(records) - report['failures']}/{len(records)} identical)")
-    if args.stats_json:
-        write_json_atomic(Path(args.stats_json), report)
+    if stats_json:
+        write_json_atomic(stats_json, report)
     return 0 if report["failures"] == 0 else 1
 
 
@@ -265,7 +277,7 @@ def cmd_train_drafter(args) -> int:
     from .dflash.train import TrainConfig, train
     from .engine.loader import PairSpec, load_pair
 
-    check_output(args.out, folder=True, what="--out")
+    check_output(args.out, folder=True, what="--out", inputs=[args.target, *args.data])
     pair = load_pair(PairSpec(model=args.target, device=args.device, dtype=args.dtype), drafter=False)
     pair.text_tokenizer("needed to read --data")
     tc = TrainConfig(layers=args.layers, block_size=args.block_size,
@@ -305,7 +317,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or ("strata-demo" if pair.using_demo else pair.model_dir.name)
     api_key = args.api_key or os.environ.get("STRATA_API_KEY") or None
     server = Server(engine, pair.tokenizer, ServerConfig(
-        name, stop_ids(args, pair), max_queue=args.max_queue, api_key=api_key, max_body_bytes=args.max_body_bytes,
+        name, pair.stop_ids, max_queue=args.max_queue, api_key=api_key, max_body_bytes=args.max_body_bytes,
         timeout=args.timeout, loopback=args.host in ("127.0.0.1", "localhost", "::1"), defaults=defaults))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"strata serve: model '{name}' ({engine.drafter.name} drafter, W={engine.window}) on "
@@ -324,28 +336,30 @@ def cmd_bench(args) -> int:
                       prompts=args.prompts, windows=tuple(args.verify_windows or ()))
     out = None
     if args.out is not None:  # both files checked before any timing
-        out = check_output(args.out, what="--out")
-        if out.suffix == ".png" or not out.name:
+        if Path(args.out).suffix == ".png" or not Path(args.out).name:
             raise StrataError(f"--out {args.out!r}: expected the JSON's file name (its plot goes beside it as .png)")
-        check_output(out.with_suffix(".png"), what="--out's plot")
+        inputs = inputs_of(args)
+        out = (check_output(args.out, what="--out", inputs=inputs),
+               check_output(Path(args.out).with_suffix(".png"), what="--out's plot", inputs=inputs))
     result = run_command(pair_spec(args), engine_config(args, args.spec), bench, "strata " + " ".join(sys.argv[1:]))
     for line in summary(result):
         print(line, file=sys.stderr)
     if out is not None:
-        write(result, out)
-        print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+        write(result, *out)
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}", file=sys.stderr)
     return 0
 def set_threads(args) -> None:
     """--threads, else OMP_NUM_THREADS (torch reads it), else one thread on the CPU and every core with a
     GPU (whose CPU work is the experts an expert cache leaves in host memory)."""
     threads = getattr(args, "threads", None)
-    if threads is not None and threads < 1:
-        raise StrataError(f"--threads must be >= 1, got {threads}")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads is not None and not 1 <= threads <= cpus:
+        raise StrataError(f"--threads must be between 1 and the {cpus} CPUs this process may use, got {threads}")
     if threads is None and (os.environ.get("OMP_NUM_THREADS") or not hasattr(args, "threads")):
         return
     import torch
 
-    torch.set_num_threads(threads or ((os.cpu_count() or 1) if getattr(args, "device", "cpu") == "cuda" else 1))
+    torch.set_num_threads(threads or (cpus if getattr(args, "device", "cpu") == "cuda" else 1))
 
 
 def one_line(e: Exception) -> str:

@@ -23,6 +23,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads (default: OMP_NUM_THREADS if set, else 1 on the CPU: on the CPUs measured, more "
                         "threads were no faster for models up to 0.7 GB and 4-6x slower while another process was "
                         "busy; every core with --device cuda, where they run the experts kept on the CPU)")
+    g.add_argument("--check-tensors", action="store_true",
+                   help="scan every weight for NaN / inf at load (quantized blocks: their scales), and refuse a "
+                        "model that has any")
     g.add_argument("--expert-cache", type=int, metavar="MIB",
                    help="mixture-of-experts targets: MiB of experts kept on the device, the rest in host memory run "
                         "by the CPU (0: every expert on the CPU; default: what the GPU has left after the other "
@@ -255,7 +258,9 @@ def build_parser(commands) -> argparse.ArgumentParser:
     tr.set_defaults(func=commands.cmd_train_drafter)
 
     r = sub.add_parser("init-random", help="write a random-weight model of a named shape (HF layout)")
-    r.add_argument("out_dir", help="the folder to write")
+    r.add_argument("out_dir", help="the folder to write (new or empty)")
+    r.add_argument("--force", action="store_true", help="write into a folder that is not empty, replacing its "
+                                                         "config.json and weights")
     r.add_argument("--shape", default="tiny", choices=list(SHAPES), help="the shape (default tiny)")
     r.add_argument("--seed", type=int, default=0, help="seed of the weights")
     r.set_defaults(func=commands.cmd_init_random)

@@ -88,15 +88,33 @@ def check_counts(path: Path) -> None:
         if n_kv * 16 > size or n_tensors * 24 > size:
             raise ArtifactError(f"{where}: header claims {n_tensors} tensors and {n_kv} metadata keys, "
                                 f"more than {size} bytes can hold")
+        alignment = 32
         for i in range(n_kv):
             key = take(u64(f"metadata key {i} length"), f"metadata key {i}").decode("utf-8", "replace")
-            value(value_type(u32(f"metadata '{key}' type"), f"metadata '{key}'"), f"metadata '{key}'")
+            vtype = value_type(u32(f"metadata '{key}' type"), f"metadata '{key}'")
+            if key == "general.alignment" and vtype == T.UINT32:
+                alignment = u32("general.alignment") or 1
+            else:
+                value(vtype, f"metadata '{key}'")
+        extents = []
         for i in range(n_tensors):
             name = take(u64(f"tensor {i} name length"), f"tensor {i} name").decode("utf-8", "replace")
             dims = u32(f"tensor '{name}' dimension count")
             if dims > 4:
                 raise ArtifactError(f"{where}: tensor '{name}' has {dims} dimensions, at most 4 allowed")
-            take(8 * dims + 12, f"tensor '{name}' info")
+            shape = struct.unpack(f"<{dims}Q", take(8 * dims, f"tensor '{name}' shape"))
+            qtype, offset = struct.unpack("<IQ", take(12, f"tensor '{name}' type and offset"))
+            extents.append((name, shape, qtype, offset))
+        start = -(-f.tell() // alignment) * alignment
+        for name, shape, qtype, offset in extents:
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+            except (ValueError, KeyError):
+                raise ArtifactError(f"{where}: tensor '{name}' has unknown type {qtype}") from None
+            nbytes = int(np.prod(shape, dtype=object)) // block * type_size
+            if start + offset + nbytes > size:
+                raise ArtifactError(f"{where}: truncated at tensor '{name}': its {nbytes} bytes at byte "
+                                    f"{start + offset} run past the end of the file ({size} bytes)")
 
 
 def field_value(field):
@@ -121,6 +139,10 @@ def read(path: Path) -> tuple[dict, list[TensorInfo]]:
     (loading a target reads its configuration, vocabulary and tensors)."""
     path = Path(path)
     if not path.is_file():
+        if path.exists():
+            from .files import kind_of
+
+            raise ArtifactError(f"{path}: is {kind_of(path.stat().st_mode)} (expected a GGUF file)")
         raise ArtifactError(f"{path}: no such file")
     try:
         stat = path.stat()

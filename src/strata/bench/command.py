@@ -12,7 +12,7 @@ import torch
 from ..engine.config import EngineConfig
 from ..engine.loader import PairSpec, load_drafter_for, load_pair, resolve
 from ..errors import StrataError
-from ..files import write_json_atomic
+from ..files import replacing, write_json_atomic
 from .plot import plot
 from .run import random_drafter, run_bench, sync, tree_sweep, verify_sweep
 
@@ -36,6 +36,8 @@ class BenchSpec:
     def __post_init__(self):
         if self.prompt_len < 1 or self.new_tokens < 1:
             raise StrataError("--prompt-len and --new-tokens must be >= 1")
+        if self.runs < 1:
+            raise StrataError(f"--runs must be >= 1, got {self.runs}")
         if self.quant is not None and self.shape is None:
             raise StrataError("--quant needs --shape (a GGUF model brings its own types: --model FILE.gguf)")
         if self.prompts is not None and (self.shape is not None or not self.trees):
@@ -46,13 +48,30 @@ class BenchSpec:
             raise StrataError(f"--verify-windows: windows must be >= 1, got {min(self.windows)}")
 
 
-def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command: str) -> dict:
-    from ..models.random_init import random_target
+def check_sizes(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, cfg) -> None:
+    """What the bench will run, against the target's config and the device's memory, before anything
+    loads: the prompt in the context, and each verify window's and tree's rows."""
+    from ..cache import refuse_rows_unless_fit
 
+    pair.check_for(cfg)
+    max_len = engine.context(cfg)
+    if bench.prompt is None and bench.prompt_len >= max_len:
+        raise StrataError(f"--prompt-len {bench.prompt_len} does not fit the context of {max_len} tokens")
+    asked = [(w, f"--verify-windows {w}") for w in bench.windows] + [(n + 1, f"--tree {n}") for n in bench.trees]
+    for rows, what in asked + ([engine.rows()] if engine.rows() else []):
+        refuse_rows_unless_fit(rows, what, cfg, max_len, pair.torch_device(), pair.torch_dtype())
+
+
+def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command: str) -> dict:
+    from ..models.loader import load_model_config
+    from ..models.random_init import random_target, shape_config
+
+    if bench.shape and pair.model:
+        raise StrataError("give --model or --shape, not both")
+    check_sizes(pair, engine, bench, shape_config(bench.shape)[1] if bench.shape else
+                load_model_config(resolve(pair)[0])[1])
     t0 = time.perf_counter()
     if bench.shape:
-        if pair.model:
-            raise StrataError("give --model or --shape, not both")
         target = random_target(bench.shape, device=pair.torch_device(), dtype=pair.torch_dtype(), quant=bench.quant)
         if pair.expert_cache is not None:  # random weights are made on the device: only a pinned budget moves some
             from ..models.placement import place_experts
@@ -107,9 +126,10 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     return result
 
 
-def write(result: dict, out: Path) -> None:
-    """The plot, then the JSON (atomically) beside it: a failing plot leaves no JSON that lacks it."""
-    plot(result, out.with_suffix(".png"))
+def write(result: dict, out: Path, png: Path) -> None:
+    """The plot, then the JSON (each atomically): a failing plot leaves no JSON that lacks it."""
+    with replacing(png) as tmp:
+        plot(result, tmp)
     write_json_atomic(out, result)
 
 

@@ -39,7 +39,8 @@ def load_artifact(path: str | Path) -> Artifact:
     if path.is_dir():
         return read_hf(path)
     if not path.exists():
-        raise ArtifactError(f"{path}: no such file or folder")
+        raise ArtifactError(f"{path}: no such file or folder (expected a DFlash drafter: a GGUF file or a "
+                            f"Hugging Face folder)")
     return read_gguf(path)
 
 

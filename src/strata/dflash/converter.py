@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..errors import ArtifactError, StrataError
-from ..files import check_output, umask_mode
+from ..files import check_output, replacing, umask_mode
 from ..gguf_vocab import for_target
 from . import contract as C
 from .artifact import Artifact, load_artifact
@@ -39,10 +39,10 @@ def convert_hf_to_gguf(src: str | Path, out: str | Path, target: str | Path | No
                        tokenizer_pre: str | None = None, progress: bool = True) -> Artifact:
     """The drafter in llama.cpp's layout, carrying the target's vocabulary: from `target` (a model folder
     with tokenizer.json, or a GGUF file), else from a tokenizer.json in the drafter's own folder."""
-    src, out = Path(src), Path(out)
+    src = Path(src)
     if not src.is_dir():
         raise StrataError(f"{src}: not a folder (expected a Hugging Face DFlash drafter)")
-    check_output(out)
+    out = check_output(out, inputs=[src, target])
     vocab_from = Path(target) if target else (src if (src / "tokenizer.json").is_file() else None)
     if vocab_from is None:
         raise StrataError(f"{src}: the drafter folder has no tokenizer.json; give the target model with --target "
@@ -58,8 +58,7 @@ def convert_hf_to_gguf(src: str | Path, out: str | Path, target: str | Path | No
                           f"{len(vocab.tokens)} tokens")
     cfg.vocab_size = len(vocab.tokens)
     expected = {name: stored(t) for name, t in art.tensors.items()}
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
+    with replacing(out) as tmp:
         write_gguf(tmp, cfg, art.tensors, vocab, name=src.name, progress=progress)
         back = read_gguf(tmp)
         if back.cfg != cfg:
@@ -67,10 +66,6 @@ def convert_hf_to_gguf(src: str | Path, out: str | Path, target: str | Path | No
         verify_same(expected, back, progress)
         if back.vocab is None or back.vocab.difference(vocab):
             raise ArtifactError(f"{out}: read-back vocabulary differs from {vocab_from}'s")
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     back.source = out
     return back
 
@@ -78,8 +73,8 @@ def convert_hf_to_gguf(src: str | Path, out: str | Path, target: str | Path | No
 def export_gguf_to_hf(src: str | Path, out_dir: str | Path, progress: bool = True) -> Artifact:
     """Any drafter Strata accepts, as the reference Hugging Face folder: each tensor in the dtype it was
     read in (BF16 and F32 as stored; quantized ones as their float32 dequantization)."""
-    src, out_dir = Path(src), Path(out_dir)
-    check_output(out_dir, folder=True)
+    src = Path(src)
+    out_dir = check_output(out_dir, folder=True, inputs=[src])
     if out_dir.exists() and any(out_dir.iterdir()):
         raise StrataError(f"{out_dir}: exists and is not empty")
     art = load_artifact(src)

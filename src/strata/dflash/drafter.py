@@ -98,5 +98,8 @@ class DFlashDrafter(Drafter):
         return Proposal(logits[1:].argmax(-1), logits[1:])
 
 
-def load_drafter(path: str | Path, target, window_cells: int = 32768, max_len: int | None = None) -> DFlashDrafter:
-    return DFlashDrafter(load_artifact(path), target, window_cells, max_len)
+def load_drafter(source: str | Path | Artifact, target, window_cells: int = 32768,
+                 max_len: int | None = None) -> DFlashDrafter:
+    """source: a drafter's path, or its artifact already read."""
+    art = source if isinstance(source, Artifact) else load_artifact(source)
+    return DFlashDrafter(art, target, window_cells, max_len)

@@ -164,6 +164,13 @@ def read_gguf(path: Path):
 
     where = str(path)
     kv, infos = gguf_file.read(path)
+    arch = kv.get("general.architecture")
+    if arch != C.ARCH:
+        from ..models.registry import families
+
+        targets = {f.gguf_arch for f in families().values()}
+        kind = " (a target model's file: give it as --model)" if arch in targets else ""
+        raise ArtifactError(f"{where}: general.architecture is {arch!r}, expected '{C.ARCH}'{kind}")
     names = [i.name for i in infos]
     C.refuse_variants(names, where)
     hf_names = {C.gguf_to_hf_name(n): n for n in names}

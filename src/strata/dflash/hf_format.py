@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ArtifactError, StrataError
 from ..models.config import read_json
-from ..models.loader import read_safetensors
+from ..models.loader import FLOAT_DTYPES, dtype_name, read_safetensors
 from . import contract as C
 
 
@@ -115,6 +115,9 @@ def read_hf(folder: Path):
         tensors = read_safetensors(folder)
     except StrataError as e:
         raise ArtifactError(str(e)) from None
+    if raw.get("quantization_config") is not None:
+        raise ArtifactError(f"{folder / 'config.json'}: quantization_config: quantized Hugging Face drafters are not "
+                            f"supported (a GGUF drafter may be quantized)")
     tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
     C.refuse_variants(tensors, where, raw.get("architectures"))
     fc = tensors.get("fc.weight")
@@ -125,6 +128,7 @@ def read_hf(folder: Path):
         t = tensors[name]
         if tuple(t.shape) != shape:
             raise ArtifactError(f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}")
-        if not t.dtype.is_floating_point:
-            raise ArtifactError(f"{where}: tensor '{name}' has dtype {t.dtype}, expected a float type")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ArtifactError(f"{where}: tensor '{name}' has dtype {dtype_name(t.dtype)}, expected float32, "
+                                f"bfloat16 or float16")
     return Artifact(cfg, tensors, folder, "hf", types={n: str(t.dtype).removeprefix("torch.") for n, t in tensors.items()})

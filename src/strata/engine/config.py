@@ -40,6 +40,13 @@ class EngineConfig:
         if self.tree is not None and self.tree < 1:
             raise StrataError(f"--tree must be >= 1, got {self.tree}")
 
+    def rows(self) -> tuple[int, str] | None:
+        """The verify step's rows the options fix before a drafter loads, and the option that sets them: a
+        tree's nodes and its anchor, or --spec W."""
+        if self.tree is not None:
+            return self.tree + 1, f"--tree {self.tree}"
+        return None if self.window is None else (self.window, f"--spec {self.window}")
+
     def check_sampling(self, params) -> None:
         """Tree verification is greedy: lossless sampling over a tree needs recursive rejection across
         siblings (SpecInfer), which Strata does not implement, so a sampled request is refused."""

@@ -19,7 +19,7 @@ from .drafter import Drafter
 from .runner import HostCopy, ModelRunner
 from .sampling import SamplingParams, process, sample
 from .stats import Acceptance
-from .verify import speculative_accept
+from .verify import NOT_FINITE, speculative_accept
 from .window_policy import WindowPolicy
 
 
@@ -84,6 +84,15 @@ def check_prompt(prompt_ids: list[int], max_len: int, vocab: int) -> None:
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise StrataError(f"prompt token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+
+
+def not_finite(pos: int, dtype: torch.dtype) -> StrataError:
+    """A decode stopped where the target's logits are NaN or inf (in the window from pos), and the likely
+    causes."""
+    overflow = "" if dtype == torch.float32 else \
+        f", or its activations overflow {str(dtype).removeprefix('torch.')} (try --dtype float32)"
+    return StrataError(f"the target's logits at position {pos} are not finite (NaN or inf): its weights hold "
+                       f"non-finite values (--check-tensors scans them at load){overflow}")
 
 
 class Engine:
@@ -153,6 +162,8 @@ class Engine:
         drafter observe it; the outcome and the round's clock marks. anchor: the round's first token."""
         runner = self.runner
         values = r.outcome.values()
+        if values[1] == NOT_FINITE:
+            raise not_finite(r.pos, self.target.dtype)
         outcome = RoundOutcome(values[0], values[1], values[2:], r.window)
         runner.cache.commit(r.pos + outcome.accepted + 1)
         marks = r.marks + [self._clock()]
@@ -205,6 +216,8 @@ class Engine:
         t0 = time.perf_counter()
         runner.reset()
         logits = runner.prefill(prompt_ids).logits
+        if not torch.isfinite(logits[-1].max()):
+            raise not_finite(len(prompt_ids) - 1, self.target.dtype)
         if params.greedy:
             anchor = int(logits[-1].argmax().item())
         else:

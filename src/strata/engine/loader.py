@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache import refuse_unless_fits
+from ..cache import refuse_rows_unless_fit, refuse_unless_fits
 from ..errors import StrataError
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
@@ -27,6 +27,8 @@ class PairSpec:
     dflash_window: int = 32768  # the drafter's attention window in context cells
     expert_cache: int | None = None  # MiB of experts on the device (models/placement.py); None: auto
     expert_placement: str = "static"  # which experts the device keeps (models/placement.py's PLACEMENTS)
+    check_tensors: bool = False  # scan every weight for NaN / inf at load
+    stop_ids: tuple[int, ...] = ()  # stop ids beyond those the model declares
 
     def __post_init__(self):
         if self.dflash and self.prompt_lookup is not None:
@@ -41,6 +43,15 @@ class PairSpec:
 
         if self.expert_placement not in PLACEMENTS:
             raise StrataError(f"--expert-placement must be one of {', '.join(PLACEMENTS)}, got {self.expert_placement!r}")
+
+    def check_for(self, cfg) -> None:
+        """The options that depend on the target, checked against its config before its weights load."""
+        if cfg.moe is None and (self.expert_cache is not None or self.expert_placement != "static"):
+            option = "--expert-cache" if self.expert_cache is not None else "--expert-placement"
+            raise StrataError(f"{option}: the target is a dense model (it has no experts to place)")
+        bad = [i for i in self.stop_ids if not 0 <= i < cfg.vocab_size]
+        if bad:
+            raise StrataError(f"--stop-ids: token id {bad[0]} outside the vocabulary 0..{cfg.vocab_size - 1}")
 
     def torch_device(self) -> str:
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -107,9 +118,18 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     model_dir, dflash, using_demo = resolve(spec)
     model_config = load_model_config(model_dir)  # a bad context length or vocabulary is refused
     cfg = model_config[1]
+    spec.check_for(cfg)
     max_len = engine.context(cfg)
     device = spec.torch_device()
     refuse_unless_fits(cfg.num_layers, (max_len, cfg.num_kv_heads, cfg.head_dim), device, spec.torch_dtype())
+    if engine.rows() is not None:
+        refuse_rows_unless_fit(*engine.rows(), cfg, max_len, device, spec.torch_dtype())
+    artifact = None
+    if drafter and dflash and spec.prompt_lookup is None:  # a drafter that cannot serve is refused first
+        from ..dflash.artifact import check_against_target, load_artifact
+
+        artifact = load_artifact(dflash)
+        check_against_target(artifact.cfg, cfg, str(artifact.source), artifact.vocab)
     tokenizer, no_tokenizer = tokenizer_of(model_dir)  # before the weights load
     prompt_ids = None
     if prompt is not None:
@@ -120,14 +140,21 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
 
     target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=lambda model: place_experts(
         model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement), model_config=model_config)
-    pair = Pair(target, tokenizer, None, model_dir, using_demo, declared_stop_ids(target, model_dir, tokenizer), no_tokenizer,
+    pair = Pair(target, tokenizer, None, model_dir, using_demo, declared_stop_ids(target, model_dir, tokenizer) | set(spec.stop_ids), no_tokenizer,
                 prompt_ids)
     if drafter:
-        pair.drafter = load_drafter_for(spec, target, engine, dflash)
+        pair.drafter = load_drafter_for(spec, target, engine, artifact or dflash)
+    if spec.check_tensors:
+        from ..models.loader import check_tensors
+
+        check_tensors(target, model_dir)
+        if getattr(pair.drafter, "model", None) is not None:
+            check_tensors(pair.drafter.model, dflash)
     return pair
 
 
-def load_drafter_for(spec: PairSpec, target, engine: EngineConfig, dflash: str | None):
+def load_drafter_for(spec: PairSpec, target, engine: EngineConfig, dflash):
+    """The drafter the spec names for a loaded target; dflash: a DFlash drafter's path or artifact."""
     if spec.prompt_lookup is not None:
         from .prompt_lookup import PromptLookupDrafter
 

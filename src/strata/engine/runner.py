@@ -18,7 +18,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from ..cache import aligned_cells
+from ..cache import aligned_cells, refuse_rows_unless_fit
 from ..errors import StrataError
 from ..layers import graph_breaks
 from ..layers.kernels import EAGER, TritonKernels, select_kernels
@@ -28,7 +28,7 @@ from ..models.placement import place_by_routing
 from .config import EngineConfig
 from .drafter import Commit, Drafter, DraftRequest, Proposal
 from .tree import Tree, build, walk
-from .verify import greedy_accept
+from .verify import finite_or_flagged, greedy_accept
 
 
 class CudaGraphs:
@@ -143,6 +143,8 @@ class ModelRunner:
         if cfg.adaptive_window and target.recurrent:
             raise StrataError("--adaptive-window: this target has linear-attention layers, whose states are kept "
                               "for a fixed window; drop --adaptive-window")
+        rows_set_by = cfg.rows()[1] if cfg.rows() is not None else f"the verify window {window}"
+        refuse_rows_unless_fit(self.rows, rows_set_by, target.cfg, self.max_len, dev, target.dtype)
         self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if spare else self.max_len,
                                        rows=self.rows)
         self.graphs = CudaGraphs(dev, enabled=cfg.graphs and cfg.static)
@@ -213,7 +215,7 @@ class ModelRunner:
     def advance(self, outcome: torch.Tensor) -> None:
         """The device's anchor and position moved past a round's outcome [a, next, ...] without the host:
         the next round can be launched before this one's outcome is read."""
-        self.anchor.copy_(outcome[1:2])
+        self.anchor.copy_(outcome[1:2].clamp_min(0))  # NOT_FINITE: a round that is never read
         self.pos.add_(outcome[:1] + 1)
 
     def draft(self, anchor: int, pos: int, n: int, kv_len: int) -> Proposal:
@@ -271,7 +273,8 @@ class ModelRunner:
             mask = (cells < self.pos)[None, :] | (in_tree[None, :] & tree.ancestors[:, rel])
             at = Step(self.pos + tree.depth, kv_len, self.kernels, cells=self.pos + self.offsets, masks={None: mask})
             out = self.target(tree.tokens, at, self.cache, self.drafter.tap_layers)
-            outcome = walk(tree, out.logits.argmax(-1), depths)
+            top, best = out.logits.max(-1)
+            outcome = finite_or_flagged(walk(tree, best, depths), torch.isfinite(top).all())
             path = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), outcome[2:]])
             # a path can be longer than a small tree has rows: its own range, not self.offsets
             src, dst = self.pos + path, self.pos + torch.arange(depths + 1, device=dev)

@@ -26,6 +26,8 @@ from ..layers.triton_kernels import pow2
 TOP_K = 8
 #: a prefix's score falls by at least this per depth, so ties never rank a node above its parent
 DEPTH_PENALTY = 1e-4
+#: the score of a step whose log-probability is NaN or -inf
+UNLIKELY = -1e30
 
 
 @dataclass
@@ -53,6 +55,9 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
     """anchor [1]; logits [D, V] the drafter's for depths 1..D; budget N nodes (at most largest_budget).
     fused: the Triton kernel (a CUDA device, or the interpreter)."""
     steps, idx = top_steps(logits, top_k)
+    # a drafter's NaN (its target's weights) or -inf scores: lowest, but finite, so that every node still
+    # scores below its parent and the chosen nodes keep their ancestors
+    steps = torch.nan_to_num(steps, nan=UNLIKELY, neginf=UNLIKELY)
     if fused:
         return _build_fused(anchor, steps, idx, budget)
     depths, k = steps.shape

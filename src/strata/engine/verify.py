@@ -10,14 +10,24 @@ import torch
 
 from .sampling import sample
 
+#: the `next` of an outcome whose target logits were not finite (NaN, or +inf): the decode loop stops there
+NOT_FINITE = -1
+
+
+def finite_or_flagged(outcome: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """outcome [a, next, ...] with next set to NOT_FINITE unless finite (a 0-d bool, on the device: the
+    flag travels with the round's one host read)."""
+    return torch.cat([outcome[:1], torch.where(finite, outcome[1:2], NOT_FINITE), outcome[2:]])
+
 
 def greedy_accept(target_logits: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """target_logits: [W, V] over [anchor, c1..c(W-1)]; candidates: [W-1]. The longest prefix of the
-    candidates equal to the target's argmax, then the target's own token after it."""
-    best = target_logits.argmax(-1)
+    candidates equal to the target's argmax, then the target's own token after it (NOT_FINITE where a
+    row's largest logit is NaN or inf: max propagates NaN)."""
+    top, best = target_logits.max(-1)
     n = candidates.shape[0]
     a = (candidates == best[:n]).to(torch.int64).cumprod(0).sum().view(1)
-    return torch.cat([a, best.gather(0, a), candidates])
+    return finite_or_flagged(torch.cat([a, best.gather(0, a), candidates]), torch.isfinite(top).all())
 
 
 def speculative_accept(p: torch.Tensor, candidates: torch.Tensor, q: torch.Tensor | None,
@@ -43,4 +53,4 @@ def speculative_accept(p: torch.Tensor, candidates: torch.Tensor, q: torch.Tenso
     residual = (p_a - q_rows.index_select(0, a)).clamp_min(0)
     # p == q on this row leaves an empty residual: then p itself is the right law
     residual = torch.where(residual.sum() > 0, residual, p_a)
-    return torch.cat([a, sample(residual, gen), candidates])
+    return finite_or_flagged(torch.cat([a, sample(residual, gen), candidates]), torch.isfinite(p.sum(-1)).all())

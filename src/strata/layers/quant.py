@@ -186,6 +186,16 @@ class QuantExperts:
         return qk.expert_matmul(x, self.data, self.qtype, self.data.shape[1] // (2 if glu else 1), ids, share, glu)
 
 
+def non_finite_blocks(qtype: int, data: torch.Tensor) -> int:
+    """Blocks of GGUF data whose float16 fields (the scales) are NaN or inf: the only values of a block of
+    the kernels' types that can be, their quants being integers."""
+    blocks = data.reshape(-1, qk.BLOCKS[qtype][1])
+    bad = torch.zeros(blocks.shape[0], dtype=torch.bool, device=data.device)
+    for at in _HALF_FIELDS[qtype][0]:
+        bad |= ~torch.isfinite(blocks[:, at:at + 2].contiguous().view(torch.float16).squeeze(-1))
+    return int(bad.sum())
+
+
 def replace_parameter(model: torch.nn.Module, name: str, weight) -> None:
     """Put a QuantWeight or QuantExperts where a parameter was (it is no tensor, so it lives as a plain
     attribute)."""

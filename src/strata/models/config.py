@@ -58,6 +58,7 @@ class ModelConfig:
     linear: LinearAttentionConfig | None = None
     checkpoint_prefix: str = "model."  # where the decoder's tensors sit ("model.language_model." in a VLM)
     gated_attention: bool = False
+    weight_block: tuple[int, int] | None = None  # a block-scaled FP8 checkpoint's block (models/loader.py)
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -206,6 +207,10 @@ def moe_from_hf(hf: dict, path, num_layers: int, renormalize: bool, shared: bool
         dense = hf.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in dense):
             raise StrataError(f"{path}: field 'mlp_only_layers' must be a list of layer indices, got {dense!r}")
+        outside = [n for n in dense if not 0 <= n < num_layers]
+        if outside:
+            raise StrataError(f"{path}: field 'mlp_only_layers' names layer {outside[0]}, outside the model's "
+                              f"{num_layers} layers 0..{num_layers - 1}")
         dense = set(dense)
         layers = [n for n in layers if n not in dense and (n + 1) % step == 0]
     return MoeConfig(experts, top_k, require(hf, "moe_intermediate_size", path), renormalize, layers,

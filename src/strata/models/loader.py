@@ -15,6 +15,13 @@ from .config import ModelConfig, read_json
 from .registry import Family, family_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: what a checkpoint's tensors may hold; other dtypes (int8, int32, bool, FP8 without its scales) are another
+#: format's and would decode garbage if cast
+FLOAT_DTYPES = tuple(DTYPES.values())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -75,6 +82,10 @@ def pack(tensors: dict[str, torch.Tensor], layout: dict[str, list[tuple[str, tup
                 raise StrataError(f"{source}: missing tensor '{name}' (expected shape {list(shape)})")
             if tuple(t.shape) != tuple(shape):
                 raise StrataError(f"{source}: tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}")
+            if t.dtype not in FLOAT_DTYPES:
+                raise StrataError(f"{source}: tensor '{name}' has dtype {dtype_name(t.dtype)}, expected float32, "
+                                  f"bfloat16 or float16 (quantized checkpoints load with their quantization_config: "
+                                  f"block-scaled FP8; or as GGUF files)")
             parts.append(t.to(dtype))
         state[param] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return state
@@ -98,7 +109,10 @@ def load_model_config(folder: str | Path) -> tuple[Family, ModelConfig]:
     if folder.is_file():
         return gguf_model(folder)[:2]
     if not folder.is_dir():
-        raise StrataError(f"{folder}: not a model folder or GGUF file")
+        from ..files import kind_of
+
+        found = f"is {kind_of(folder.stat().st_mode)}" if folder.exists() else "no such file or folder"
+        raise StrataError(f"{folder}: {found} (expected a model folder or GGUF file)")
     path = folder / "config.json"
     hf = read_json(path, "config.json")
     fam = family_for(hf, path)
@@ -108,10 +122,64 @@ def load_model_config(folder: str | Path) -> tuple[Family, ModelConfig]:
     if held is not None and isinstance(layers, int) and layers > held[0]:
         raise StrataError(f"{path}: num_hidden_layers is {layers}, but the checkpoint holds {held[0]} layers")
     cfg = fam.config(hf, path)
+    cfg.weight_block = weight_block(hf, path)
     if held is not None and cfg.moe is not None and held[1] and cfg.moe.experts > held[1]:
         raise StrataError(f"{path}: num_experts is {cfg.moe.experts}, but the checkpoint holds {held[1]} experts a "
                           f"layer")
     return fam, cfg
+
+
+def weight_block(hf: dict, path: Path) -> tuple[int, int] | None:
+    """A config.json's quantization_config: None without one, the [rows, cols] block of a block-scaled FP8
+    checkpoint (Qwen's and DeepSeek's: e4m3 weights, each block times its weight_scale_inv), refused
+    otherwise."""
+    qc = hf.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "fp8":
+        raise StrataError(f"{path}: quantization_config.quant_method {method!r} is not supported (Strata loads "
+                          f"unquantized checkpoints, block-scaled FP8 ('fp8' with weight_block_size), and GGUF files)")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise StrataError(f"{path}: quantization_config.weight_block_size must be [rows, cols] (block-scaled FP8; "
+                          f"per-tensor or per-channel FP8 is not supported), got {block!r}")
+    for key, want in (("fmt", "e4m3"), ("activation_scheme", "dynamic")):
+        if qc.get(key, want) != want:
+            raise StrataError(f"{path}: quantization_config.{key} {qc[key]!r} is not supported (expected {want!r})")
+    return block[0], block[1]
+
+
+def dequantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int] | None, source) -> dict:
+    """A block-scaled FP8 checkpoint's tensors with each e4m3 weight multiplied out by its weight_scale_inv
+    (one float per [rows, cols] block, the last blocks partial), in float32; the scales consumed. Tensors
+    the checkpoint left unquantized pass as they are."""
+    if block is None:
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            if name.removesuffix("_scale_inv") not in tensors:
+                raise StrataError(f"{source}: tensor '{name}' scales no tensor of the checkpoint")
+            continue
+        scale = tensors.get(name + "_scale_inv")
+        if t.dtype != torch.float8_e4m3fn:
+            if scale is not None:
+                raise StrataError(f"{source}: tensor '{name}' has a weight_scale_inv but dtype {dtype_name(t.dtype)}, "
+                                  f"expected float8_e4m3fn")
+            out[name] = t
+            continue
+        if scale is None:
+            raise StrataError(f"{source}: FP8 tensor '{name}' has no '{name}_scale_inv'")
+        grid = tuple(-(-n // b) for n, b in zip(t.shape, block)) if t.dim() == 2 else None
+        if grid is None or tuple(scale.shape) != grid or scale.dtype not in FLOAT_DTYPES:
+            raise StrataError(f"{source}: tensor '{name}_scale_inv' has shape {list(scale.shape)} and dtype "
+                              f"{dtype_name(scale.dtype)}, expected float scales of shape {list(grid or [])} "
+                              f"(one per {block[0]}x{block[1]} block of a 2-D weight)")
+        rows, cols = t.shape
+        expanded = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        out[name] = t.float() * expanded
+    return out
 
 
 def checkpoint_counts(folder: Path) -> tuple[int, int] | None:
@@ -178,8 +246,33 @@ def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float
         return load_gguf_target(path, device, dtype, torch.device(device).type == "cuda" if quantized is None
                                 else quantized, place)
     fam, cfg = model_config or load_model_config(path)
-    state = fam.finish(pack(read_safetensors(path), fam.hf_layout(cfg), dtype, path), cfg)
+    tensors = dequantize_fp8(read_safetensors(path), cfg.weight_block, path)
+    state = fam.finish(pack(tensors, fam.hf_layout(cfg), dtype, path), cfg)
     return instantiate(fam, cfg, state, device, place=place)
+
+
+def check_tensors(model: torch.nn.Module, where) -> None:
+    """--check-tensors (llama.cpp's name): every weight of a loaded model finite, its quantized matrices'
+    block scales included, or a one-line error naming the first one that is not."""
+    from ..layers.quant import QuantExperts, QuantWeight, non_finite_blocks
+
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        bad = sum(int((~torch.isfinite(flat[i:i + (1 << 24)])).sum()) for i in range(0, flat.numel(), 1 << 24))
+        if bad:
+            raise StrataError(f"{where}: --check-tensors: tensor '{name}' holds {bad} non-finite values (NaN or inf) "
+                              f"of {p.numel()}")
+    for path, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, QuantWeight):
+                bad = sum(non_finite_blocks(s.qtype, s.data) for s in value.segments)
+            elif isinstance(value, QuantExperts):
+                bad = non_finite_blocks(value.qtype, value.data)
+            else:
+                continue
+            if bad:
+                raise StrataError(f"{where}: --check-tensors: tensor '{path}.{attr}' holds {bad} quantized blocks "
+                                  f"whose scales are not finite (NaN or inf)")
 
 
 def unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:

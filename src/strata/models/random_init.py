@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..files import umask_mode
-from .loader import checkpoint_shapes, load_model_config
+from ..files import replacing
+from .loader import checkpoint_shapes
 from .registry import family_for
 from .shapes import SHAPES
 
@@ -35,8 +35,9 @@ def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = qwen3_config(**{**SHAPES[shape], **overrides})
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    fam, mcfg = load_model_config(out_dir)
+    where = out_dir / "config.json"
+    fam = family_for(cfg, where)
+    mcfg = fam.config(cfg, where)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shp in checkpoint_shapes(fam.hf_layout(mcfg)).items():
@@ -44,9 +45,18 @@ def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
             tensors[name] = torch.ones(shp, dtype=dtype)
         else:
             tensors[name] = (torch.randn(shp, generator=gen) * 0.02).to(dtype)
-    save_file(tensors, str(out_dir / "model.safetensors"))
-    umask_mode(out_dir / "model.safetensors")
+    with replacing(out_dir / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp))
+    with replacing(where) as tmp:
+        tmp.write_text(json.dumps(cfg, indent=2))
     return out_dir
+
+
+def shape_config(shape: str, **overrides):
+    """(family, config) of a named shape, without building it."""
+    hf = qwen3_config(**{**SHAPES[shape], **overrides})
+    fam = family_for(hf, Path(f"<random {shape}>"))
+    return fam, fam.config(hf, Path(f"<random {shape}>"))
 
 
 def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: int = 0, quant: str | None = None,
@@ -56,9 +66,7 @@ def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: 
     types that file type gives them, kept quantized on a GPU (or with quantized=True: the Triton kernels
     then run, in the interpreter on the CPU) and on the CPU dequantized by gguf's reference, as load_target
     keeps a GGUF file's."""
-    hf = qwen3_config(**{**SHAPES[shape], **overrides})
-    fam = family_for(hf, Path(f"<random {shape}>"))
-    cfg = fam.config(hf, Path(f"<random {shape}>"))
+    fam, cfg = shape_config(shape, **overrides)
     with torch.device("meta"):
         model = fam.build(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
