@@ -180,7 +180,8 @@ def test_an_output_never_replaces_a_device_a_fifo_or_a_link(tmp_path):
     link.symlink_to(real)  # written through: the link stays, its target gets the statistics
     code, err = cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--stats-json", link)
     assert code == 0 and link.is_symlink() and json.loads(real.read_text())["new_tokens"] == 3, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["d", "link.json", "real.json", *[p.name for p in specials]])
+    names = ["d", "link.json", "real.json", *(p.name for p in specials)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
     for args in (("generate", "--prompt-ids", "1,2", "--stats-json", "/proc/strata.json"),
                  ("gate", "--stats-json", "/sys/strata.json"), ("convert-dflash", drafter, "/proc/d.gguf")):
         code, err = cli(*args)  # pseudo file systems take no new file: refused before the work, also for root
@@ -194,7 +195,7 @@ def test_an_output_never_overwrites_the_commands_own_inputs(tmp_path, qwen3_dir)
     prompt = tmp_path / "p.txt"
     prompt.write_text("def quicksort(arr):")
     os.link(prompt, tmp_path / "also-p.json")
-    before = {p: p.read_bytes() for folder in (model, drafter) for p in folder.iterdir()} | {prompt: prompt.read_bytes()}
+    before = {p: p.read_bytes() for p in [*model.iterdir(), *drafter.iterdir(), prompt]}
     for args in (("convert-dflash", drafter, drafter / "model.safetensors"),
                  ("convert-dflash", drafter, model / "tokenizer.json", "--target", model),
                  ("generate", "--model", model, "--prompt-ids", "1,2", "--stats-json", model / "config.json"),

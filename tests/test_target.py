@@ -203,5 +203,5 @@ def test_non_finite_weights_stop_the_decode_with_an_error_and_check_tensors_find
     check_tensors(quantized, "q")
     segment = quantized.layers[2].mlp.down_proj.weight.segments[0]
     segment.data[7, 34:36] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # block 2 of row 7: d = +inf
-    with pytest.raises(StrataError, match="tensor .layers.2.mlp.down_proj.weight. holds 1 quantized blocks whose scales"):
+    with pytest.raises(StrataError, match="'layers.2.mlp.down_proj.weight' holds 1 quantized blocks whose scales"):
         check_tensors(quantized, "q")

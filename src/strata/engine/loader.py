@@ -140,8 +140,8 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
 
     target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=lambda model: place_experts(
         model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement), model_config=model_config)
-    pair = Pair(target, tokenizer, None, model_dir, using_demo, declared_stop_ids(target, model_dir, tokenizer) | set(spec.stop_ids), no_tokenizer,
-                prompt_ids)
+    stops = declared_stop_ids(target, model_dir, tokenizer) | set(spec.stop_ids)
+    pair = Pair(target, tokenizer, None, model_dir, using_demo, stops, no_tokenizer, prompt_ids)
     if drafter:
         pair.drafter = load_drafter_for(spec, target, engine, artifact or dflash)
     if spec.check_tensors:
