@@ -42,7 +42,7 @@ def test_bench_without_out_prints_and_writes_nothing(tmp_path):
 
 def test_plot_title_names_the_model_and_its_file_type():
     """A committed quantized bench's plot is titled with its --quant file type, not only the activations' dtype."""
-    committed = Path(__file__).parents[1] / "bench/results/bench-qwen3-8b-Q4_K_M-h100-47af468.json"
+    committed = Path(__file__).parents[1] / "bench/results/bench-qwen3-8b-Q4_K_M-h100-c02f3e3.json"
     result = json.loads(committed.read_text())
     assert title(result) == "qwen3-8b-Q4_K_M, 36L h4096, NVIDIA H100 80GB HBM3, bfloat16, prompt 512, 256 new, W=16"
     del result["model"]
