@@ -207,10 +207,9 @@ def test_bad_prompt_is_one_line_exit_2(qwen3_dir, args, needle):
 def test_a_bad_prompt_is_refused_before_the_weights_load(qwen3_dir, monkeypatch, capsys):
     """A prompt past the context, with an id outside the vocabulary, or text without a tokenizer is found
     from config.json and the tokenizer alone: the weights never load."""
-    from strata import cli
-    from strata.models import loader
+    from strata import cli, pair
 
-    monkeypatch.setattr(loader, "load_target", lambda *a, **k: pytest.fail("the weights were loaded"))
+    monkeypatch.setattr(pair, "load_target", lambda *a, **k: pytest.fail("the weights were loaded"))
     for args, needle in [(["--prompt-ids", ",".join(["1"] * 40), "--max-model-len", "32"], "does not fit the context"),
                          (["--prompt-ids", "1,999"], "outside the vocabulary"), (["hello"], "no tokenizer.json")]:
         assert cli.main(["generate", "--model", str(qwen3_dir), *args]) == 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from strata.dflash.drafter import load_drafter
-from strata.dflash.tools import LAYER_STAGES, run_parity
+from strata.checks.parity import LAYER_STAGES, run_parity
 from strata.models.loader import load_target
 from strata.engine.decode import Engine
 from strata.engine.drafter import Drafter, OracleDrafter, Proposal

@@ -280,7 +280,7 @@ V = gguf.GGUFValueType
 def test_gguf_targets_strata_cannot_run_are_refused_by_key(checkpoints, edit, needle, monkeypatch):
     """What the loader reads before the weights (the hyper-parameters and the vocabulary), each wrong value
     refused naming its key, as llama.cpp refuses the file."""
-    from strata.engine.loader import tokenizer_of
+    from strata.pair import tokenizer_of
     from strata.models.loader import load_model_config
 
     d, hf = checkpoints

@@ -79,7 +79,7 @@ def test_llama_cpp_layout_decodes_like_its_folder(tmp_path, matrix_type):
     assert gguf_target.cfg.moe == ref.cfg.moe
     placed = []
     if matrix_type == T.F32:  # every expert in host memory, then one on the device
-        from strata.engine.loader import PairSpec, load_pair
+        from strata.pair import PairSpec, load_pair
 
         placed = [load_pair(PairSpec(model=str(tmp_path / "t.gguf"), expert_cache=mib), drafter=False).target
                   for mib in (0, 1)]
@@ -147,7 +147,7 @@ def test_expert_cache_never_changes_the_output(tmp_path, capsys):
     """Every budget the CPU can exercise (none, part, all of the experts on the device) decodes exactly as
     transformers does, eager and static, with and without a drafter; generate reports the placement."""
     from strata.cli import main
-    from strata.engine.loader import PairSpec, load_pair
+    from strata.pair import PairSpec, load_pair
 
     path, hf = write_hf_model(tmp_path / "big", "qwen3_moe", seed=5, hidden_size=128, intermediate_size=256,
                               layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=1024,
@@ -181,7 +181,7 @@ def test_placement_by_prefill_routing(tmp_path, capsys):
     it (rebuilt from device and host stacks they equal the checkpoint's), later prefills move nothing, and
     the tokens stay transformers', eager and static, with DFlash too."""
     from strata.cli import main
-    from strata.engine.loader import PairSpec, load_pair
+    from strata.pair import PairSpec, load_pair
     from strata.models.placement import sparse_layers
 
     path, hf = write_hf_model(tmp_path / "big", "qwen3_moe", seed=5, hidden_size=128, intermediate_size=256,

@@ -251,7 +251,7 @@ def quick_gate(out: Path, prompts: list[str], device: str) -> dict:
     from tokenizers import Tokenizer
 
     from strata.dflash.drafter import load_drafter
-    from strata.dflash.tools import gate, gate_report
+    from strata.checks.gate import gate, gate_report
     from strata.engine.config import EngineConfig
     from strata.models.loader import load_target
 

@@ -14,7 +14,7 @@ from .prompts import parse_ids
 
 
 def pair_spec(args, model: str | None = None):
-    from .engine.loader import PairSpec
+    from .pair import PairSpec
 
     return PairSpec(model=model or args.model, device=args.device, dtype=args.dtype, dflash=args.dflash,
                     no_dflash=args.no_dflash, prompt_lookup=args.prompt_lookup, dflash_window=args.dflash_window,
@@ -48,7 +48,7 @@ def sampling_params(args):
 def inputs_of(args) -> list:
     """What a command reads, which its outputs must not overwrite: the target and drafter (the demo pair's
     when it runs) and the prompt files."""
-    from .engine.loader import resolve
+    from .pair import resolve
 
     model, drafter, _ = resolve(pair_spec(args))
     return [model, drafter, getattr(args, "prompt_file", None), getattr(args, "prompts", None)]
@@ -57,7 +57,7 @@ def inputs_of(args) -> list:
 def load(args, drafter: bool = True, window: int | None = None, prompt=None):
     """(pair, engine config) after every option was checked; prompt: load_pair's hook, so that the prompt is
     checked too before the weights load."""
-    from .engine.loader import load_pair
+    from .pair import load_pair
 
     config = engine_config(args, window)
     spec = pair_spec(args)
@@ -85,7 +85,7 @@ def prompt_text(args) -> str | None:
 
 def cmd_generate(args) -> int:
     from .engine.decode import Engine
-    from .engine.loader import text_tokenizer
+    from .pair import text_tokenizer
     from .tokenizer import StreamDecoder
 
     stats_json = args.stats_json and check_output(args.stats_json, what="--stats-json", inputs=inputs_of(args))
@@ -201,7 +201,7 @@ def dflash_pair(args, window: int | None = None):
 
 
 def cmd_parity(args) -> int:
-    from .dflash.tools import format_parity, run_parity
+    from .checks.parity import format_parity, run_parity
     from .prompts import prompt_set
 
     pair, config = dflash_pair(args, args.spec)
@@ -219,7 +219,7 @@ def cmd_parity(args) -> int:
 def cmd_taps(args) -> int:
     import numpy as np
 
-    from .dflash.tools import taps_check
+    from .checks.taps import taps_check
     from .engine.decode import Engine
     from .prompts import prompt_set
 
@@ -245,7 +245,7 @@ def cmd_taps(args) -> int:
 
 
 def cmd_gate(args) -> int:
-    from .dflash.tools import gate, gate_report
+    from .checks.gate import gate, gate_report
     from .prompts import prompt_set
 
     stats_json = args.stats_json and check_output(args.stats_json, what="--stats-json", inputs=inputs_of(args))
@@ -275,7 +275,7 @@ def cmd_gate(args) -> int:
 
 def cmd_train_drafter(args) -> int:
     from .dflash.train import TrainConfig, train
-    from .engine.loader import PairSpec, load_pair
+    from .pair import PairSpec, load_pair
 
     check_output(args.out, folder=True, what="--out", inputs=[args.target, *args.data])
     pair = load_pair(PairSpec(model=args.target, device=args.device, dtype=args.dtype), drafter=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..engine.config import EngineConfig
-from ..engine.loader import PairSpec, load_drafter_for, load_pair, resolve
+from ..pair import PairSpec, load_drafter_for, load_pair, resolve
 from ..errors import StrataError
 from ..files import replacing, write_json_atomic
 from .plot import plot

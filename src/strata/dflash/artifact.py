@@ -6,35 +6,17 @@ themselves live in hf_format.py and gguf_format.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from ..errors import ArtifactError
 from ..gguf_vocab import Vocab
 from . import contract as C
-
-
-@dataclass
-class Artifact:
-    cfg: C.DFlashConfig
-    tensors: dict[str, torch.Tensor]  # Hugging Face names; quantized GGUF tensors dequantized (float32)
-    source: Path
-    fmt: str  # "gguf" or "hf"
-    types: dict[str, str] = field(default_factory=dict)  # GGUF type names (GGUF files), else torch dtypes
-    vocab: Vocab | None = None  # the vocabulary a GGUF file carries
-    blocks: dict = field(default_factory=dict)  # quantized tensors' GGUF blocks: name -> (GGML type, uint8 rows)
-
-    @property
-    def parameter_count(self) -> int:
-        return sum(t.numel() for t in self.tensors.values())
+from .contract import Artifact
+from .gguf_format import read_gguf
+from .hf_format import read_hf
 
 
 def load_artifact(path: str | Path) -> Artifact:
-    from .gguf_format import read_gguf
-    from .hf_format import read_hf
-
     path = Path(path)
     if path.is_dir():
         return read_hf(path)

@@ -7,9 +7,14 @@ module reads names from here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
 
 from ..errors import ArtifactError
 from ..gguf_names import LAYER
+from ..gguf_vocab import Vocab
 
 ARCH = "dflash"
 
@@ -255,3 +260,26 @@ def check_tensor_set(names, expected: dict, where: str) -> None:
         if unexpected:
             parts.append(f"unexpected {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
         raise ArtifactError(f"{where}: expected exactly {len(expected)} tensors; " + "; ".join(parts))
+
+
+def f32(x: float) -> float:
+    """The shortest decimal that reads back as the same float32 (1e-06, not 9.99999997e-07): GGUF stores
+    float32, so both formats hold the values it can."""
+    return float(str(np.float32(x)))
+
+
+@dataclass
+class Artifact:
+    """A DFlash drafter as read from either format (artifact.load_artifact)."""
+
+    cfg: DFlashConfig
+    tensors: dict[str, torch.Tensor]  # Hugging Face names; quantized GGUF tensors dequantized (float32)
+    source: Path
+    fmt: str  # "gguf" or "hf"
+    types: dict[str, str] = field(default_factory=dict)  # GGUF type names (GGUF files), else torch dtypes
+    vocab: Vocab | None = None  # the vocabulary a GGUF file carries
+    blocks: dict = field(default_factory=dict)  # quantized tensors' GGUF blocks: name -> (GGML type, uint8 rows)
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(t.numel() for t in self.tensors.values())

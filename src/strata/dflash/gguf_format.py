@@ -15,7 +15,7 @@ from .. import gguf_file
 from ..errors import ArtifactError, StrataError
 from ..gguf_vocab import Vocab
 from . import contract as C
-from .hf_format import f32
+from .contract import Artifact, f32
 
 #: values whose GGUF form differs from the config's: (to GGUF, from GGUF)
 _CONVERT = {
@@ -160,8 +160,6 @@ def config_from_gguf(kv: dict, where: str, fc_in: int | None) -> C.DFlashConfig:
 
 
 def read_gguf(path: Path):
-    from .artifact import Artifact
-
     where = str(path)
     kv, infos = gguf_file.read(path)
     arch = kv.get("general.architecture")

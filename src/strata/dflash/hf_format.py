@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from ..errors import ArtifactError, StrataError
 from ..models.config import read_json
 from ..models.loader import FLOAT_DTYPES, dtype_name, read_safetensors
 from . import contract as C
+from .contract import Artifact, f32
 
 
 def _int(cfg: dict, key: str, where: str, default=None):
@@ -20,12 +19,6 @@ def _int(cfg: dict, key: str, where: str, default=None):
     if not isinstance(v, int) or isinstance(v, bool):
         raise ArtifactError(f"{where}: field '{key}' must be an integer, got {v!r}")
     return v
-
-
-def f32(x: float) -> float:
-    """The shortest decimal that reads back as the same float32 (1e-06, not 9.99999997e-07): GGUF stores
-    float32, so both formats hold the values it can."""
-    return float(str(np.float32(x)))
 
 
 def config_from_hf(cfg: dict, where: str, fc_shape: tuple | None = None) -> C.DFlashConfig:
@@ -107,8 +100,6 @@ def config_to_hf(cfg: C.DFlashConfig, dtype: str = "bfloat16") -> dict:
 
 
 def read_hf(folder: Path):
-    from .artifact import Artifact
-
     where = str(folder)
     try:
         raw = read_json(folder / "config.json", "config.json")

@@ -120,6 +120,9 @@ class HostCopy:
 
 
 class ModelRunner:
+    #: the parity check's stage probe (checks/parity.py's ProbedRunner sets one); None: the steps as served
+    probe = None
+
     def __init__(self, target, drafter: Drafter, cfg: EngineConfig, window: int):
         """window: the verify window W. In the static layout target-only decoding (W = 1) can run in
         windows of cfg.pad_rows rows, the anchor first and padding after: a GEMM row's result does not
@@ -128,7 +131,6 @@ class ModelRunner:
         target-only runs in the verify's shapes and DFlash output equals it token for token at any
         precision (on a GPU the extra rows are nearly free: the weights are streamed once either way)."""
         self.target, self.drafter, self.window = target, drafter, window
-        self.probe = None  # the parity tool's: sees every stage of the drafter's steps (never captured)
         self.max_len = cfg.context(target.cfg)
         self.static = cfg.static
         self.tree = cfg.tree  # tree verification: nodes per round (the anchor adds a row)

@@ -1,6 +1,6 @@
-"""One loader for a target + drafter pair, used by the CLI, the server, the bench and the tools: which
+"""One loader for a target + drafter pair, used by the CLI, the server, the bench and the checks: which
 model (the embedded demo pair when none is named), on which device and dtype, which drafter, and the
-stop ids the model declares."""
+stop ids the model declares. It sits above both the engine and the drafter formats."""
 
 from __future__ import annotations
 
@@ -10,10 +10,19 @@ from pathlib import Path
 
 import torch
 
-from ..cache import refuse_rows_unless_fit, refuse_unless_fits
-from ..errors import StrataError
-from ..tokenizer import Tokenizer
-from .config import EngineConfig
+from . import demo, gguf_file
+from .cache import refuse_rows_unless_fit, refuse_unless_fits
+from .dflash.artifact import check_against_target, load_artifact
+from .dflash.drafter import load_drafter
+from .engine.config import EngineConfig
+from .engine.decode import check_prompt
+from .engine.prompt_lookup import PromptLookupDrafter
+from .errors import StrataError
+from .gguf_vocab import UnsupportedVocab
+from .models.config import read_json, token_ids
+from .models.loader import check_tensors, load_model_config, load_target, parse_dtype
+from .models.placement import PLACEMENTS, place_experts
+from .tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -39,8 +48,6 @@ class PairSpec:
             raise StrataError(f"--dflash-window must be >= 1, got {self.dflash_window}")
         if self.expert_cache is not None and self.expert_cache < 0:
             raise StrataError(f"--expert-cache must be >= 0 MiB, got {self.expert_cache}")
-        from ..models.placement import PLACEMENTS
-
         if self.expert_placement not in PLACEMENTS:
             raise StrataError(f"--expert-placement must be one of {', '.join(PLACEMENTS)}, got {self.expert_placement!r}")
 
@@ -59,8 +66,6 @@ class PairSpec:
         return self.device
 
     def torch_dtype(self) -> torch.dtype:
-        from ..models.loader import parse_dtype
-
         if self.dtype == "auto":
             return torch.bfloat16 if self.device == "cuda" else torch.float32
         return parse_dtype(self.dtype)
@@ -94,8 +99,6 @@ def text_tokenizer(tokenizer: Tokenizer | None, no_tokenizer: str, why: str = "u
 
 def resolve(spec: PairSpec) -> tuple[Path, str | None, bool]:
     """(target folder, drafter path or None, whether it is the demo pair)."""
-    from .. import demo
-
     if spec.model:
         return Path(spec.model), None if spec.no_dflash else spec.dflash, False
     if not demo.available():
@@ -112,9 +115,6 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     against the target before any decoding starts. prompt: makes the prompt's ids from the tokenizer
     (None without one, and why); they are checked against the context and the vocabulary before the
     weights load, and kept as the pair's prompt_ids."""
-    from ..models.loader import load_model_config, load_target
-    from ..models.placement import place_experts
-
     model_dir, dflash, using_demo = resolve(spec)
     model_config = load_model_config(model_dir)  # a bad context length or vocabulary is refused
     cfg = model_config[1]
@@ -126,15 +126,11 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
         refuse_rows_unless_fit(*engine.rows(), cfg, max_len, device, spec.torch_dtype())
     artifact = None
     if drafter and dflash and spec.prompt_lookup is None:  # a drafter that cannot serve is refused first
-        from ..dflash.artifact import check_against_target, load_artifact
-
         artifact = load_artifact(dflash)
         check_against_target(artifact.cfg, cfg, str(artifact.source), artifact.vocab)
     tokenizer, no_tokenizer = tokenizer_of(model_dir)  # before the weights load
     prompt_ids = None
     if prompt is not None:
-        from .decode import check_prompt
-
         prompt_ids = prompt(tokenizer, no_tokenizer)
         check_prompt(prompt_ids, max_len, cfg.vocab_size)
 
@@ -145,8 +141,6 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     if drafter:
         pair.drafter = load_drafter_for(spec, target, engine, artifact or dflash)
     if spec.check_tensors:
-        from ..models.loader import check_tensors
-
         check_tensors(target, model_dir)
         if getattr(pair.drafter, "model", None) is not None:
             check_tensors(pair.drafter.model, dflash)
@@ -156,12 +150,8 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
 def load_drafter_for(spec: PairSpec, target, engine: EngineConfig, dflash):
     """The drafter the spec names for a loaded target; dflash: a DFlash drafter's path or artifact."""
     if spec.prompt_lookup is not None:
-        from .prompt_lookup import PromptLookupDrafter
-
         return PromptLookupDrafter(spec.prompt_lookup, device=target.device)
     if dflash:
-        from ..dflash.drafter import load_drafter
-
         return load_drafter(dflash, target, window_cells=spec.dflash_window, max_len=engine.context(target.cfg))
     return None
 
@@ -180,9 +170,6 @@ def tokenizer_of(model: Path) -> tuple[Tokenizer | None, str]:
     Strata cannot rebuild: the model still runs on token ids), None and why."""
     if model.is_dir():
         return Tokenizer.from_folder(model), f"{model}: no tokenizer.json"
-    from .. import gguf_file
-    from ..gguf_vocab import UnsupportedVocab
-
     try:
         return Tokenizer.from_gguf(gguf_file.read(model)[0], model), f"{model}: no vocabulary (tokenizer.ggml.*)"
     except UnsupportedVocab as e:
@@ -192,8 +179,6 @@ def tokenizer_of(model: Path) -> tuple[Tokenizer | None, str]:
 def declared_stop_ids(target, model_dir: Path, tokenizer: Tokenizer | None = None) -> set[int]:
     """EOS ids from config.json and generation_config.json; a GGUF file: tokenizer.ggml.eos/eot and the
     tokens its vocabulary ends generation at, as llama.cpp stops."""
-    from ..models.config import read_json, token_ids
-
     ids = set(target.cfg.eos_token_ids) | (tokenizer.end_ids if tokenizer is not None else set())
     gen_cfg = model_dir / "generation_config.json"
     if model_dir.is_dir() and gen_cfg.is_file():

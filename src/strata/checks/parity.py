@@ -1,5 +1,5 @@
-"""Correctness tools, each over the serving path (the model runner's steps and kernel set): stage parity
-of one proposal against the NumPy reference, the taps check, the greedy identity gate."""
+"""Stage parity: one DFlash proposal recorded stage by stage by the serving steps (a runner whose drafter
+steps carry a probe, never captured) and by the independent NumPy reference (reference.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..dflash.drafter import DFlashDrafter
+from ..dflash.model import hf_layout
 from ..engine.config import EngineConfig
-from ..engine.decode import Engine, GenerationResult
-from ..engine.drafter import Drafter
 from ..engine.runner import ModelRunner
-from ..engine.stats import Acceptance
-from ..layers.modules import Step
 from ..models.loader import unpack
-from .drafter import DFlashDrafter
-from .model import hf_layout
 from .reference import reference_proposal
 
 # The stages of a drafter layer the serving path exposes (q/k norm and RoPE run as one group, so the
@@ -68,13 +64,21 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().double().cpu().numpy()
 
 
+class ProbedRunner(ModelRunner):
+    """A model runner whose drafter steps show every stage to `probe(layer, stage, tensor)` (which may return
+    a changed tensor: a planted bug). It never captures (a probe must see each step run)."""
+
+    def __init__(self, target, drafter, config: EngineConfig, window: int, probe):
+        super().__init__(target, drafter, replace(config, graphs=False), window)
+        self.probe = probe
+
+
 def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug: tuple[int, str] | None = None,
                config: EngineConfig = EngineConfig()):
     """Prefill the target on the prompt, then one proposal recorded stage by stage, by the serving steps
     (run without graph capture, so the probe sees them) and by the reference. Returns (rows,
     first_divergence or None)."""
     target = drafter.target
-    runner = ModelRunner(target, drafter, replace(config, graphs=False), w)
     recorded: dict[tuple[int, str], np.ndarray] = {}
 
     def probe(layer, stage, t):
@@ -84,7 +88,7 @@ def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug:
         recorded[(layer, stage)] = _numpy(t)
         return t
 
-    runner.probe = probe
+    runner = ProbedRunner(target, drafter, config, w, probe)
     with torch.inference_mode():
         runner.reset()
         out = runner.prefill(prompt_ids)
@@ -122,93 +126,3 @@ def format_parity(rows: list[StageRow], first: str | None) -> str:
                      f"{'ok' if r.ok else 'FAIL'}{'  ' + r.note if r.note else ''}")
     lines.append(f"FIRST DIVERGENCE: {first or 'none'}")
     return "\n".join(lines)
-
-
-class _Taps(Drafter):
-    """A drafter that only asks for taps: the taps check's verify windows."""
-
-    def __init__(self, layers: list[int]):
-        self.tap_layers = layers
-
-
-@torch.inference_mode()
-def taps_check(target, tap_layers: list[int], seq: list[int], prefix: int, w: int,
-               config: EngineConfig = EngineConfig()):
-    """Cosine, per position, between taps from one prefill and taps from the serving path's verify
-    windows of w rows over a cache."""
-    n = len(seq)
-    full = target(torch.tensor(seq, device=target.device), Step(torch.arange(n, device=target.device), n),
-                  target.make_cache(n), tap_layers).taps
-    runner = ModelRunner(target, _Taps(tap_layers), replace(config, max_len=n + w), w)
-    runner.reset()
-    parts = [runner.prefill(seq[:prefix]).taps]
-    pos = prefix
-    while pos < n:
-        rows = min(w, n - pos)
-        chunk = seq[pos:pos + rows]
-        runner.start_round(chunk[0], pos)
-        cands = torch.tensor((chunk[1:] + [0] * w)[:w - 1], dtype=torch.long, device=target.device)
-        out, _, _ = runner.verify(cands, w, runner.kv_len(pos, w))
-        parts.append(out.taps[:rows])
-        pos += rows
-        runner.cache.commit(pos)
-    windowed = torch.cat(parts).float()
-    full = full.float()
-    cos = torch.nn.functional.cosine_similarity(windowed, full, dim=-1)
-    return cos.cpu().numpy(), float((windowed - full).abs().max())
-
-
-@dataclass
-class GateRecord:
-    prompt: int
-    window: int
-    identical: bool
-    first_difference: int | None
-    target_only: GenerationResult
-    dflash: GenerationResult
-
-    def row(self) -> dict:
-        st = self.dflash.stats()
-        return {"prompt": self.prompt, "window": self.window, "identical": self.identical,
-                "first_difference": self.first_difference, "tau": st["tau"], "acceptance_rate": st["acceptance_rate"],
-                "new_tokens": st["new_tokens"], "per_position_acceptance": st["per_position_acceptance"],
-                "accept_lengths": st["accept_lengths"]}
-
-
-def gate(target, drafter, prompts: list[list[int]], windows: list[int], max_new_tokens: int, stop_ids=frozenset(),
-         config: EngineConfig = EngineConfig()):
-    """Target-only vs DFlash greedy for every prompt and W, on the engines `config` describes. Yields a
-    GateRecord per (prompt, W).
-
-    In the static layout target-only runs padded to the verify's rows (W, or a tree's N+1; see ModelRunner),
-    so both sides round alike."""
-    base_engine = None if config.static else Engine(target, config=config, tree=None)
-    engines = {}
-    for i, prompt in enumerate(prompts):
-        base = None if config.static else base_engine.generate(prompt, max_new_tokens, stop_ids)
-        for w in windows:
-            if w not in engines:  # built once per W: on a GPU each holds its captured graphs
-                rows = w if config.tree is None else config.tree + 1  # the verify's rows
-                engines[w] = (Engine(target, config=config, pad_rows=rows, tree=None) if config.static else None,
-                              Engine(target, drafter, config=config, window=w))
-            padded, drafted = engines[w]
-            if config.static:
-                base = padded.generate(prompt, max_new_tokens, stop_ids)
-            res = drafted.generate(prompt, max_new_tokens, stop_ids)
-            same = res.output_ids == base.output_ids
-            first_diff = next((k for k, (a, b) in enumerate(zip(res.output_ids, base.output_ids)) if a != b),
-                              None if same else min(len(res.output_ids), len(base.output_ids)))
-            yield GateRecord(i, w, same, first_diff, base, res)
-
-
-def gate_report(records: list[GateRecord], prompts: int, max_new_tokens: int) -> dict:
-    """The gate's summary: failures, and tau and acceptance by position per window over all prompts (and the
-    tree's node budget when it verified trees)."""
-    by_window: dict[int, Acceptance] = {}
-    for rec in records:
-        by_window[rec.window] = by_window.get(rec.window, Acceptance()).merge(rec.dflash.acceptance)
-    return {"prompts": prompts, "max_new_tokens": max_new_tokens, "tree": records[0].dflash.tree if records else None,
-            "failures": sum(not r.identical for r in records),
-            "windows": {str(w): {"tau": a.tau, "rounds": a.rounds, "per_position_acceptance": a.per_position}
-                        for w, a in by_window.items()},
-            "records": [r.row() for r in records]}
