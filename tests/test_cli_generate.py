@@ -214,3 +214,29 @@ def test_a_bad_prompt_is_refused_before_the_weights_load(qwen3_dir, monkeypatch,
                          (["--prompt-ids", "1,999"], "outside the vocabulary"), (["hello"], "no tokenizer.json")]:
         assert cli.main(["generate", "--model", str(qwen3_dir), *args]) == 2
         assert needle in capsys.readouterr().err
+
+
+def test_the_layout_options_are_one_backend_and_setting_errors_name_the_options():
+    from argparse import Namespace
+
+    from strata.cli import FLAGS, backend
+    from strata.engine.config import EngineConfig
+    from strata.engine.prompt_lookup import PromptLookupDrafter
+    from strata.errors import SettingError, StrataError
+
+    def args(**kw):
+        return Namespace(**{"eager": False, "static": False, "no_graphs": False, "no_compile": False,
+                            "no_triton": False, "device": "cpu", **kw})
+
+    assert backend(args()) == "eager" and backend(args(device="cuda", eager=True)) == "eager"
+    assert backend(args(device="cuda")) == backend(args(static=True)) == "graphs+triton"
+    assert backend(args(device="cuda", no_triton=True)) == "graphs+compile"
+    assert backend(args(static=True, no_compile=True, no_triton=True)) == "graphs"  # the lowest named wins
+    assert backend(args(device="cuda", no_triton=True, no_graphs=True)) == "static"
+    for bad in (args(eager=True, static=True), args(device="cuda", eager=True, no_graphs=True), args(no_compile=True)):
+        with pytest.raises(StrataError):
+            backend(bad)
+    with pytest.raises(SettingError) as e:
+        EngineConfig(window=300).window_for(PromptLookupDrafter(3))
+    assert str(e.value) == "window 300: must be between 2 and the drafter's largest window 256"
+    assert e.value.named(FLAGS) == "--spec 300: must be between 2 and the drafter's largest window 256"

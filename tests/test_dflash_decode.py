@@ -204,14 +204,14 @@ def test_static_shapes_give_the_same_tokens(pair, w):
         dyn = Engine(target, load_drafter(drafter_dir, target, max_len=256), window=w, max_len=256).generate(
             prompts[n], 64)
         sta = Engine(target, load_drafter(drafter_dir, target, max_len=256), window=w, max_len=256,
-                     static=True).generate(prompts[n], 64)
+                     backend="static").generate(prompts[n], 64)
         assert sta.output_ids == dyn.output_ids == base[n]
         assert sta.accept_lengths == dyn.accept_lengths
-        oracle = Engine(target, OracleDrafter(prompts[n] + base[n], w), window=w, max_len=256, static=True)
+        oracle = Engine(target, OracleDrafter(prompts[n] + base[n], w), window=w, max_len=256, backend="static")
         assert oracle.generate(prompts[n], 64).output_ids == base[n]
-    target_only = Engine(target, max_len=256, static=True).generate(prompts[7], 64)
+    target_only = Engine(target, max_len=256, backend="static").generate(prompts[7], 64)
     assert target_only.output_ids == base[7]
-    short = Engine(target, load_drafter(drafter_dir, target, max_len=20), window=w, max_len=20, static=True)
+    short = Engine(target, load_drafter(drafter_dir, target, max_len=20), window=w, max_len=20, backend="static")
     assert short.generate(prompts[7], 64).output_ids == base[7][: 20 - 7 + 1]
 
 
@@ -221,7 +221,7 @@ def test_static_drafter_state_matches_dynamic(pair):
     sta_d = load_drafter(drafter_dir, target, max_len=256)
     dyn = Engine(target, dyn_d, window=6, max_len=256)
     dyn.generate(prompts[7], 40)
-    sta = Engine(target, sta_d, window=6, max_len=256, static=True)
+    sta = Engine(target, sta_d, window=6, max_len=256, backend="static")
     sta.generate(prompts[7], 40)
     n = dyn.runner.cache.length
     assert n == sta.runner.cache.length
@@ -243,8 +243,8 @@ def test_bfloat16_identity_in_matched_shapes():
     for i in (9, 15, 0):
         ids = tok.encode(prompts[i])
         drafted = Engine(target, load_drafter(demo.DRAFTER, target, max_len=512), max_len=512,
-                         static=True).generate(ids, 64)
-        padded = Engine(target, max_len=512, static=True, pad_rows=8).generate(ids, 64)
+                         backend="static").generate(ids, 64)
+        padded = Engine(target, max_len=512, backend="static", pad_rows=8).generate(ids, 64)
         assert drafted.output_ids == padded.output_ids, i
         assert padded.accept_lengths == [1] * len(padded.accept_lengths)
 
@@ -257,17 +257,17 @@ def test_grouped_attention_static_steps(pair):
     dyn = Engine(target, load_drafter(drafter_dir, target, max_len=400), window=8, max_len=400).generate(
         long_prompt, 64)
     for attention in ("sdpa", "grouped"):
-        sta = Engine(target, load_drafter(drafter_dir, target, max_len=400), window=8, max_len=400, static=True,
+        sta = Engine(target, load_drafter(drafter_dir, target, max_len=400), window=8, max_len=400, backend="static",
                      attention=attention).generate(long_prompt, 64)
         assert sta.output_ids == dyn.output_ids and sta.accept_lengths == dyn.accept_lengths
     for n in (1, 60):
         sdpa = Engine(target, load_drafter(drafter_dir, target, max_len=256), window=5, max_len=256,
-                      static=True).generate(prompts[n], 64)
+                      backend="static").generate(prompts[n], 64)
         grouped = Engine(target, load_drafter(drafter_dir, target, max_len=256), window=5, max_len=256,
-                         static=True, attention="grouped").generate(prompts[n], 64)
+                         backend="static", attention="grouped").generate(prompts[n], 64)
         assert grouped.output_ids == sdpa.output_ids == base[n]
         assert grouped.accept_lengths == sdpa.accept_lengths
-    assert Engine(target, max_len=256, static=True, attention="grouped").generate(prompts[7], 64).output_ids \
+    assert Engine(target, max_len=256, backend="static", attention="grouped").generate(prompts[7], 64).output_ids \
         == base[7]
 
 

@@ -231,7 +231,7 @@ def test_dflash_on_a_quantized_target_equals_target_only(checkpoints):
     prompt = [5, 17, 200, 31, 7]
     base = Engine(target, max_len=128).generate(prompt, 40).output_ids
     for static in (False, True):
-        res = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, static=static)
+        res = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, backend="static" if static else "eager")
         assert res.generate(prompt, 40).output_ids == base
 
 

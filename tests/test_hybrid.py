@@ -49,15 +49,15 @@ def test_greedy_equals_transformers(hybrid):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
         want = want[0, len(prompt):].tolist()
         assert Engine(target, max_len=128).generate(prompt, 40).output_ids == want, prompt
-        assert Engine(target, max_len=128, static=True).generate(prompt, 40).output_ids == want, prompt
+        assert Engine(target, max_len=128, backend="static").generate(prompt, 40).output_ids == want, prompt
 
 
 @pytest.mark.parametrize("static", [False, True])
 def test_rollback_at_every_acceptance_length(hybrid, static):
     _, _, target = hybrid
     for prompt in PROMPTS[:2]:
-        base = Engine(target, max_len=128, static=static, pad_rows=8).generate(prompt, 60)
-        res = Engine(target, Truncating(prompt + base.output_ids, 8, 256), max_len=128, static=static,
+        base = Engine(target, max_len=128, backend="static" if static else "eager", pad_rows=8).generate(prompt, 60)
+        res = Engine(target, Truncating(prompt + base.output_ids, 8, 256), max_len=128, backend="static" if static else "eager",
                      window=8).generate(prompt, 60)
         assert res.output_ids == base.output_ids
         assert res.accept_lengths[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
@@ -68,7 +68,7 @@ def test_target_only_rounds_run_one_ahead(hybrid):
     budget, one wasted at a stop token, and that round (it advanced the recurrent state) leaves the next
     generation as it was."""
     _, _, target = hybrid
-    engine = Engine(target, max_len=128, static=True)
+    engine = Engine(target, max_len=128, backend="static")
     launches = []
     verify = engine.runner.verify
     engine.runner.verify = lambda *a: launches.append(1) or verify(*a)
@@ -116,7 +116,7 @@ def test_moe_hybrids_and_a_vision_language_checkpoints_decoder(tmp_path):
         target = load_target(path)
         for prompt in PROMPTS[:2]:
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-            assert Engine(target, max_len=128, static=True).generate(prompt, 24).output_ids == \
+            assert Engine(target, max_len=128, backend="static").generate(prompt, 24).output_ids == \
                 want[0, len(prompt):].tolist(), path
     target = load_target(moe_dir)
     base = Engine(target, max_len=128).generate(PROMPTS[2], 40)
@@ -190,8 +190,8 @@ def test_rollback_through_fla_kernels_in_static_steps(hybrid, monkeypatch):
     real = fla_kernels.gated_delta_rule
     monkeypatch.setattr(fla_kernels, "gated_delta_rule", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prompt = PROMPTS[0]
-    base = Engine(target, max_len=64, static=True, pad_rows=4).generate(prompt, 11)
-    res = Engine(target, Truncating(prompt + base.output_ids, 4, 256), max_len=64, static=True,
+    base = Engine(target, max_len=64, backend="static", pad_rows=4).generate(prompt, 11)
+    res = Engine(target, Truncating(prompt + base.output_ids, 4, 256), max_len=64, backend="static",
                  window=4).generate(prompt, 11)
     assert res.output_ids == base.output_ids and res.accept_lengths[:4] == [1, 2, 3, 4]
     assert calls
@@ -207,7 +207,7 @@ def test_rollback_through_the_fused_deltanet_kernels_in_static_steps(hybrid, mon
 
     _, _, target = hybrid
     prompt = PROMPTS[0]
-    want = Engine(target, max_len=64, static=True, pad_rows=4).generate(prompt, 11).output_ids
+    want = Engine(target, max_len=64, backend="static", pad_rows=4).generate(prompt, 11).output_ids
     triton = TritonKernels(compiled=False)
     kernels = Kernels(attention="grouped", static=True)
     kernels.gated_delta_net = triton.gated_delta_net
@@ -215,6 +215,6 @@ def test_rollback_through_the_fused_deltanet_kernels_in_static_steps(hybrid, mon
     calls = []
     real = delta_kernels.gated_delta_net
     monkeypatch.setattr(delta_kernels, "gated_delta_net", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    res = Engine(target, Truncating(prompt + want, 4, 256), max_len=64, static=True, window=4).generate(prompt, 11)
+    res = Engine(target, Truncating(prompt + want, 4, 256), max_len=64, backend="static", window=4).generate(prompt, 11)
     assert res.output_ids == want and res.accept_lengths == [1, 2, 3, 4]
     assert len(calls) == 4 * len(target.cfg.linear.layers) and not triton._failed

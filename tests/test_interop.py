@@ -154,7 +154,7 @@ def test_quantized_drafters_load_as_gguf_dequantizes_and_decode_losslessly(pair,
     assert {art.types[n] for n in stored if stored[n].dim() == 2} == {qtype.name}
     res = Engine(target, load_drafter(path, target, max_len=256), max_len=256).generate(prompt, 48)
     assert res.output_ids == base
-    sampled = Engine(target, load_drafter(path, target, max_len=256), max_len=256, static=True)
+    sampled = Engine(target, load_drafter(path, target, max_len=256), max_len=256, backend="static")
     assert sampled.generate(prompt, 48).output_ids == base
 
     back = d / f"{qtype.name}-hf"

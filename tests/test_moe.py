@@ -48,7 +48,7 @@ def test_greedy_equals_transformers_eager_and_static(checkpoints, name):
     for prompt in PROMPTS:
         want = hf_greedy(hf, prompt, 40)
         assert Engine(target, max_len=128).generate(prompt, 40).output_ids == want, prompt
-        assert Engine(target, max_len=128, static=True).generate(prompt, 40).output_ids == want, prompt
+        assert Engine(target, max_len=128, backend="static").generate(prompt, 40).output_ids == want, prompt
 
 
 def test_dflash_and_prompt_lookup_equal_target_only(checkpoints, tmp_path):
@@ -57,9 +57,9 @@ def test_dflash_and_prompt_lookup_equal_target_only(checkpoints, tmp_path):
     drafter_dir = write_hf_drafter(tmp_path / "drafter", layers=2, taps=(0, 2), block_size=8, seed=4, scale=0.2)
     for static in (False, True):
         for prompt in PROMPTS:
-            base = Engine(target, max_len=128, static=static, pad_rows=8).generate(prompt, 48)
+            base = Engine(target, max_len=128, backend="static" if static else "eager", pad_rows=8).generate(prompt, 48)
             for drafter in (load_drafter(drafter_dir, target, max_len=128), PromptLookupDrafter(3)):
-                res = Engine(target, drafter, max_len=128, static=static, window=8).generate(prompt, 48)
+                res = Engine(target, drafter, max_len=128, backend="static" if static else "eager", window=8).generate(prompt, 48)
                 assert res.output_ids == base.output_ids, (static, drafter.name, prompt)
     tree = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, tree=16).generate(PROMPTS[0], 48)
     assert tree.output_ids == Engine(target, max_len=128).generate(PROMPTS[0], 48).output_ids
@@ -164,7 +164,7 @@ def test_expert_cache_never_changes_the_output(tmp_path, capsys):
         assert torch.equal(Engine(target, max_len=64).runner.prefill(PROMPTS[0]).logits, logits)  # bit for bit
         for prompt, ids in want.items():
             for static in (False, True):
-                assert Engine(target, max_len=64, static=static).generate(list(prompt), 24).output_ids == ids
+                assert Engine(target, max_len=64, backend="static" if static else "eager").generate(list(prompt), 24).output_ids == ids
             assert Engine(target, pair.drafter, max_len=64, window=8).generate(list(prompt), 24).output_ids == ids
     assert main(["generate", "--model", str(path), "--expert-cache", "3", "--prompt-ids", "3,99,14", "--max-new-tokens", "8",
                  "--ids"]) == 0
@@ -212,8 +212,8 @@ def test_placement_by_prefill_routing(tmp_path, capsys):
     assert all(moe.counts.equal(c) for moe, c in zip(sparse_layers(target), counts))  # counted once, then not
     want = hf_greedy(hf, prompt, 24)
     for static in (False, True):
-        assert Engine(target, max_len=64, static=static).generate(prompt, 24).output_ids == want
-        assert Engine(target, pair.drafter, max_len=64, static=static, window=8).generate(prompt, 24).output_ids == want
+        assert Engine(target, max_len=64, backend="static" if static else "eager").generate(prompt, 24).output_ids == want
+        assert Engine(target, pair.drafter, max_len=64, backend="static" if static else "eager", window=8).generate(prompt, 24).output_ids == want
     assert main(["generate", "--model", str(path), "--expert-cache", "3", "--expert-placement", "prefill",
                  "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "4", "--ids"]) == 0
     err = capsys.readouterr().err

@@ -252,8 +252,8 @@ def test_a_quantized_target_decodes_like_it_dequantized(tmp_path, monkeypatch):
     assert Engine(kept, max_len=64).generate(prompt, 8).output_ids == want
     drafter = write_hf_drafter(tmp_path / "d", layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64,
                                intermediate=256, taps=(0, 1), num_target_layers=2, vocab=320, mask_token_id=319)
-    spec = Engine(kept, load_drafter(drafter, kept, max_len=64), max_len=64, static=True, window=4)
-    assert spec.generate(prompt, 8).output_ids == Engine(kept, max_len=64, static=True, pad_rows=4).generate(
+    spec = Engine(kept, load_drafter(drafter, kept, max_len=64), max_len=64, backend="static", window=4)
+    assert spec.generate(prompt, 8).output_ids == Engine(kept, max_len=64, backend="static", pad_rows=4).generate(
         prompt, 8).output_ids
 
 
@@ -535,7 +535,7 @@ def test_quantized_experts_stay_in_their_blocks(q8_moe_file, monkeypatch):
 
     want, logits = choices(plain)
     tokens = Engine(plain, max_len=64).generate(prompt.tolist(), 4).output_ids
-    assert len(set(tokens)) > 1 and Engine(kept, max_len=64, static=True).generate(prompt.tolist(), 4).output_ids == tokens
+    assert len(set(tokens)) > 1 and Engine(kept, max_len=64, backend="static").generate(prompt.tolist(), 4).output_ids == tokens
     for mib, device in ((None, 8), (2, 8), (1, 5), (0, 0)):  # 8 experts of 0.2 MiB in Q8_0 (0.75 MiB as values)
         target = kept if mib is None else load_target(path, quantized=True,
                                                       place=lambda m: place_experts(m, "cpu", mib, 64))
@@ -549,7 +549,7 @@ def test_quantized_experts_stay_in_their_blocks(q8_moe_file, monkeypatch):
         if mib == 1:  # layer 0 keeps experts 0-2 in blocks, its expert 3 is values in host memory
             assert [moe.device_experts for moe in moes] == [3, 2]
             assert torch.equal(moes[0].host_down[0], sparse_layers(plain)[0].down_proj[3])
-            assert Engine(target, max_len=64, static=True).generate(prompt.tolist(), 2).output_ids == tokens[:2]
+            assert Engine(target, max_len=64, backend="static").generate(prompt.tolist(), 2).output_ids == tokens[:2]
         if mib != 2:
             got, got_logits = choices(target)
             assert got.equal(want) and rel(got_logits, logits) <= 0.05
@@ -572,7 +572,7 @@ def test_quantized_experts_move_by_prefill_and_a_mixed_layer_stays_values(q8_moe
     target = load_target(path, quantized=True, place=lambda m: place_experts(m, "cpu", 1, 64, by="prefill"))
     Engine(target, max_len=64).runner.prefill(prompt)  # blocks move on, the leaving experts' values off
     assert target.expert_plan.moved > 0
-    assert Engine(target, max_len=64, static=True).generate(prompt, 2).output_ids == tokens
+    assert Engine(target, max_len=64, backend="static").generate(prompt, 2).output_ids == tokens
     blocks = [(moe.gate_up_proj.data.clone(), moe.down_proj.data.clone()) for moe in sparse_layers(kept)]
     assert all(moe.host_blocks is None for moe in sparse_layers(target))  # let go once the experts moved
     real = loader.experts_in_blocks  # down experts of a type the kernels lack (a Q3_K_M file's gate/up): none kept

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import strata.engine.decode as decode_mod
+import strata.engine.acceptance as acceptance
 from strata.dflash.drafter import load_drafter
 from strata.errors import StrataError
 from strata.models.loader import load_target
@@ -93,7 +93,7 @@ def test_biased_acceptance_rule_fails_the_same_test(small, monkeypatch):
         n = candidates.shape[0]
         return torch.cat([torch.tensor([n]), torch.multinomial(p[n], 1, generator=gen), candidates])
 
-    monkeypatch.setattr(decode_mod, "speculative_accept", accept_always)
+    monkeypatch.setattr(acceptance, "speculative_accept", accept_always)
     dist = exact_first_three(target, PARAMS)
     engine = Engine(target, load_drafter(drafter_dir, target, max_len=32), window=3, max_len=32)
     runs = RUNS // 5  # its bias is gross: a fifth of the runs already exposes it (keeps the suite lean)

@@ -188,7 +188,7 @@ def test_non_finite_weights_stop_the_decode_with_an_error_and_check_tensors_find
     save_file(tensors, str(folder / "model.safetensors"))
     model = load_target(folder)
     drafter = write_hf_drafter(tmp_path / "d", taps=(0, 2), block_size=4)
-    for kw in (dict(), dict(static=True), dict(params=SamplingParams(0.8, seed=1)), dict(drafter=drafter),
+    for kw in (dict(), dict(backend="static"), dict(params=SamplingParams(0.8, seed=1)), dict(drafter=drafter),
                dict(drafter=drafter, tree=6)):
         d = kw.pop("drafter", None)
         params = kw.pop("params", SamplingParams())

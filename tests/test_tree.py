@@ -113,7 +113,7 @@ def test_greedy_identity_with_a_real_drafter_in_both_layouts(pair, budget):
     _, drafter_dir, target, prompt, base = pair
     for static in (False, True):
         res = Engine(target, load_drafter(drafter_dir, target, max_len=256), max_len=256, tree=budget,
-                     static=static).generate(prompt, 48)
+                     backend="static" if static else "eager").generate(prompt, 48)
         assert res.output_ids == base, (budget, static)
         assert res.stats()["nodes_verified"] == res.stats()["rounds"] * (budget + 1)
 
@@ -133,7 +133,7 @@ def test_acceptance_down_non_first_branches(pair, ranks, budget, static, monkeyp
     seq = prompt + base
     chain = Engine(target, RankedOracle(seq, 8, ranks, 256), max_len=256).generate(prompt, 48)
     oracle = RankedOracle(seq, 8, ranks, 256)
-    tree = Engine(target, oracle, max_len=256, tree=budget, static=bool(static)).generate(prompt, 48)
+    tree = Engine(target, oracle, max_len=256, tree=budget, backend="static" if static else "eager").generate(prompt, 48)
     assert chain.output_ids == tree.output_ids == base
     want = expected_lengths(oracle, budget)
     assert tree.accept_lengths[:-1] == want[:len(tree.accept_lengths) - 1]  # the last round may be cut
@@ -146,15 +146,15 @@ def test_acceptance_down_non_first_branches(pair, ranks, budget, static, monkeyp
 def test_what_a_tree_refuses(pair):
     _, drafter_dir, target, prompt, _ = pair
     engine = Engine(target, load_drafter(drafter_dir, target, max_len=256), max_len=256, tree=8)
-    with pytest.raises(StrataError, match="not supported with --tree"):
+    with pytest.raises(StrataError, match="not supported with tree"):
         engine.generate(prompt, 4, params=SamplingParams(0.8))
     from strata.engine.prompt_lookup import PromptLookupDrafter
 
-    with pytest.raises(StrataError, match="--tree needs a drafter that scores its candidates"):
+    with pytest.raises(StrataError, match="tree needs a drafter that scores its candidates"):
         Engine(target, PromptLookupDrafter(3), max_len=256, tree=8)
     with pytest.raises(StrataError, match="a tree of depth 1 holds at most 8 nodes"):
         Engine(target, load_drafter(drafter_dir, target, max_len=256), max_len=256, tree=9, window=2)
-    with pytest.raises(StrataError, match="--tree needs a drafter"):
+    with pytest.raises(StrataError, match="tree needs a drafter"):
         Engine(target, max_len=256, tree=8)
 
 

@@ -38,14 +38,14 @@ def test_adaptive_decoding_equals_target_only(qwen3_dir, tmp_path):
     drafter_dir = write_hf_drafter(tmp_path / "d", layers=1, taps=(0, 2), block_size=8, seed=3, scale=0.3)
     prompt = [3, 99, 14, 250, 8, 8, 41, 3, 99, 14]
     for static in (False, True):
-        want = Engine(target, max_len=128, static=static).generate(prompt, 40).output_ids
-        engine = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, static=static,
+        want = Engine(target, max_len=128, backend="static" if static else "eager").generate(prompt, 40).output_ids
+        engine = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, backend="static" if static else "eager",
                         adaptive_window=True)
         assert engine.generate(prompt, 40).output_ids == want, static
         assert all(n >= PROBES for n in engine.policy.seen.values())  # every window ran
-    with pytest.raises(StrataError, match="--adaptive-window and --tree"):
+    with pytest.raises(StrataError, match="adaptive_window and tree"):
         Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, adaptive_window=True, tree=4)
-    with pytest.raises(StrataError, match="--adaptive-window needs a drafter"):
+    with pytest.raises(StrataError, match="adaptive_window needs a drafter"):
         Engine(target, max_len=128, adaptive_window=True)
 
 

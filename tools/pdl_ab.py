@@ -72,7 +72,7 @@ def main() -> None:
     set_constants(args.set)
     target = random_target(args.shape, device="cuda", dtype=torch.bfloat16, quant=args.quant)
     prompt = torch.randint(0, target.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
-    opts = EngineConfig(static=True, max_len=512 + args.new_tokens + max(args.windows) + 1)
+    opts = EngineConfig(backend="graphs+triton", max_len=512 + args.new_tokens + max(args.windows) + 1)
     first: dict[int, list[int]] = {}
     rows: list[dict] = []
     knobs = [k.rsplit(".", 1) for k in args.knob or []]

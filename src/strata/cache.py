@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import StrataError
+from .errors import SettingError
 from .layers.modules import LayerKV
 
 CELL_ALIGN = 64
@@ -31,14 +31,14 @@ def memory(device: torch.device) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def refuse_unless_fits(num_layers: int, shape: tuple, device, dtype) -> StrataError:
+def refuse_unless_fits(num_layers: int, shape: tuple, device, dtype) -> SettingError:
     """A cache of these layers' K and V (each of `shape`, cells first or after the batch) is refused, not
     attempted, where the device lacks the memory: an overcommitting host would let the allocation through
     and kill the process while zeroing it. Returns the error to raise should the allocation fail anyway."""
     size = 2 * num_layers * torch.Size(shape).numel() * dtype.itemsize
     cells = shape[-3]
-    too_big = StrataError(f"a KV cache of {cells} positions ({size / 2 ** 30:.1f} GiB) does not fit in "
-                          f"{torch.device(device).type} memory; give a smaller --max-model-len")
+    too_big = SettingError(f"a KV cache of {cells} positions ({size / 2 ** 30:.1f} GiB) does not fit in "
+                           f"{torch.device(device).type} memory; give a smaller {{max_len}}")
     if size > memory(torch.device(device)):
         raise too_big
     return too_big
@@ -55,17 +55,18 @@ def step_bytes(cfg, rows: int, cells: int) -> int:
 def refuse_rows_unless_fit(rows: int, what: str, cfg, max_len: int, device, dtype) -> None:
     """A step of `rows` rows (a verify window, or a tree's nodes and its anchor) is refused before the
     weights load when no round could run it (its rows take cells of the context after the prompt) or the
-    device could not hold it beside the cache."""
+    device could not hold it beside the cache. what: the setting that asks for them (a SettingError
+    template)."""
     if rows >= max_len:
-        raise StrataError(f"{what}: a verify step of {rows} rows does not fit the context of {max_len} tokens "
-                          f"(its rows follow at least one prompt token; --max-model-len)")
+        raise SettingError(f"{what}: a verify step of {rows} rows does not fit the context of {max_len} tokens "
+                           f"(its rows follow at least one prompt token; {{max_len}})")
     cells = aligned_cells(max_len + rows)
     cache = 2 * cfg.num_layers * cells * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     need = cache + step_bytes(cfg, rows, cells)
     have = memory(torch.device(device))
     if need > have:
-        raise StrataError(f"{what}: a verify step of {rows} rows and its cache need about {need / 2 ** 30:.1f} GiB, "
-                          f"more than the {have / 2 ** 30:.1f} GiB of {torch.device(device).type} memory")
+        raise SettingError(f"{what}: a verify step of {rows} rows and its cache need about {need / 2 ** 30:.1f} "
+                           f"GiB, more than the {have / 2 ** 30:.1f} GiB of {torch.device(device).type} memory")
 
 
 class KVCache:

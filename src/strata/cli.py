@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .cli_options import build_parser
-from .errors import StrataError
+from .errors import SettingError, StrataError
 from .files import check_output, write_json_atomic
 from .prompts import parse_ids
 
@@ -24,16 +24,36 @@ def pair_spec(args, model: str | None = None):
                     stop_ids=tuple(parse_ids(args.stop_ids, "--stop-ids")) if getattr(args, "stop_ids", None) else ())
 
 
+#: the options that set each EngineConfig field, as its errors are printed (SettingError)
+FLAGS = {"max_len": "--max-model-len", "allow_long_context": "--allow-long-context", "window": "--spec",
+         "tree": "--tree", "adaptive_window": "--adaptive-window", "draft_sampling": "--draft-sampling",
+         "attention": "--attention", "backend": "--eager/--static/--no-graphs/--no-compile/--no-triton",
+         "verify_windows": "--verify-windows", "pad_rows": "pad_rows"}
+
+
+def backend(args) -> str:
+    """The layout options as one backend: the fixed-shape layout with --static and by default on a GPU, fused
+    as far as the --no-* options allow (the lowest they name wins)."""
+    lowered = [name for flag, name in (("no_graphs", "static"), ("no_compile", "graphs"),
+                                       ("no_triton", "graphs+compile")) if getattr(args, flag)]
+    if args.eager:
+        if args.static or lowered:
+            raise StrataError("--eager runs without the fixed-shape layout: it takes no --static or --no-* option")
+        return "eager"
+    if not (args.static or args.device == "cuda"):
+        if lowered:
+            raise StrataError("--no-graphs, --no-compile and --no-triton lower the fixed-shape layout: give "
+                              "--static (on the CPU) or --device cuda")
+        return "eager"
+    return lowered[0] if lowered else "graphs+triton"
+
+
 def engine_config(args, window: int | None = None):
-    """The EngineConfig the options describe: the fixed-shape (CUDA-graph) layout when asked for with
-    --static, and by default on a GPU."""
+    """The EngineConfig the options describe."""
     from .engine.config import EngineConfig
 
-    if args.static and args.eager:
-        raise StrataError("--static and --eager are mutually exclusive")
     return EngineConfig(max_len=args.max_model_len, allow_long_context=args.allow_long_context, window=window,
-                        static=args.static or (args.device == "cuda" and not args.eager), graphs=not args.no_graphs,
-                        compile=not args.no_compile, triton=not args.no_triton, attention=args.attention,
+                        backend=backend(args), attention=args.attention,
                         draft_sampling=getattr(args, "draft_sampling", "sample"),
                         adaptive_window=getattr(args, "adaptive_window", False),
                         tree=args.tree if isinstance(args.tree, int) else None)
@@ -318,7 +338,8 @@ def cmd_serve(args) -> int:
     api_key = args.api_key or os.environ.get("STRATA_API_KEY") or None
     server = Server(engine, pair.tokenizer, ServerConfig(
         name, pair.stop_ids, max_queue=args.max_queue, api_key=api_key, max_body_bytes=args.max_body_bytes,
-        timeout=args.timeout, loopback=args.host in ("127.0.0.1", "localhost", "::1"), defaults=defaults))
+        timeout=args.timeout, loopback=args.host in ("127.0.0.1", "localhost", "::1"), defaults=defaults,
+        setting_names=FLAGS))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"strata serve: model '{name}' ({engine.drafter.name} drafter, W={engine.window}) on "
           f"http://{args.host}:{args.port}{'' if api_key is None else ' (API key required)'}", file=sys.stderr,
@@ -373,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         set_threads(args)
         return args.func(args)
+    except SettingError as e:
+        print(f"strata: error: {one_line(e.named(FLAGS))}", file=sys.stderr)
+        return 2
     except StrataError as e:
         print(f"strata: error: {one_line(e)}", file=sys.stderr)
         return 2

@@ -12,3 +12,21 @@ class StrataError(Exception):
 
 class ArtifactError(StrataError):
     """A DFlash drafter artifact (GGUF or Hugging Face folder) that fails validation."""
+
+
+class SettingError(StrataError):
+    """An engine setting that does not fit the model, the drafter or the other settings. The message names
+    settings by their EngineConfig fields in braces ("{window} 9: ..."): read as the field names by default,
+    and as a front end's own names where it renders them (the CLI's flags: `named(cli.FLAGS)`)."""
+
+    def __init__(self, template: str, param: str | None = None):
+        self.template = template
+        super().__init__(self.named({}), param)
+
+    def named(self, names: dict[str, str]) -> str:
+        return self.template.format_map(_Names(names))
+
+
+class _Names(dict):
+    def __missing__(self, key: str) -> str:
+        return key

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from . import demo, gguf_file
-from .cache import refuse_rows_unless_fit, refuse_unless_fits
 from .dflash.artifact import check_against_target, load_artifact
 from .dflash.drafter import load_drafter
 from .engine.config import EngineConfig
@@ -119,11 +118,8 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     model_config = load_model_config(model_dir)  # a bad context length or vocabulary is refused
     cfg = model_config[1]
     spec.check_for(cfg)
-    max_len = engine.context(cfg)
     device = spec.torch_device()
-    refuse_unless_fits(cfg.num_layers, (max_len, cfg.num_kv_heads, cfg.head_dim), device, spec.torch_dtype())
-    if engine.rows() is not None:
-        refuse_rows_unless_fit(*engine.rows(), cfg, max_len, device, spec.torch_dtype())
+    max_len = engine.check_before_load(cfg, device, spec.torch_dtype())
     artifact = None
     if drafter and dflash and spec.prompt_lookup is None:  # a drafter that cannot serve is refused first
         artifact = load_artifact(dflash)

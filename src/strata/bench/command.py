@@ -54,11 +54,11 @@ def check_sizes(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, cfg) -> 
     from ..cache import refuse_rows_unless_fit
 
     pair.check_for(cfg)
-    max_len = engine.context(cfg)
+    max_len = engine.check_before_load(cfg, pair.torch_device(), pair.torch_dtype())
     if bench.prompt is None and bench.prompt_len >= max_len:
         raise StrataError(f"--prompt-len {bench.prompt_len} does not fit the context of {max_len} tokens")
-    asked = [(w, f"--verify-windows {w}") for w in bench.windows] + [(n + 1, f"--tree {n}") for n in bench.trees]
-    for rows, what in asked + ([engine.rows()] if engine.rows() else []):
+    asked = [(w, f"{{verify_windows}} {w}") for w in bench.windows] + [(n + 1, f"{{tree}} {n}") for n in bench.trees]
+    for rows, what in asked:
         refuse_rows_unless_fit(rows, what, cfg, max_len, pair.torch_device(), pair.torch_dtype())
 
 

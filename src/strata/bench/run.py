@@ -252,7 +252,7 @@ def _device_us(event) -> float:
 
 def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, config: EngineConfig = EngineConfig(),
               runs: int = 3, hf_modes: tuple = ("eager",), startup: dict | None = None, profile: bool = False) -> dict:
-    """config.static: the fixed-shape layout (CUDA graphs on a GPU unless graphs=False). Target-only is
+    """config.backend: eager, or the fixed-shape layout (CUDA graphs on a GPU unless "static"). Target-only is
     measured as a 1-row decode and, in the static layout, also padded to W rows: the identity
     reference for DFlash in bfloat16 and the cost of a verify window. When Strata's Triton kernels are in
     use, target-only is also measured with torch.compile's kernels alone, in the same run."""
@@ -294,7 +294,7 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
     reference = base
     engines = {"target_only": base_engine}
     if result["triton_kernels"]:
-        plain = timed_runs(Engine(target, config=opts, triton=False), prompt, new_tokens, runs)
+        plain = timed_runs(Engine(target, config=opts, backend="graphs+compile"), prompt, new_tokens, runs)
         plain["identical_to_target_only"] = plain.pop("output_ids") == base["output_ids"]
         result["target_only_without_triton"] = plain
     if static and window > 1:

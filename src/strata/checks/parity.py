@@ -69,7 +69,8 @@ class ProbedRunner(ModelRunner):
     a changed tensor: a planted bug). It never captures (a probe must see each step run)."""
 
     def __init__(self, target, drafter, config: EngineConfig, window: int, probe):
-        super().__init__(target, drafter, replace(config, graphs=False), window)
+        config = replace(config, backend="static" if config.static else "eager")
+        super().__init__(target, drafter, config, config.plan(target, window))
         self.probe = probe
 
 

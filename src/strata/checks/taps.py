@@ -28,7 +28,8 @@ def taps_check(target, tap_layers: list[int], seq: list[int], prefix: int, w: in
     n = len(seq)
     full = target(torch.tensor(seq, device=target.device), Step(torch.arange(n, device=target.device), n),
                   target.make_cache(n), tap_layers).taps
-    runner = ModelRunner(target, _Taps(tap_layers), replace(config, max_len=n + w), w)
+    config = replace(config, max_len=n + w)
+    runner = ModelRunner(target, _Taps(tap_layers), config, config.plan(target, w))
     runner.reset()
     parts = [runner.prefill(seq[:prefix]).taps]
     pos = prefix

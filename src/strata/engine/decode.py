@@ -14,12 +14,12 @@ import torch
 
 from ..errors import StrataError
 from ..models.decoder import ForwardOut
+from .acceptance import NOT_FINITE, acceptor
 from .config import EngineConfig
 from .drafter import Drafter
 from .runner import HostCopy, ModelRunner
 from .sampling import SamplingParams, process, sample
 from .stats import Acceptance
-from .verify import NOT_FINITE, speculative_accept
 from .window_policy import WindowPolicy
 
 
@@ -103,9 +103,9 @@ class Engine:
         self.config = replace(config or EngineConfig(), **overrides)
         self.target = target
         self.drafter = drafter or Drafter()
-        self.window = self.config.window_for(drafter)
-        self.max_len = self.config.context(target.cfg)
-        self.runner = ModelRunner(target, self.drafter, self.config, self.window)
+        plan = self.config.resolve(target, drafter)
+        self.window, self.max_len = plan.window, plan.max_len
+        self.runner = ModelRunner(target, self.drafter, self.config, plan)
         self.policy = WindowPolicy(self.window) if self.config.adaptive_window else None
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -131,9 +131,10 @@ class Engine:
             return sample(q, gen), q
         return proposal.tokens, None
 
-    def _launch(self, anchor: int | None, pos: int, params: SamplingParams, gen) -> Launched:
+    def _launch(self, anchor: int | None, pos: int, params: SamplingParams, gen, accept) -> Launched:
         """A round at pos enqueued: propose, verify, and its outcome's copy to the host, nothing waited for.
-        anchor None: the device already holds it (runner.advance after the round before)."""
+        anchor None: the device already holds it (runner.advance after the round before). accept: the
+        request's acceptor."""
         runner = self.runner
         started = time.perf_counter()
         w = runner.window_at(pos)
@@ -150,11 +151,7 @@ class Engine:
         else:
             cands, q = self._draft(anchor, pos, w - 1, kv_len, params, gen)
             marks.append(self._clock())
-            out, positions, greedy = runner.verify(cands, w, kv_len)
-            if params.greedy:
-                packed = greedy
-            else:
-                packed = speculative_accept(process(out.logits[:w], params), runner.candidates[:w - 1], q, gen)
+            out, positions, packed = runner.verify(cands, w, kv_len, accept, q)
         return Launched(pos, w, kv_len, out, positions, HostCopy(packed), started, marks)
 
     def _finish(self, r: Launched, anchor: int) -> tuple[RoundOutcome, list[float]]:
@@ -192,6 +189,7 @@ class Engine:
                                acceptance=Acceptance(drafted=[0] * (self.window - 1),
                                                      accepted=[0] * (self.window - 1)))
         gen = None if params.greedy else params.generator(self.target.device)
+        accept = acceptor(params, gen)
         room = self.max_len + 1 - len(prompt_ids)  # the context's end
         budget = min(max_new_tokens, room)
 
@@ -240,11 +238,11 @@ class Engine:
                 if pos >= self.max_len:
                     res.finish_reason, res.limit = "length", "context"
                     break
-                launched = self._launch(anchor, pos, params, gen)
+                launched = self._launch(anchor, pos, params, gen, accept)
             following = None
             if ahead and pos + 1 < self.max_len and len(res.output_ids) + 1 < budget:
                 runner.advance(launched.outcome.device)
-                following = self._launch(None, pos + 1, params, gen)
+                following = self._launch(None, pos + 1, params, gen, accept)
             outcome, (t_draft, t_verify, t_observe, t_end) = self._finish(launched, anchor)
             launched = following
             anchor = outcome.next_token

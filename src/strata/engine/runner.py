@@ -18,17 +18,16 @@ from typing import Callable, Hashable
 
 import torch
 
-from ..cache import aligned_cells, refuse_rows_unless_fit
-from ..errors import StrataError
+from ..cache import aligned_cells
 from ..layers import graph_breaks
 from ..layers.kernels import EAGER, TritonKernels, select_kernels
 from ..layers.modules import Step
 from ..models.decoder import ForwardOut
 from ..models.placement import place_by_routing
-from .config import EngineConfig
+from .acceptance import GREEDY, finite_or_flagged, greedy_accept
+from .config import EngineConfig, Plan
 from .drafter import Commit, Drafter, DraftRequest, Proposal
 from .tree import Tree, build, walk
-from .verify import finite_or_flagged, greedy_accept
 
 
 class CudaGraphs:
@@ -123,34 +122,25 @@ class ModelRunner:
     #: the parity check's stage probe (checks/parity.py's ProbedRunner sets one); None: the steps as served
     probe = None
 
-    def __init__(self, target, drafter: Drafter, cfg: EngineConfig, window: int):
-        """window: the verify window W. In the static layout target-only decoding (W = 1) can run in
-        windows of cfg.pad_rows rows, the anchor first and padding after: a GEMM row's result does not
-        depend on the other rows, but it can depend on their number, so in bfloat16 a 1-row decode and
-        a W-row verify round differently and greedy choices at near-ties can flip. With pad_rows = W,
-        target-only runs in the verify's shapes and DFlash output equals it token for token at any
-        precision (on a GPU the extra rows are nearly free: the weights are streamed once either way)."""
+    def __init__(self, target, drafter: Drafter, cfg: EngineConfig, plan: Plan):
+        """plan: the settings resolved against this target and drafter (EngineConfig.resolve). In the static
+        layout target-only decoding (W = 1) can run in windows of cfg.pad_rows rows, the anchor first and
+        padding after: a GEMM row's result does not depend on the other rows, but it can depend on their
+        number, so in bfloat16 a 1-row decode and a W-row verify round differently and greedy choices at
+        near-ties can flip. With pad_rows = W, target-only runs in the verify's shapes and DFlash output equals
+        it token for token at any precision (on a GPU the extra rows are nearly free: the weights are
+        streamed once either way)."""
+        window = plan.window
         self.target, self.drafter, self.window = target, drafter, window
-        self.max_len = cfg.context(target.cfg)
+        self.max_len, self.rows = plan.max_len, plan.rows
         self.static = cfg.static
         self.tree = cfg.tree  # tree verification: nodes per round (the anchor adds a row)
-        self.rows = max(window, cfg.pad_rows) if cfg.static else window
-        if self.tree is not None:
-            self.rows = self.tree + 1
         dev = target.device
         spare = self.static or self.tree is not None  # rows that may sit past the context for a moment
-        if self.tree is not None and target.recurrent:
-            raise StrataError("--tree: this target has linear-attention layers, whose recurrent state follows "
-                              "one sequence, not a tree; use the chain (no --tree)")
-        if cfg.adaptive_window and target.recurrent:
-            raise StrataError("--adaptive-window: this target has linear-attention layers, whose states are kept "
-                              "for a fixed window; drop --adaptive-window")
-        rows_set_by = cfg.rows()[1] if cfg.rows() is not None else f"the verify window {window}"
-        refuse_rows_unless_fit(self.rows, rows_set_by, target.cfg, self.max_len, dev, target.dtype)
         self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if spare else self.max_len,
                                        rows=self.rows)
-        self.graphs = CudaGraphs(dev, enabled=cfg.graphs and cfg.static)
-        self.kernels = select_kernels(dev, cfg.static, cfg.graphs, cfg.compile, cfg.triton, cfg.attention)
+        self.graphs = CudaGraphs(dev, enabled=cfg.graphs)
+        self.kernels = select_kernels(dev, cfg.backend, cfg.attention)
         self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.candidates = torch.zeros(window - 1, dtype=torch.long, device=dev)
@@ -226,9 +216,11 @@ class ModelRunner:
             return self.graphs.run(("draft", kv_len, n), lambda: self.drafter.propose(req))
         return self.drafter.propose(req)
 
-    def verify(self, candidates: torch.Tensor, w: int, kv_len: int):
+    def verify(self, candidates: torch.Tensor, w: int, kv_len: int, accept=GREEDY, q: torch.Tensor | None = None):
         """The target over [anchor, candidates, padding] at pos..: (ForwardOut, the rows' positions, the
-        greedy outcome [a, next, c1..] as a device tensor)."""
+        round's outcome [a, next, c1..] as a device tensor, by the acceptor `accept`; q: the distributions the
+        candidates were sampled from). The step computes the greedy outcome, captured with it; another
+        acceptor runs on its logits after it."""
         rows = self.rows if self.static and w == self.window else w  # a shorter (adaptive) window: no padding
         cands = self.candidates[:w - 1]
         if w > 1:
@@ -241,7 +233,8 @@ class ModelRunner:
             out = self.target(tokens, Step(positions, kv_len, self.kernels), self.cache, self.drafter.tap_layers)
             return out, positions, greedy_accept(out.logits[:w], cands)
 
-        return self.graphs.run(("verify", kv_len, rows), step) if self.static else step()
+        out, positions, greedy = self.graphs.run(("verify", kv_len, rows), step) if self.static else step()
+        return out, positions, greedy if accept is GREEDY else accept(out.logits[:w], cands, q)
 
     def draft_tree(self, anchor: int, pos: int, n: int, kv_len: int):
         """The drafter's pass and the tree built from its logits [n, V], as one step (one graph with an

@@ -233,17 +233,18 @@ EAGER = Kernels()
 _SHARED: dict[tuple, Kernels] = {}
 
 
-def select_kernels(device, static: bool, graphs: bool, compile: bool, triton: bool, attention: str) -> Kernels:
-    """The kernel set of an engine's steps. Fused kernels only pay inside CUDA graphs; each compiled set
-    is built once per process and shared (torch.compile caches per function)."""
+def select_kernels(device, backend: str, attention: str) -> Kernels:
+    """The kernel set of an engine's steps for its backend (engine/config.py's BACKENDS). Fused kernels only
+    pay inside CUDA graphs; each compiled set is built once per process and shared (torch.compile caches per
+    function)."""
     from .triton_kernels import available
 
-    if not static:
+    if backend == "eager":
         return EAGER
     on_gpu = torch.device(device).type == "cuda"
-    if not (on_gpu and graphs and compile):
+    if not (on_gpu and backend in ("graphs+compile", "graphs+triton")):
         return Kernels(attention=attention, static=True)
-    use_triton = triton and available(device)
+    use_triton = backend == "graphs+triton" and available(device)
     key = (use_triton, attention)
     if key not in _SHARED:
         if use_triton:

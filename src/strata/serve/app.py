@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.decode import Engine, GenerationResult
 from ..engine.sampling import SamplingParams
-from ..errors import StrataError
+from ..errors import SettingError, StrataError
 from ..tokenizer import StreamDecoder, Tokenizer
 from .guard import APIError, Guard
 from .metrics import Metrics
@@ -51,6 +51,7 @@ class ServerConfig:
     timeout: float = 30.0  # to send a request's head and body
     loopback: bool = True  # bound to a loopback address: Host headers must name it
     defaults: dict = field(default_factory=dict)  # sampling defaults of requests that omit them
+    setting_names: dict = field(default_factory=dict)  # the server's settings as its operator named them
 
 
 @dataclass(eq=False)
@@ -182,6 +183,8 @@ class Server:
         try:
             params = SamplingParams(pick("temperature"), pick("top_k"), pick("top_p"), pick("seed"))
             self.engine.config.check_sampling(params)
+        except SettingError as e:
+            raise APIError(400, e.named(self.config.setting_names), param=e.param) from None
         except StrataError as e:
             raise APIError(400, str(e), param=e.param) from None
         return params

@@ -1,14 +1,17 @@
-"""Deciding how much of a proposal the target accepts.
+"""A round's rules: how much of a proposal the target accepts, and which token follows.
 
-Both rules return the round's outcome as one device tensor [a, next, c1..c(W-1)]: the accepted count,
-the token that follows the accepted prefix, and the candidates. The decode loop reads it with a
-single host transfer per round."""
+Every rule returns the round's outcome as one device tensor [a, next, c1..c(W-1)]: the accepted count,
+the token that follows the accepted prefix, and the candidates. The decode loop reads it with a single
+host transfer per round. An acceptor is the rule a request decodes by (acceptor()): greedy acceptance runs
+inside the verify step, captured with it; speculative sampling runs on the verify step's logits after it,
+since its parameters and generator change with each request. Tree verification walks its tree greedily
+(tree.walk)."""
 
 from __future__ import annotations
 
 import torch
 
-from .sampling import sample
+from .sampling import SamplingParams, process, sample
 
 #: the `next` of an outcome whose target logits were not finite (NaN, or +inf): the decode loop stops there
 NOT_FINITE = -1
@@ -54,3 +57,28 @@ def speculative_accept(p: torch.Tensor, candidates: torch.Tensor, q: torch.Tenso
     # p == q on this row leaves an empty residual: then p itself is the right law
     residual = torch.where(residual.sum() > 0, residual, p_a)
     return finite_or_flagged(torch.cat([a, sample(residual, gen), candidates]), torch.isfinite(p.sum(-1)).all())
+
+
+class Greedy:
+    """The target's argmax decides (greedy_accept); the verify step computes it, so a captured step holds it."""
+
+    def __call__(self, logits: torch.Tensor, candidates: torch.Tensor, q=None) -> torch.Tensor:
+        return greedy_accept(logits, candidates)
+
+
+class Sampled:
+    """Lossless speculative sampling (speculative_accept) of one request: its parameters and generator."""
+
+    def __init__(self, params: SamplingParams, gen: torch.Generator):
+        self.params, self.gen = params, gen
+
+    def __call__(self, logits: torch.Tensor, candidates: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        return speculative_accept(process(logits, self.params), candidates, q, self.gen)
+
+
+GREEDY = Greedy()
+
+
+def acceptor(params: SamplingParams, gen: torch.Generator | None):
+    """The rule a request's rounds accept by."""
+    return GREEDY if params.greedy else Sampled(params, gen)
