@@ -13,6 +13,8 @@ from strata.bench.plot import title
 
 def test_bench_tiny_cpu(tmp_path):
     out = tmp_path / "b.json"
+    (tmp_path / "index.jsonl").write_text(json.dumps({"file": "b.json", "commit": "old"}) + "\n" +
+                                          json.dumps({"file": "a.json", "commit": "kept"}) + "\n")
     r = run_cli("bench", "--shape", "tiny", "--drafter-layers", "1", "--block-size", "4", "--prompt-len", "24",
                 "--new-tokens", "17", "--runs", "1", "--out", out, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -30,6 +32,12 @@ def test_bench_tiny_cpu(tmp_path):
     assert data["hf"]["eager"]["identical_to_strata"], data["hf"]
     assert data["ratios"]["target_only_vs_hf_eager"] > 0
     assert "target-only" in r.stderr and "HF generate (eager)" in r.stderr
+    index = [json.loads(line) for line in (tmp_path / "index.jsonl").read_text().splitlines()]
+    assert [e["file"] for e in index] == ["a.json", "b.json"] and index[0]["commit"] == "kept"  # its line replaced
+    entry = index[1]
+    assert entry["commit"] == data["commit"] and entry["model"] == "tiny" and entry["plot"] == "b.png"
+    assert entry["mode"] == "eager W=4 random 1-layer drafter" and entry["quant"] == "float32"
+    assert entry["metric"]["target_only_tok_s"] == round(data["target_only"]["tok_s"], 1)
 
 
 def test_bench_without_out_prints_and_writes_nothing(tmp_path):

@@ -361,13 +361,15 @@ def cmd_bench(args) -> int:
             raise StrataError(f"--out {args.out!r}: expected the JSON's file name (its plot goes beside it as .png)")
         inputs = inputs_of(args)
         out = (check_output(args.out, what="--out", inputs=inputs),
-               check_output(Path(args.out).with_suffix(".png"), what="--out's plot", inputs=inputs))
+               check_output(Path(args.out).with_suffix(".png"), what="--out's plot", inputs=inputs),
+               check_output(Path(args.out).parent / "index.jsonl", what="--out's index", inputs=inputs))
     result = run_command(pair_spec(args), engine_config(args, args.spec), bench, "strata " + " ".join(sys.argv[1:]))
     for line in summary(result):
         print(line, file=sys.stderr)
     if out is not None:
         write(result, *out)
-        print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}", file=sys.stderr)
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}, and its line in "
+              f"{Path(args.out).parent / 'index.jsonl'}", file=sys.stderr)
     return 0
 def set_threads(args) -> None:
     """--threads, else OMP_NUM_THREADS (torch reads it), else one thread on the CPU and every core with a

@@ -4,6 +4,7 @@ random, or none), the prompt, one run of run_bench, the JSON and plot, and the l
 from __future__ import annotations
 
 import time
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -122,15 +123,64 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     result["model"] = label
     result["drafter"] = dflash or (f"random {bench.drafter_layers}-layer" if bench.drafter_layers else None)
     result["command"] = command
+    result["commit"] = source_commit()
     result["quant"] = bench.quant
     return result
 
 
-def write(result: dict, out: Path, png: Path) -> None:
-    """The plot, then the JSON (each atomically): a failing plot leaves no JSON that lacks it."""
+def write(result: dict, out: Path, png: Path, index: Path) -> None:
+    """The plot, then the JSON (each atomically: a failing plot leaves no JSON that lacks it), then the
+    result's line in the index beside it (index_line), in place of a line for the same file."""
     with replacing(png) as tmp:
         plot(result, tmp)
     write_json_atomic(out, result)
+    lines = index.read_text().splitlines() if index.is_file() else []
+    kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("file") != out.name]
+    entry = index_line(result, out.name, png.name if png.parent == out.parent else None)
+    with replacing(index) as tmp:
+        tmp.write_text("".join(ln + "\n" for ln in sorted(kept + [json.dumps(entry)],
+                                                         key=lambda ln: json.loads(ln)["file"])))
+
+
+def index_line(result: dict, file: str, plot_file: str | None) -> dict:
+    """A bench result as a line of bench/results/index.jsonl (docs/BENCHMARKS.md describes its fields)."""
+    env, ratios = result["env"], result["ratios"]
+    drafter = result.get("drafter")
+    mode = f"{result['backend']} W={result['window']}" + (f" drafter {Path(drafter).name}" if drafter and
+                                                           not drafter.startswith("random") else
+                                                           f" {drafter} drafter" if drafter else "")
+    metric = {"target_only_tok_s": round(result["target_only"]["tok_s"], 1),
+              "of_floor": round(ratios["target_only_vs_floor"], 3),
+              "oracle_x": round(ratios["oracle_vs_target_only"], 2)}
+    if "verify_window_vs_decode" in ratios:
+        metric["verify_vs_step"] = round(ratios["verify_window_vs_decode"], 2)
+    if "dflash" in result:
+        metric.update(dflash_tok_s=round(result["dflash"]["tok_s"], 1), tau=round(result["dflash"]["tau"], 2))
+    return {"commit": result.get("commit"), "commit_from": "content", "device": env["device"],
+            "versions": {k: v for k, v in env.items() if k not in ("device", "dtype")}, "model": result["model"],
+            "quant": result.get("quant") or env["dtype"], "mode": mode, "metric": metric, "file": file,
+            "plot": plot_file}
+
+
+def source_commit() -> str | None:
+    """The commit the running source is (STRATA_COMMIT, else git's HEAD of the checkout it runs from, "+" when
+    the checkout has changes), or None where neither tells."""
+    import os
+    import subprocess
+
+    if os.environ.get("STRATA_COMMIT"):
+        return os.environ["STRATA_COMMIT"]
+    root = Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def profile_lines(label: str, steps: dict | None) -> list[str]:

@@ -250,6 +250,19 @@ def _device_us(event) -> float:
     return 0.0
 
 
+def library_versions() -> dict:
+    """The versions of the libraries whose kernels a run uses, where installed."""
+    import importlib.metadata
+
+    out = {"cuda": torch.version.cuda} if torch.version.cuda else {}
+    for name in ("triton", "transformers"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
 def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, config: EngineConfig = EngineConfig(),
               runs: int = 3, hf_modes: tuple = ("eager",), startup: dict | None = None, profile: bool = False) -> dict:
     """config.backend: eager, or the fixed-shape layout (CUDA graphs on a GPU unless "static"). Target-only is
@@ -264,13 +277,14 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
     floor_s = token_bytes / bw
     max_len = len(prompt) + new_tokens + window + 1
     result = {
-        "env": {"torch": torch.__version__, "python": platform.python_version(),
+        "env": {"torch": torch.__version__, "python": platform.python_version(), **library_versions(),
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                 "dtype": str(target.dtype).removeprefix("torch.")},
         "shape": {"layers": target.cfg.num_layers, "hidden": target.cfg.hidden_size, "heads": target.cfg.num_heads,
                   "kv_heads": target.cfg.num_kv_heads, "head_dim": target.cfg.head_dim,
                   "intermediate": target.cfg.intermediate_size, "vocab": target.cfg.vocab_size},
         "prompt_len": len(prompt), "new_tokens": new_tokens, "window": window, "runs": runs, "static": static,
+        "backend": config.backend,
         "cuda_graphs": static and graphs and device.type == "cuda", "attention": config.attention,
         "compiled_kernels": static and graphs and compile and device.type == "cuda",
         "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "bytes_per_token": token_bytes,
