@@ -27,6 +27,7 @@ from ..layers.quant import QuantWeight, weight_bytes
 from ..models.loader import unpack
 from ..models.placement import sparse_layers
 from ..models.registry import family
+from .peer import PEERS
 
 
 def sync(device) -> None:
@@ -159,21 +160,19 @@ def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], ru
         return {"skipped": "experts in host memory (an expert cache): transformers' model is built from the "
                            "device's weights"}
     cfg = target.cfg
-    fam = family(cfg.family)
+    peer = PEERS[cfg.family]
+    if isinstance(peer, str):
+        return {"skipped": peer}
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                   num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                   num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
                   max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
                   rope_theta=cfg.rope.theta, attention_bias=cfg.attention_bias, eos_token_id=None,
                   bos_token_id=None, pad_token_id=None)
-    try:
-        state = fam.transformers_state(unpack(target.state_dict(), fam.hf_layout(cfg)), cfg)
-    except NotImplementedError as e:
-        return {"skipped": str(e)}
-    hf_cfg = transformers.AutoConfig.for_model(fam.transformers_model_type or cfg.family, **common,
-                                               **fam.transformers_config(cfg))
+    state = peer.state(unpack(target.state_dict(), family(cfg.family).hf_layout(cfg)), cfg)
+    hf_cfg = transformers.AutoConfig.for_model(peer.model_type, **common, **peer.config(cfg))
     with torch.device(target.device):
-        model = getattr(transformers, fam.transformers_class)._from_config(hf_cfg, dtype=target.dtype)
+        model = getattr(transformers, peer.cls)._from_config(hf_cfg, dtype=target.dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not m.startswith("lm_head")]:
         return {"skipped": f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}"}
@@ -377,7 +376,7 @@ def rollback_cost(engine: Engine, reps: int = 20) -> dict:
     from ..layers import delta_kernels
     from ..layers.linear_attention import LinearState
 
-    layers = [(layer.linear_attn, engine.runner.cache.layers[layer.index]) for layer in engine.target.layers
+    layers = [(layer.mixer, engine.runner.cache.layers[layer.index]) for layer in engine.target.layers
               if isinstance(engine.runner.cache.layers[layer.index], LinearState)]
     if not layers:
         return {}

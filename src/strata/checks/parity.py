@@ -96,7 +96,7 @@ def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug:
         anchor, pos = int(out.logits[-1].argmax()), len(prompt_ids)
         runner.start_round(anchor, pos)
         runner.draft(anchor, pos, w - 1, runner.kv_len(pos, w))
-    ranges = [drafter.context_range(layer.window, pos) for layer in drafter.model.layers]
+    ranges = [drafter.context_range(layer.mixer.window, pos) for layer in drafter.model.layers]
     ck, cv = [], []
     for j, (b, e) in enumerate(ranges):
         kv = drafter.cache.layers[j]

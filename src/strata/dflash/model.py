@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache
-from ..layers.modules import DecoderLayer, Linear, RMSNorm, Step, run_layers
+from ..layers.modules import MLP, Attention, DecoderLayer, Linear, RMSNorm, Step, run_layers
 from ..layers.rotary import RopeConfig, RotaryTable
 from ..models.decoder import layer_layout
 from .contract import DFlashConfig
@@ -24,9 +24,10 @@ class DFlashModel(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         types = cfg.layer_types or ["full_attention"] * cfg.num_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(j, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                         cfg.rms_norm_eps, cfg.attention_bias, qk_norm=True,
-                         window=cfg.sliding_window if t == "sliding_attention" else None)
+            DecoderLayer(cfg, j, Attention(j, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                           cfg.rms_norm_eps, cfg.attention_bias, qk_norm=True,
+                                           window=cfg.sliding_window if t == "sliding_attention" else None),
+                         MLP(cfg.hidden_size, cfg.intermediate_size))
             for j, t in enumerate(types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary: RotaryTable | None = None
@@ -34,7 +35,7 @@ class DFlashModel(nn.Module):
     @property
     def windows(self) -> set:
         """The attention windows of the layers (None: the whole context)."""
-        return {layer.window for layer in self.layers}
+        return {layer.mixer.window for layer in self.layers}
 
     def make_cache(self, cells: int, batch: int | None = None) -> KVCache:
         cfg = self.cfg
@@ -53,7 +54,7 @@ class DFlashModel(nn.Module):
         c = step.probed(-1, "fused", c)
         step = step.for_layers(self.rotary.at(step.positions))
         for layer in self.layers:
-            layer.self_attn.store_context(c, step, cache.layers[layer.index])
+            layer.mixer.store_context(c, step, cache.layers[layer.index])
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         """Block rows x [..., T, hidden] -> final-normed hidden states. step.masks holds a mask for each

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import StrataError
 from .kernels import Kernels
 from .modules import Linear, RMSNorm, Step
 
@@ -65,7 +66,12 @@ class LinearState:
 
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear-attention mixer: one input projection (q, k, v for the convolution, then z, b, a),
-    a causal depthwise convolution, the gated delta rule over value heads, a gated RMSNorm, out_proj."""
+    a causal depthwise convolution, the gated delta rule over value heads, a gated RMSNorm, out_proj. A
+    Mixer (layers/modules.py) whose state is recurrent."""
+
+    prefix = "linear_attn"
+    recurrent = True
+    input_matrix = None  # its input projection takes float rows
 
     def __init__(self, index: int, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int,
                  eps: float):
@@ -81,14 +87,20 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(v_dim, eps)
         self.out_proj = Linear(v_heads * v_dim, hidden)
 
+    def new_state(self, cache, rows: int, batch: int | None) -> LinearState:
+        if batch is not None:
+            raise StrataError("linear-attention targets decode one sequence at a time (no batches)")
+        return self.make_state(rows, cache.kv.device, cache.kv.dtype)
+
     def make_state(self, slots: int, device, dtype) -> LinearState:
         return LinearState(slots, self.channels, self.kernel, self.k_heads, self.v_heads, self.k_dim, self.v_dim,
                            device, dtype)
 
-    def forward(self, h: torch.Tensor, step: Step, state: LinearState, kernels: Kernels) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, step: Step, state: LinearState) -> torch.Tensor:
         """h [T, hidden] at consecutive positions from step.positions[0] -> the mixer's output [T, hidden]."""
         if h.dim() != 2:
             raise NotImplementedError("linear-attention layers run one sequence at a time")
+        kernels = step.kernels
         proj = self.in_proj(h, kernels)
         y = kernels.gated_delta_net(self, proj, step.positions.reshape(-1)[0], state)
         return self.out_proj(y, kernels)

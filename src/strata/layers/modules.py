@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple
+from typing import Callable, ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -89,23 +89,72 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
+class Mixer(Protocol):
+    """What mixes a layer's rows across positions (attention, gated DeltaNet): a DecoderLayer holds one under
+    its `prefix` (the checkpoint's name for it). A forward may start at any position within the last `rows`
+    of the one before (a rejected draft's rows are written again): attention's cache is cut by its length,
+    a recurrent state replays from the states it kept."""
+
+    prefix: ClassVar[str]  # "self_attn", "linear_attn"
+    recurrent: ClassVar[bool]  # its state follows one sequence: no trees, batches or adaptive windows
+    index: int
+
+    def new_state(self, cache, rows: int, batch: int | None):
+        """What forward gets as `state`: its part of a new cache whose forwards verify up to `rows` rows."""
+
+    @property
+    def input_matrix(self):
+        """The matrix its input rows go into first (a fused norm may hand it int8 rows), or None."""
+
+    def forward(self, h: torch.Tensor, step: Step, state) -> torch.Tensor:
+        """h [..., T, hidden] -> [..., T, hidden], the output projection included."""
+
+
+class FeedForward(Protocol):
+    """A layer's MLP (the dense SwiGLU, the mixture of experts)."""
+
+    host_experts: int  # experts an expert cache keeps in host memory (0: all on the device)
+
+    @property
+    def input_matrix(self):
+        """As Mixer's."""
+
+    def forward(self, h: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        ...
+
+
 class Attention(nn.Module):
     """Grouped-query attention with one q/k/v projection, optional per-head q/k norms (Qwen3) and NeoX
-    RoPE. Which cells a query sees is the step's mask."""
+    RoPE. Which cells a query sees is the step's mask for its window."""
+
+    prefix = "self_attn"
+    recurrent = False
 
     def __init__(self, index: int, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool,
-                 qk_norm: bool, gated: bool = False):
+                 qk_norm: bool, gated: bool = False, window: int | None = None):
         """gated (Qwen3.5): each head's query rows are followed by as many gate rows, and the output is
-        scaled by sigmoid(gate) before o_proj."""
+        scaled by sigmoid(gate) before o_proj. window: the cells before a query it sees (None: all; the
+        step's masks are keyed by it)."""
         super().__init__()
         self.index, self.heads, self.kv_heads, self.head_dim, self.eps = index, heads, kv_heads, head_dim, eps
-        self.gated = gated
+        self.gated, self.window = gated, window
         self.qkv_proj = Linear(hidden, ((2 if gated else 1) * heads + 2 * kv_heads) * head_dim, bias)
         self.o_proj = Linear(heads * head_dim, hidden, bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
-    def forward(self, h: torch.Tensor, step: Step, kv: LayerKV, mask: torch.Tensor) -> torch.Tensor:
+    @property
+    def input_matrix(self):
+        return self.qkv_proj.weight
+
+    def new_state(self, cache, rows: int, batch: int | None) -> LayerKV:
+        return cache.layers[self.index]
+
+    def forward(self, h: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
+        a = step.probed(self.index, "attn", self.attend(h, step, kv, step.masks[self.window]))
+        return self.o_proj(a, step.kernels)
+
+    def attend(self, h: torch.Tensor, step: Step, kv: LayerKV, mask: torch.Tensor) -> torch.Tensor:
         """h [..., T, hidden] -> attention output [..., T, heads * head_dim]; the rows' K/V are stored first."""
         kernels, heads, d = step.kernels, self.heads, self.head_dim
         out = self.qkv_proj(h, kernels)
@@ -143,10 +192,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up stacked in one matrix."""
 
+    host_experts = 0
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate)
         self.down_proj = Linear(intermediate, hidden)
+
+    @property
+    def input_matrix(self):
+        return self.gate_up_proj.weight
 
     def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         return self.down_proj(kernels.gate_up_silu(h, self.gate_up_proj.weight), kernels)
@@ -179,6 +234,12 @@ class SparseMoE(nn.Module):
     def quantized(self) -> bool:
         """Whether the experts are kept in GGUF blocks (QuantExperts) rather than as parameters."""
         return isinstance(self.down_proj, QuantExperts)
+
+    @property
+    def input_matrix(self):
+        """Quantized experts take int8 rows from a fused norm (QuantExperts.takes_int8); stacked parameters
+        take none."""
+        return self.gate_up_proj if self.quantized else None
 
     @property
     def expert_bytes(self) -> int:
@@ -367,46 +428,38 @@ class HostExperts:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer layer (Qwen3/Llama layout, also the DFlash drafter's).
+    """Pre-norm transformer layer: input norm, a mixer (Mixer: attention, gated DeltaNet), post norm, an MLP
+    (FeedForward); the Qwen3/Llama layout, the hybrids' and the DFlash drafter's.
 
     forward returns (x, mlp_out) unsummed: the next layer adds mlp_out inside its input norm's kernel
     group (`pending`), and the model adds the last one inside its final norm's."""
 
-    def __init__(self, index: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
-                 eps: float, bias: bool = False, qk_norm: bool = True, window: int | None = None,
-                 mlp: nn.Module | None = None, mixer: nn.Module | None = None, gated: bool = False):
-        """mlp: the layer's MLP when it is not the dense SwiGLU of `intermediate` (a SparseMoE); mixer: a
-        linear-attention mixer in place of attention (GatedDeltaNet); gated: gated attention (Qwen3.5)."""
+    def __init__(self, cfg, index: int, mixer: Mixer, mlp: FeedForward):
+        """cfg: hidden_size and rms_norm_eps (a target's ModelConfig, a drafter's DFlashConfig)."""
         super().__init__()
-        self.index, self.window = index, window
-        self.input_layernorm = RMSNorm(hidden, eps)
-        if mixer is not None:
-            self.linear_attn = mixer
-        else:
-            self.self_attn = Attention(index, hidden, heads, kv_heads, head_dim, eps, bias, qk_norm, gated)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = mlp if mlp is not None else MLP(hidden, intermediate)
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._mixer = mixer.prefix
+        self.add_module(mixer.prefix, mixer)  # layers.N.self_attn.* / linear_attn.*, as checkpoints name them
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, step: Step, kv: LayerKV):
-        kernels, i = step.kernels, self.index
+    @property
+    def mixer(self) -> Mixer:
+        return self._modules[self._mixer]
+
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, step: Step, state):
+        kernels, i, mixer = step.kernels, self.index, self.mixer
         norm = self.input_layernorm
-        into = self.self_attn.qkv_proj.weight if step.probe is None and hasattr(self, "self_attn") else None
+        into = mixer.input_matrix if step.probe is None else None
         if pending is None:
             h = kernels.rms_norm(x, norm.weight, norm.eps, into)
         else:
             x, h = kernels.add_rms_norm(x, pending, norm.weight, norm.eps, into)
         h = step.probed(i, "attn_in", h)
-        if hasattr(self, "linear_attn"):
-            mixed = self.linear_attn(h, step, kv, kernels)
-        else:
-            a = step.probed(i, "attn", self.self_attn(h, step, kv, step.masks[self.window]))
-            mixed = self.self_attn.o_proj(a, kernels)
+        mixed = mixer(h, step, state)
         norm = self.post_attention_layernorm
-        into = None
-        if step.probe is None and isinstance(self.mlp, MLP):
-            into = self.mlp.gate_up_proj.weight
-        elif step.probe is None and isinstance(self.mlp, SparseMoE) and self.mlp.quantized:
-            into = self.mlp.gate_up_proj
+        into = self.mlp.input_matrix if step.probe is None else None
         x, h = kernels.add_rms_norm(x, mixed, norm.weight, norm.eps, into)
         if step.probe is not None:
             x = step.probed(i, "o_residual", x)

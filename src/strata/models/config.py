@@ -57,7 +57,6 @@ class ModelConfig:
     moe: MoeConfig | None = None
     linear: LinearAttentionConfig | None = None
     checkpoint_prefix: str = "model."  # where the decoder's tensors sit ("model.language_model." in a VLM)
-    gated_attention: bool = False
     weight_block: tuple[int, int] | None = None  # a block-scaled FP8 checkpoint's block (models/loader.py)
 
 

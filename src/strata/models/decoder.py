@@ -13,11 +13,11 @@ from torch import nn
 from ..cache import KVCache
 from ..errors import StrataError
 from ..layers.kernels import EAGER, Kernels
-from ..layers.modules import Linear, RMSNorm, Step, causal_masks, run_layers
+from ..layers.modules import (MLP, Attention, DecoderLayer, Linear, RMSNorm, SparseMoE, Step, causal_masks,
+                              run_layers)
 from ..layers.quant import QuantWeight
 from ..layers.rotary import RotaryTable
 from .config import ModelConfig, dense_config, must
-from .registry import Family
 
 
 @dataclass
@@ -51,18 +51,15 @@ class DecoderLM(nn.Module):
         return self
 
     def make_cache(self, cells: int, batch: int | None = None, rows: int = 16) -> KVCache:
-        """A cache of `cells` positions (and the rotary table to cover them); a linear-attention layer gets
-        its state instead, keeping the states of a forward's last `rows` positions (its verify window)."""
+        """A cache of `cells` positions (and the rotary table to cover them), each layer's part as its mixer
+        makes it (a recurrent mixer keeps the states of a forward's last `rows` positions: its verify window)."""
         cfg = self.cfg
         cache = KVCache(cfg.num_layers, cells, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype, batch)
         if self.rotary is None:  # after the cache, the larger of the two: one that cannot fit is refused first
             self.rotary = RotaryTable(cfg.head_dim, cfg.rope, self.device, self.dtype)
         self.rotary.ensure(cells)
         for layer in self.layers:
-            if hasattr(layer, "linear_attn"):
-                if batch is not None:
-                    raise StrataError("linear-attention targets decode one sequence at a time (no batches)")
-                cache.layers[layer.index] = layer.linear_attn.make_state(rows, self.device, self.dtype)
+            cache.layers[layer.index] = layer.mixer.new_state(cache, rows, batch)
         return cache
 
     @property
@@ -70,12 +67,12 @@ class DecoderLM(nn.Module):
         """Experts an expert cache left in host memory (models/placement.py): each forward reads its routing
         on the host, so a captured step is a CUDA graph per stretch between sparse layers
         (layers/graph_breaks.py)."""
-        return sum(getattr(layer.mlp, "host_experts", 0) for layer in self.layers)
+        return sum(layer.mlp.host_experts for layer in self.layers)
 
     @property
     def recurrent(self) -> bool:
         """Whether some layers carry a recurrent state (a tree cannot be verified through them)."""
-        return any(hasattr(layer, "linear_attn") for layer in self.layers)
+        return any(layer.mixer.recurrent for layer in self.layers)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
@@ -148,12 +145,19 @@ def dense_hf_layout(cfg: ModelConfig) -> dict[str, list[tuple[str, tuple]]]:
     return out
 
 
-def build_dense(cfg: ModelConfig) -> DecoderLM:
-    from ..layers.modules import DecoderLayer
+def attention(cfg: ModelConfig, index: int, gated: bool = False) -> Attention:
+    """A target layer's attention as its config describes it."""
+    return Attention(index, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                     cfg.attention_bias, cfg.qk_norm, gated)
 
-    return DecoderLM(cfg, [DecoderLayer(i, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                                        cfg.head_dim, cfg.rms_norm_eps, cfg.attention_bias, cfg.qk_norm)
-                           for i in range(cfg.num_layers)])
+
+def feed_forward(cfg: ModelConfig, index: int) -> nn.Module:
+    """A target layer's MLP: its mixture of experts where the config makes the layer sparse, else the dense
+    SwiGLU."""
+    moe = cfg.moe
+    if moe is not None and index in moe.layers:
+        return SparseMoE(cfg.hidden_size, moe.intermediate, moe.experts, moe.top_k, moe.renormalize, moe.shared)
+    return MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 def gguf_value(kv: dict, key: str, where: str, default, kind: str, types, ok):
@@ -246,9 +250,15 @@ def rope_factors(fam, info, head_dim: int, where: str) -> list[float] | None:
     return factors.tolist()
 
 
-class DenseFamily(Family):
-    """A dense decoder of the Llama lineage, in transformers' checkpoint layout; subclasses name it and
-    say whether it has q/k norms and which RoPE scalings it reads."""
+class DenseFamily:
+    """A decoder of the Llama lineage in transformers' checkpoint layout (registry.Family): subclasses name
+    it, say whether it has q/k norms and which RoPE scalings it reads, and override the blocks of layers
+    that differ (mixer, feed_forward) and the layouts."""
+
+    name = ""
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+    gguf_arch = ""
 
     qk_norm = False
     rope_scalings: tuple[str, ...] = ("llama3",)
@@ -257,10 +267,21 @@ class DenseFamily(Family):
         return dense_config(hf, where, self.name, qk_norm=self.qk_norm, rope_scalings=self.rope_scalings)
 
     def build(self, cfg):
-        return build_dense(cfg)
+        return DecoderLM(cfg, [DecoderLayer(cfg, n, self.mixer(cfg, n), self.feed_forward(cfg, n))
+                               for n in range(cfg.num_layers)])
+
+    def mixer(self, cfg, index):
+        """Layer `index`'s mixer (a family with other blocks overrides it)."""
+        return attention(cfg, index)
+
+    def feed_forward(self, cfg, index):
+        return feed_forward(cfg, index)
 
     def hf_layout(self, cfg):
         return dense_hf_layout(cfg)
+
+    def finish(self, state, cfg):
+        return state
 
     gguf_qk_permuted = False  # whether llama.cpp's converter interleaved each head's q/k rows
     gguf_rope_factors = False  # whether llama.cpp's layout of this family has the rope_freqs tensor

@@ -8,7 +8,6 @@ class Llama(DenseFamily):
     name = "llama"
     architectures = ("LlamaForCausalLM",)
     model_types = ("llama",)
-    transformers_class = "LlamaForCausalLM"
     gguf_arch = "llama"
     gguf_qk_permuted = True  # llama.cpp's converter interleaves each head's q/k rows for its own RoPE
     gguf_rope_factors = True  # Llama 3.1+

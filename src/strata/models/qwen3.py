@@ -8,7 +8,6 @@ class Qwen3(DenseFamily):
     name = "qwen3"
     architectures = ("Qwen3ForCausalLM",)
     model_types = ("qwen3",)
-    transformers_class = "Qwen3ForCausalLM"
     gguf_arch = "qwen3"
     qk_norm = True
 

@@ -7,9 +7,8 @@ import torch
 
 from ..errors import StrataError
 from ..layers.linear_attention import GatedDeltaNet
-from ..layers.modules import DecoderLayer, SparseMoE
 from .config import LinearAttentionConfig, moe_from_hf, optional, require
-from .decoder import DecoderLM, DenseFamily, dense_hf_layout
+from .decoder import DenseFamily, attention, dense_hf_layout
 from .registry import register
 
 
@@ -33,8 +32,6 @@ class Qwen3_5(DenseFamily):
     name = "qwen3_5"
     architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
     model_types = ("qwen3_5_text",)
-    transformers_model_type = "qwen3_5_text"
-    transformers_class = "Qwen3_5ForCausalLM"
     qk_norm = True
     rope_scalings = ()
 
@@ -58,7 +55,6 @@ class Qwen3_5(DenseFamily):
             raise StrataError(f"{where}: partial_rotary_factor {factor} gives {rotary} rotary dims of a head of "
                               f"{cfg.head_dim}")
         cfg.rope.rotary_dim = rotary
-        cfg.gated_attention = True
         k_heads, v_heads = (require(hf, f"linear_num_{x}_heads", where) for x in ("key", "value"))
         if v_heads % k_heads:
             raise StrataError(f"{where}: linear_num_value_heads {v_heads} is not a multiple of "
@@ -69,15 +65,13 @@ class Qwen3_5(DenseFamily):
                                            require(hf, "linear_conv_kernel_dim", where))
         return cfg
 
-    def build(self, cfg):
-        lin, moe = cfg.linear, cfg.moe
-        return DecoderLM(cfg, [DecoderLayer(
-            n, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.rms_norm_eps, cfg.attention_bias, cfg.qk_norm, gated=True,
-            mlp=None if moe is None or n not in moe.layers else SparseMoE(cfg.hidden_size, moe.intermediate, moe.experts, moe.top_k,
-                                                   moe.renormalize, moe.shared),
-            mixer=GatedDeltaNet(n, cfg.hidden_size, lin.k_heads, lin.v_heads, lin.k_dim, lin.v_dim, lin.kernel,
-                                cfg.rms_norm_eps) if n in lin.layers else None) for n in range(cfg.num_layers)])
+    def mixer(self, cfg, index):
+        """Gated DeltaNet in the linear-attention layers, gated attention in the others."""
+        lin = cfg.linear
+        if index in lin.layers:
+            return GatedDeltaNet(index, cfg.hidden_size, lin.k_heads, lin.v_heads, lin.k_dim, lin.v_dim, lin.kernel,
+                                 cfg.rms_norm_eps)
+        return attention(cfg, index, gated=True)
 
     def hf_layout(self, cfg):
         h, lin, d = cfg.hidden_size, cfg.linear, cfg.head_dim
@@ -101,33 +95,6 @@ class Qwen3_5(DenseFamily):
             out[a + "norm.weight"] = [(src + "norm.weight", (lin.v_dim,))]
             out[a + "out_proj.weight"] = [(src + "out_proj.weight", (h, lin.v_heads * lin.v_dim))]
         return in_checkpoint(out, cfg)
-
-    def transformers_config(self, cfg):
-        lin = cfg.linear
-        return dict(layer_types=["linear_attention" if n in lin.layers else "full_attention"
-                                 for n in range(cfg.num_layers)],
-                    linear_num_key_heads=lin.k_heads, linear_num_value_heads=lin.v_heads,
-                    linear_key_head_dim=lin.k_dim, linear_value_head_dim=lin.v_dim, linear_conv_kernel_dim=lin.kernel,
-                    rope_parameters={"rope_type": "default", "rope_theta": cfg.rope.theta,
-                                     "partial_rotary_factor": cfg.rope.rotary_dim / cfg.head_dim})
-
-    def transformers_state(self, checkpoint, cfg):
-        """The checkpoint as stored: finish's norm offset and RoPE dim order undone (its exact inverse)."""
-        order = torch.argsort(rope_order(cfg.head_dim, cfg.rope.rotary_dim))
-        h, kv, d, out = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dict(checkpoint)
-        for name, t in checkpoint.items():
-            if name.endswith("norm.weight") and "linear_attn" not in name:
-                out[name] = (t.float() - 1.0).to(t.dtype)
-            if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
-                out[name] = out[name][order]
-            elif name.endswith("self_attn.q_proj.weight"):
-                q = t.unflatten(0, (h, 2, d))
-                out[name] = torch.stack([q[:, 0][:, order], q[:, 1]], dim=1).flatten(0, 2)
-            elif name.endswith("self_attn.k_proj.weight"):
-                out[name] = t.unflatten(0, (kv, d))[:, order].flatten(0, 1)
-            elif name.endswith("linear_attn.conv1d.weight"):
-                out[name] = t.reshape(t.shape[0], 1, -1)
-        return out
 
     def finish(self, state, cfg):
         """Zero-centred norms (the checkpoint stores w, the model scales by 1 + w) and partial RoPE's dims
@@ -159,8 +126,6 @@ class Qwen3_5Moe(Qwen3_5):
     name = "qwen3_5_moe"
     architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
     model_types = ("qwen3_5_moe_text",)
-    transformers_model_type = "qwen3_5_moe_text"
-    transformers_class = "Qwen3_5MoeForCausalLM"
 
     sparse_by_config = False  # every layer sparse (Qwen3-Next: as decoder_sparse_step / mlp_only_layers say)
 
@@ -203,8 +168,6 @@ class Qwen3Next(Qwen3_5Moe):
     name = "qwen3_next"
     architectures = ("Qwen3NextForCausalLM",)
     model_types = ("qwen3_next",)
-    transformers_model_type = "qwen3_next"
-    transformers_class = "Qwen3NextForCausalLM"
 
     sparse_by_config = True
 
@@ -224,9 +187,6 @@ class Qwen3Next(Qwen3_5Moe):
                 (src + "in_proj_qkvz.weight", (lin.k_heads * (2 * lin.k_dim + 2 * rep * lin.v_dim), h)),
                 (src + "in_proj_ba.weight", (lin.k_heads * 2 * rep, h))]
         return out
-
-    def transformers_state(self, checkpoint, cfg):
-        raise NotImplementedError("Qwen3-Next's grouped projections are not regrouped back")
 
     def finish(self, state, cfg):
         lin, out = cfg.linear, dict(state)

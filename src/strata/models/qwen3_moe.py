@@ -4,12 +4,9 @@ llama.cpp's qwen3moe layout."""
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import StrataError
-from ..layers.modules import DecoderLayer, SparseMoE
 from .config import MoeConfig, moe_from_hf
-from .decoder import DecoderLM, DenseFamily, dense_gguf_config, gguf_count
+from .decoder import DenseFamily, dense_gguf_config, gguf_count
 from .registry import register
 
 
@@ -28,7 +25,6 @@ class Qwen3Moe(DenseFamily):
     name = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
     model_types = ("qwen3_moe",)
-    transformers_class = "Qwen3MoeForCausalLM"
     gguf_arch = "qwen3moe"
     qk_norm = True
 
@@ -36,23 +32,6 @@ class Qwen3Moe(DenseFamily):
         cfg = super().config(hf, where)
         cfg.moe = moe_from_hf(hf, where, cfg.num_layers, bool(hf.get("norm_topk_prob", False)))
         return cfg
-
-    def transformers_config(self, cfg):
-        m = cfg.moe
-        return dict(num_experts=m.experts, num_local_experts=m.experts, num_experts_per_tok=m.top_k,
-                    moe_intermediate_size=m.intermediate, norm_topk_prob=m.renormalize, decoder_sparse_step=1,
-                    mlp_only_layers=[n for n in range(cfg.num_layers) if n not in m.layers])
-
-    def transformers_state(self, checkpoint, cfg):
-        """transformers 5 holds each sparse layer's experts as two stacked parameters."""
-        out = dict(checkpoint)
-        for n in cfg.moe.layers:
-            hf, e = f"model.layers.{n}.mlp.experts.", range(cfg.moe.experts)
-            gate, up, down = ([out.pop(f"{hf}{x}.{part}.weight") for x in e] for part in ("gate_proj", "up_proj",
-                                                                                           "down_proj"))
-            out[hf + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
-            out[hf + "down_proj"] = torch.stack(down)
-        return out
 
     def gguf_config(self, kv, tensors, where):
         a = self.gguf_arch
@@ -71,14 +50,6 @@ class Qwen3Moe(DenseFamily):
         # llama.cpp's qwen3moe graph always renormalises the top-k weights (as Qwen3-MoE's norm_topk_prob)
         cfg.moe = MoeConfig(experts, top_k, inter, True, sparse)
         return cfg
-
-    def build(self, cfg):
-        moe = cfg.moe
-        return DecoderLM(cfg, [DecoderLayer(
-            n, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.rms_norm_eps, cfg.attention_bias, cfg.qk_norm,
-            mlp=SparseMoE(cfg.hidden_size, moe.intermediate, moe.experts, moe.top_k, moe.renormalize)
-            if n in moe.layers else None) for n in range(cfg.num_layers)])
 
     def hf_layout(self, cfg):
         out = super().hf_layout(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from torch import nn
 
@@ -15,55 +16,45 @@ from .config import ModelConfig
 FAMILY_MODULES = ("qwen3", "llama", "qwen3_moe", "qwen3_5")  # qwen3_5 also registers qwen3_5_moe, qwen3_next
 
 
-class Family:
+@runtime_checkable
+class Family(Protocol):
     """One architecture: how its Hugging Face config reads, which modules it builds, and where each of
-    the checkpoint's tensors goes (the packing of q/k/v and gate/up into fused parameters included)."""
+    the checkpoint's tensors goes (the packing of q/k/v and gate/up into fused parameters included).
+    decoder.DenseFamily implements it for the Llama lineage; register() refuses what does not, and a test
+    checks every family's methods against these signatures."""
 
-    name = ""
-    architectures: tuple[str, ...] = ()  # config.json "architectures" entries
-    model_types: tuple[str, ...] = ()  # "model_type" values, for configs without architectures
-    transformers_class = ""  # transformers' class for the same checkpoint (the bench's reference peer)
-    transformers_model_type = ""  # its config's model_type, when it is not the family's name
-    gguf_arch = ""  # llama.cpp's general.architecture for this family's GGUF files
+    name: str
+    architectures: tuple[str, ...]  # config.json "architectures" entries
+    model_types: tuple[str, ...]  # "model_type" values, for configs without architectures
+    gguf_arch: str  # llama.cpp's general.architecture for this family's GGUF files ("": none)
 
     def config(self, hf: dict, where: Path) -> ModelConfig:
-        raise NotImplementedError
+        """Hyper-parameters from a config.json."""
 
     def build(self, cfg: ModelConfig) -> nn.Module:
-        raise NotImplementedError
+        """The model's modules (a DecoderLM), without weights."""
 
     def hf_layout(self, cfg: ModelConfig) -> dict[str, list[tuple[str, tuple]]]:
         """parameter name -> [(checkpoint tensor name, shape), ...], concatenated along dim 0 in order."""
-        raise NotImplementedError
 
     def finish(self, state: dict, cfg: ModelConfig) -> dict:
-        """Packed parameters -> the values the modules compute with (a family whose checkpoint stores a
-        norm as 1 + w, or rotates a head's dims in another order, converts here once)."""
-        return state
+        """A Hugging Face checkpoint's packed parameters -> the values the modules compute with (a family
+        whose checkpoint stores a norm as 1 + w, or rotates a head's dims in another order, converts here)."""
 
-    def transformers_state(self, checkpoint: dict, cfg: ModelConfig) -> dict:
-        """Checkpoint tensors as transformers' modules hold them in memory (its loader converts some on
-        from_pretrained): the bench's peer is built from them."""
-        return checkpoint
-
-    def transformers_config(self, cfg: ModelConfig) -> dict:
-        """This family's fields of transformers' config beyond the dense decoder's."""
-        return {}
-
-    def gguf_config(self, kv: dict, where: str) -> ModelConfig:
-        """Hyper-parameters from a llama.cpp GGUF file's metadata."""
-        raise NotImplementedError
+    def gguf_config(self, kv: dict, tensors: dict, where: str) -> ModelConfig:
+        """Hyper-parameters from a llama.cpp GGUF file's metadata and tensor table."""
 
     def gguf_layout(self, cfg: ModelConfig) -> dict[str, list[tuple[str, tuple, str | None]]]:
         """As hf_layout, for llama.cpp's tensor names; the third field names a row transform the
         converter applied (undone at load), or None."""
-        raise NotImplementedError
 
 
 _FAMILIES: dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
+    if not isinstance(family, Family):
+        raise TypeError(f"{family!r} does not implement models.registry.Family")
     _FAMILIES[family.name] = family
     return family
 
