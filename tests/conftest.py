@@ -15,7 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # Strata's Triton kernels run in Triton's 
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
-from strata.layers.fla_kernels import transformers_in_torch  # noqa: E402
+from strata.layers.kernels.fla import transformers_in_torch  # noqa: E402
 
 transformers_in_torch()  # the reference hybrids run transformers' torch code on the CPU
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.layers import delta_kernels
+from strata.layers.kernels import delta as delta_kernels
 from strata.layers.kernels import Kernels
 from strata.layers.linear_attention import GatedDeltaNet
 

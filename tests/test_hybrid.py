@@ -154,7 +154,8 @@ def test_bad_hybrid_configs_are_one_line_errors(hybrid, tmp_path):
 def test_fla_kernels_follow_the_torch_rule_and_replay_bit_for_bit():
     """fla-core's recurrent kernel (the GPU's, here in Triton's interpreter) against the token-by-token
     rule, and its replay of the first n rows: the very state a forward of those n rows ends with."""
-    from strata.layers import fla_kernels, ops
+    from strata.layers import ops
+    from strata.layers.kernels import fla as fla_kernels
 
     gen = torch.Generator().manual_seed(3)
     t, hk, hv, d = 6, 2, 4, 16
@@ -179,7 +180,7 @@ def test_rollback_through_fla_kernels_in_static_steps(hybrid, monkeypatch):
     """The GPU's gated delta rule (TritonKernels' fla-core kernels, in the interpreter; the rest in torch to
     keep the test short): speculation at every acceptance length equals target-only in the same shapes."""
     from strata.engine import runner
-    from strata.layers import fla_kernels
+    from strata.layers.kernels import fla as fla_kernels
     from strata.layers.kernels import Kernels, TritonKernels
 
     _, _, target = hybrid
@@ -202,7 +203,7 @@ def test_rollback_through_the_fused_deltanet_kernels_in_static_steps(hybrid, mon
     two launches each (delta_kernels.py, in the interpreter; the rest in torch to keep the test short) gives
     target-only's tokens (the torch layers')."""
     from strata.engine import runner
-    from strata.layers import delta_kernels
+    from strata.layers.kernels import delta as delta_kernels
     from strata.layers.kernels import Kernels, TritonKernels
 
     _, _, target = hybrid

@@ -1,9 +1,11 @@
-"""The kernels over GGUF blocks (layers/quant_kernels.py), run by Triton's interpreter on the CPU (the GPU
+"""The kernels over GGUF blocks (layers/kernels/quantized.py and its jit modules), run by Triton's interpreter on the CPU (the GPU
 runs the same source): dequantization bit for bit as gguf.quants.dequantize, for every type on valid
 blocks; the 1-row GEMV, the few-row GEMM, their gate/up variant and the embedding gather against torch
 on those values; and a GGUF target kept quantized decoding like the same file dequantized at load."""
 
 from __future__ import annotations
+
+import inspect
 
 import gguf
 import numpy as np
@@ -11,9 +13,10 @@ import pytest
 import torch
 from gguf import quants
 
-from strata.layers import quant_kernels as qk
+from strata.layers.kernels import KernelOptions, jit_common, jit_q4, x8  # jit_*: the test kernel's globals
+from strata.layers.kernels import quantized as qk
 from strata.layers.ops import silu_mul
-from strata.layers.quant import QuantWeight, Segment, weight_bytes
+from strata.layers.quant import QuantExperts, QuantWeight, Segment, weight_bytes
 
 from conftest import write_hf_drafter
 from test_interop import random_blocks
@@ -54,7 +57,7 @@ def test_quantize_x_blocks_of_32():
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(3))
     x[0, 32:64] = 0
     x[0, 64:96] *= 1e4
-    q, d, s = qk.quantize_x(x)
+    q, d, s = x8.quantize_x(x)
     tq, td = int8_twin(x)
     assert q.dtype == torch.int8 and q.shape == (1024 + 32 * 34,)
     assert torch.equal(q[:1024].float(), tq.flatten()) and torch.equal(d, td.flatten())
@@ -65,12 +68,12 @@ def test_quantize_x_blocks_of_32():
     assert not rows[:, :2].any() and torch.equal(rows[:, 2:].flatten(), q[:1024])
     # a few rows: X_ROWS of them, zeros past the third; each block's d and sum side by side
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4))
-    q, ds = qk.quantize_x(x)
+    q, ds = x8.quantize_x(x)
     tq, td = int8_twin(x)
-    assert q.shape == (qk.X_ROWS * (1024 + 32 * 34),) and ds.shape == (32, qk.X_ROWS, 2)
-    rows, tails = q[:qk.X_ROWS * 1024].view(qk.X_ROWS, 1024), q[qk.X_ROWS * 1024:].view(qk.X_ROWS, 32, 34)
+    assert q.shape == (x8.X_ROWS * (1024 + 32 * 34),) and ds.shape == (32, x8.X_ROWS, 2)
+    rows, tails = q[:x8.X_ROWS * 1024].view(x8.X_ROWS, 1024), q[x8.X_ROWS * 1024:].view(x8.X_ROWS, 32, 34)
     assert torch.equal(rows[:3].float(), tq.reshape(3, 1024)) and not rows[3:].any() and not ds[:, 3:].any()
-    assert not tails[:, :, :2].any() and torch.equal(tails[:, :, 2:].reshape(qk.X_ROWS, 1024), rows)
+    assert not tails[:, :, :2].any() and torch.equal(tails[:, :, 2:].reshape(x8.X_ROWS, 1024), rows)
     assert torch.equal(ds[:, :3, 0], td.reshape(3, 32).T)
     assert torch.equal(ds[:, :3, 1], (tq.sum(1, keepdim=True) * td).reshape(3, 32).T)
 
@@ -102,20 +105,18 @@ def test_iq4_levels_by_prmt_as_looked_up():
     import triton
     import triton.language as tl
 
-    qk._build()
-
     @triton.jit
     def levels(q_ptr, out_ptr, K, LOOKUP: tl.constexpr):
         q = tl.load(q_ptr + tl.arange(0, 64))
-        a, b = qk._iq4_pairs(q, False, LOOKUP)
-        lo, hi = qk._iq4_levels(q, False, LOOKUP, qk._iq4_registers(K))
+        a, b = jit_q4._iq4_pairs(q, False, LOOKUP)
+        lo, hi = jit_q4._iq4_levels(q, False, LOOKUP, jit_q4._iq4_registers(K))
         at = out_ptr + 6 * tl.arange(0, 64)
         tl.store(at, a)
         tl.store(at + 1, b)
         tl.store(at + 2, lo)
         tl.store(at + 3, hi)
-        tl.store(at + 4, qk._prmt(q, q >> 8, q * 0 + 0x5140, False))
-        tl.store(at + 5, qk._prmt(q, q >> 8, q * 0 + 0x7362, False))
+        tl.store(at + 4, jit_common._prmt(q, q >> 8, q * 0 + 0x5140, False))
+        tl.store(at + 5, jit_common._prmt(q, q >> 8, q * 0 + 0x7362, False))
 
     q = torch.from_numpy(np.random.default_rng(5).integers(0, 2 ** 32, 64, dtype=np.uint32).view(np.int32))
     q[:16] = torch.tensor([0x01234567 * i for i in range(16)], dtype=torch.int64).to(torch.int32)
@@ -157,7 +158,7 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows, monkeypatc
         raw.reshape(10, -1, size)[..., at:at + 2] = d.view(np.uint8)
     w = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)).double()
     data = torch.from_numpy(raw.copy())
-    assert qk._word_kernel(int(qtype), rows, 2048)
+    assert qk.word_kernel(int(qtype), rows, 2048)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(rows, 2048, generator=gen)
     want = as_computed(x, qtype, 2048) @ w.T
@@ -173,16 +174,17 @@ def test_word_kernels_match_the_reference_dequantization(qtype, rows, monkeypatc
     assert rel(first.double(), want[:, :9]) <= 1e-6
     if rows > 1:  # the split counts of another lane (a product beside another on a second stream): the same sums
         assert torch.equal(qk.matmul(x, data, int(qtype), 9, config=configs[0], lane=1), first)
-        lanes = qk._counters(x.device), qk._counters(x.device, 1)
+        lanes = qk.counters(x.device), qk.counters(x.device, 1)
         assert not lanes[1].any() and lanes[1].data_ptr() != lanes[0].data_ptr()
     got = qk.matmul(x, data, int(qtype), 5, glu=True, config=configs[1]).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
     if rows > 1 and qtype != T.Q6_K:  # 32-row blocks: gate and up stacked into one 64-row tile, the same
         stacked = qk.matmul(x, data, int(qtype), 5, glu=True, config=(32, 4, 1, 2))  # sums as two tiles of 32
         assert rel(stacked.double(), torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
-        monkeypatch.setattr(qk, "GLU_STACK_ROWS", 0)
-        assert torch.equal(qk.matmul(x, data, int(qtype), 5, glu=True, config=(32, 4, 1, 2)), stacked)
-    assert not qk._counters(x.device).any()  # the split products left their counts at zero
+        unstacked = qk.matmul(x, data, int(qtype), 5, glu=True, config=(32, 4, 1, 2),
+                              options=KernelOptions(glu_stack_rows=0))
+        assert torch.equal(unstacked, stacked)
+    assert not qk.counters(x.device).any()  # the split products left their counts at zero
     # half-precision x (bfloat16 for the GEMV, float16 for the GEMM), the output rounded to it
     half = x.bfloat16() if rows == 1 else x.half()
     got = qk.matmul(half, data, int(qtype), 10).double()
@@ -195,14 +197,14 @@ def test_q8_0_gemm_of_blocks_in_fours_where_512_does_not_divide_k():
     raw = blocks(T.Q8_0, 10, 1280, 61)
     w = torch.from_numpy(quants.dequantize(raw, T.Q8_0).astype(np.float32)).double()
     data = torch.from_numpy(raw.copy())
-    assert qk._word_kernel(int(T.Q8_0), 5, 1280) == "skinny_q8_0" and qk._word_kernel(int(T.Q8_0), 5, 2048) == \
+    assert qk.word_kernel(int(T.Q8_0), 5, 1280) == "skinny_q8_0" and qk.word_kernel(int(T.Q8_0), 5, 2048) == \
         "skinny_q8_0w"
     x = torch.randn(5, 1280, generator=torch.Generator().manual_seed(6))
     want = as_computed(x, T.Q8_0, 1280) @ w.T
     assert rel(qk.matmul(x, data, int(T.Q8_0), 9, config=(8, 4, 1, 3)).double(), want[:, :9]) <= 1e-6
     got = qk.matmul(x, data, int(T.Q8_0), 5, glu=True, config=(8, 4, 1, 2)).double()
     assert rel(got, torch.nn.functional.silu(want[:, :5]) * want[:, 5:]) <= 1e-6
-    assert not qk._counters(x.device).any()
+    assert not qk.counters(x.device).any()
 
 
 def test_quant_weight_segments_slices_and_bytes():
@@ -323,60 +325,53 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
 
 
 @pytest.mark.parametrize("dtype,chunk", [(torch.float32, 0), (torch.float16, 0), (torch.float16, 128)])
-def test_a_norm_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype, chunk, monkeypatch):
-    """rms_norm(quantize=True) leaves quantize_x's exact result for the next product (one row: the GEMVs'
-    layout; a few: the padded rows of the GEMMs'), taken once, and the same normed rows as without; also with
-    a row's columns split over programs (NORM_CHUNK)."""
-    from strata.layers import triton_kernels as tk
+def test_a_norm_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype, chunk):
+    """rms_norm(quantize=True) returns quantize_x's exact result of its normed rows beside them (one row: the
+    GEMVs' layout; a few: the padded rows of the GEMMs'), and the same normed rows as without; also with a
+    row's columns split over programs (norm_chunk)."""
+    from strata.layers.kernels import norms
 
-    monkeypatch.setattr(tk, "NORM_CHUNK", chunk)
+    options = KernelOptions(norm_chunk=chunk)
     gen = torch.Generator().manual_seed(12)
     for rows in (1, 5):
         x = torch.randn(rows, 512, generator=gen).to(dtype)
         res = torch.randn(rows, 512, generator=gen).to(dtype)
         w = (torch.rand(512, generator=gen) + 0.5).to(dtype)
-        total, h = tk.rms_norm(x, w, 1e-6, res, quantize=True)
-        got = qk.recall_x8(h)
-        assert got is not None and qk.recall_x8(h) is None  # taken once
-        plain_total, plain_h = tk.rms_norm(x, w, 1e-6, res)
-        assert total.equal(plain_total) and h.equal(plain_h)
-        want = qk.quantize_x(h)
+        h, got, total = norms.rms_norm(x, w, 1e-6, res, quantize=True, options=options)
+        plain_h, none, plain_total = norms.rms_norm(x, w, 1e-6, res, options=options)
+        assert none is None and total.equal(plain_total) and h.equal(plain_h)
+        want = x8.quantize_x(h)
         assert len(got) == len(want) == (3 if rows == 1 else 2)
         for a, b in zip(got, want):
             assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
-        assert qk.recall_x8(torch.randn(rows, 512).to(dtype)) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_attention_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype, monkeypatch):
-    """attention(quantize=True) of one query row leaves quantize_x's exact result of its output (8 heads of
-    64 over 2 K/V heads: each program's head is two blocks of 32); a window of rows quantizes only within
-    ATTENTION_QUANTIZE_ROWS (at 1 it does not; at 16, the default, it leaves the few-row GEMMs' x, its
-    padding rows zeros, written by programs past the window's rows, here over a buffer full of garbage)."""
-    from strata.layers import triton_kernels as tk
+    """attention(quantize_rows) of one query row returns quantize_x's exact result of its output beside it (8
+    heads of 64 over 2 K/V heads: each program's head is two blocks of 32); a window of rows quantizes only
+    within quantize_rows (at 1 it does not; at 16, the default, it leaves the few-row GEMMs' x, its padding
+    rows zeros, written by programs past the window's rows, here over a buffer full of garbage)."""
+    from strata.layers.kernels import attention as attn
 
     gen = torch.Generator().manual_seed(13)
     k, v = torch.randn(2, 90, 2, 64, generator=gen).to(dtype)
     mask = torch.ones(1, 90, dtype=torch.bool)
     q = torch.randn(1, 8, 64, generator=gen).to(dtype)
-    out = tk.attention(q, k, v, mask, quantize=True)
-    got = qk.recall_x8(out)
-    assert got is not None and out.equal(tk.attention(q, k, v, mask))
-    for a, b in zip(got, qk.quantize_x(out), strict=True):
+    out, got = attn.attention(q, k, v, mask, quantize_rows=16)
+    assert got is not None and out.equal(attn.attention(q, k, v, mask)[0])
+    for a, b in zip(got, x8.quantize_x(out), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
     window = torch.randn(5, 8, 64, generator=gen).to(dtype)
     late = torch.arange(90).unsqueeze(0) <= torch.arange(80, 85).unsqueeze(1)
-    monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 1)
-    five = tk.attention(window, k, v, late, quantize=True)
-    assert qk.recall_x8(five) is None
-    monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 16)
-    garbage = [torch.full_like(b, 7) for b in qk.x8_buffers(5, 512, five.device)[0]]
-    monkeypatch.setattr(qk, "x8_buffers", lambda rows, k, device: (garbage, 16, 32))
-    again = tk.attention(window, k, v, late, quantize=True)
-    got = qk.recall_x8(again)
+    five, none = attn.attention(window, k, v, late, quantize_rows=1)
+    assert none is None
+    garbage = [torch.full_like(b, 7) for b in x8.x8_buffers(5, 512, five.device)[0]]
+    monkeypatch.setattr(attn, "x8_buffers", lambda rows, k, device: (garbage, 16, 32))
+    again, got = attn.attention(window, k, v, late, quantize_rows=16)
     assert got is not None and again.equal(five)
     monkeypatch.undo()
-    for a, b in zip(got, qk.quantize_x(five), strict=True):
+    for a, b in zip(got, x8.quantize_x(five), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and a.equal(b)
 
 
@@ -384,10 +379,9 @@ def test_attention_quantizes_its_rows_for_the_product_after_it_bit_for_bit(dtype
 def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, shape):
     """A Q4_K_M layer's 1-row and 4-row static steps through the Triton set: with the norms quantizing the
     rows that go into q/k/v, gate/up and the head (where those take int8 x; a MoE layer's experts: one
-    row) and attention its rows for o (ATTENTION_QUANTIZE_ROWS), quantize_x's kernel runs that many times
-    less, and every logit is the same as with it run for every product."""
-    from strata.layers import triton_kernels as tk
-    from strata.layers.kernels import TritonKernels
+    row) and attention its rows for o, quantize_x's kernel runs that many times less, as many products are
+    handed an int8 x, and every logit is the same as with it run for every product."""
+    from strata.layers.kernels import TritonKernels, jit_x8
     from strata.models.random_init import random_target
 
     from conftest import forward_at
@@ -398,7 +392,7 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
     moe = dict(moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2) if shape == "tiny-moe" else {}
     target = random_target(shape, quant="Q4_K_M", quantized=True, hidden_size=256, intermediate_size=512,
                            head_dim=64, vocab_size=256, num_hidden_layers=1, **moe)
-    launches, recalled = [], []
+    launches, handed = [], []
 
     class Counted:
         def __init__(self, kernel):
@@ -407,19 +401,23 @@ def test_a_quantized_step_with_norms_quantizing_keeps_its_logits(monkeypatch, sh
         def __getitem__(self, grid):
             return lambda *a, **kw: launches.append(1) or self.kernel[grid](*a, **kw)
 
-    monkeypatch.setitem(qk._build(), "quantize_x", Counted(qk._build()["quantize_x"]))
-    recall = qk.recall_x8
-    monkeypatch.setattr(qk, "recall_x8", lambda x: (lambda got: recalled.append(got is not None) or got)(recall(x)))
+    monkeypatch.setattr(jit_x8, "quantize_x_kernel", Counted(jit_x8.quantize_x_kernel))
+    for cls, name in ((QuantWeight, "matmul"), (QuantWeight, "gate_up_silu"), (QuantExperts, "assignments")):
+        real = getattr(cls, name)
+
+        def counted(self, *a, real=real, **kw):  # whether the product was handed the rows' int8 copy
+            handed.append(inspect.signature(real).bind(self, *a, **kw).arguments.get("x8") is not None)
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(cls, name, counted)
     for tokens in (torch.tensor([11]), torch.tensor([11, 200, 3, 97])):
         outs, counts = [], []
         for fused in (False, True):
-            monkeypatch.setattr(tk, "QUANTIZE_ROWS", 16 if fused else 0)  # both layouts (16: the default)
-            monkeypatch.setattr(tk, "ATTENTION_QUANTIZE_ROWS", 16)
             launches.clear()
-            recalled.clear()
-            outs.append(forward_at(target, tokens, 0, target.make_cache(16), kv_len=16,
-                                   kernels=TritonKernels(compiled=False)).logits)
-            counts.append((len(launches), sum(recalled)))
+            handed.clear()
+            kernels = TritonKernels(compiled=False, options=KernelOptions(quantize_rows=16 if fused else 0))
+            outs.append(forward_at(target, tokens, 0, target.make_cache(16), kv_len=16, kernels=kernels).logits)
+            counts.append((len(launches), sum(handed)))
         assert outs[1].equal(outs[0])
         # one row: the norms' for q/k/v, gate/up (or the experts') and the head, attention's for o; four rows:
         # the norms' for the few-row GEMMs that take int8 x (q/k/v, the dense gate/up), attention's for o
@@ -628,14 +626,14 @@ def test_the_autotuners_keep_their_measurements_on_disk():
     (_word_gemv keys the shapes they chose without prefetching by it); every tuner whose kernel serves
     several types keys by QTYPE, so that no type takes a shape another chose (in a process, or from the
     disk: a Q4_0 bench's choices for skinny_q4k8 once made the next run's Q4_K_M GEMMs 38% slower, its
-    verify 21%), and by STACK_ROWS where it takes it (an A/B of GLU_STACK_ROWS)."""
+    verify 21%), and by STACK_ROWS where it takes it (an A/B of glu_stack_rows)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); from strata.layers import quant_kernels as qk; "
-              "k = qk._build(); tuned = [n for n in k if n.endswith('_tuned')]; "
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from strata.layers.kernels import quantized as qk; "
+              "k = qk.kernels(); tuned = [n for n in k if n.endswith('_tuned')]; "
               "lanes = [k[n + '_tuned'] for n in set(qk.INT8_GEMVS.values())]; "
               "print(len(tuned), all(k[n].cache_results for n in tuned), len(lanes), "
               "all(t.keys == list(qk.LANE_K_TUNE_KEY) and set(t.keys) <= set(t.fn.arg_names) for t in lanes), "
@@ -650,14 +648,14 @@ def test_the_autotuners_keep_their_measurements_on_disk():
 
 def test_the_gemvs_block_shape_is_chosen_without_prefetching(monkeypatch):
     """Where the device tunes the 1-row GEMVs (stood in for by the interpreted kernel at one shape), a shape's
-    first product launches once without prefetching (the tuner chooses there) and then with GEMV_PREFETCH;
+    first product launches once without prefetching (the tuner chooses there) and then with gemv_prefetch;
     later products of that shape launch with it only, and a product without the setting never prefetches.
     The results are the same (a prefetch only asks lines into L2: the interpreter skips it)."""
     raw = blocks(T.Q4_K, 64, 256, 81)
     data = torch.from_numpy(raw.copy())
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
     want = qk.matmul(x, data, int(T.Q4_K), 32, glu=True)
-    kernel, launches = qk._build()["gemv_q4k8c"], []
+    kernel, launches = qk.kernels()["gemv_q4k8c"], []
 
     class Tuned:
         def __getitem__(self, grid):
@@ -668,13 +666,13 @@ def test_the_gemvs_block_shape_is_chosen_without_prefetching(monkeypatch):
                 kernel[grid(meta)](*args, **meta, **kw)
             return launch
 
-    monkeypatch.setitem(qk._build(), "gemv_q4k8c_tuned", Tuned())
-    monkeypatch.setattr(qk, "GEMV_PREFETCH", 2 ** 21)
+    monkeypatch.setitem(qk.kernels(), "gemv_q4k8c_tuned", Tuned())
     for _ in range(2):
-        assert qk.matmul(x, data, int(T.Q4_K), 32, glu=True).equal(want)
+        assert qk.matmul(x, data, int(T.Q4_K), 32, glu=True, options=KernelOptions(gemv_prefetch=2 ** 21)).equal(want)
     assert launches == [0, 2 ** 21, 2 ** 21]
-    monkeypatch.setattr(qk, "GEMV_PREFETCH", 0)
-    assert qk.matmul(x, data, int(T.Q4_K), 16).equal(qk.matmul(x, data, int(T.Q4_K), 16, config=(4, 2, 1, 1)))
+    without = KernelOptions(gemv_prefetch=0)
+    assert qk.matmul(x, data, int(T.Q4_K), 16, options=without).equal(
+        qk.matmul(x, data, int(T.Q4_K), 16, config=(4, 2, 1, 1)))
     assert launches == [0, 2 ** 21, 2 ** 21, 0]
 
 

@@ -4,14 +4,16 @@ no bfloat16 arithmetic."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.layers import triton_kernels as tk
-from strata.layers.kernels import EAGER, Kernels, TritonKernels
+from strata.layers.kernels import EAGER, KernelOptions, Kernels, TritonKernels
+from strata.layers.kernels import attention as attn
+from strata.layers.kernels import dense, jit_dense, norms, tuning
 from strata.layers.ops import attend_grouped, norm_rotate_store, silu_mul
 from strata.models.random_init import random_target
 
@@ -35,12 +37,12 @@ def test_gemv_matches_linear_with_ragged_blocks(dtype):
     w = torch.randn(52, 200, generator=gen).to(dtype)  # 52 rows, 200 columns: no block divides either
     b = torch.randn(52, generator=gen).to(dtype)
     config = (8, 64, 2)
-    close(tk.gemv(x, w, config=config), F.linear(x, w), dtype)
-    close(tk.gemv(x, w, b, config=config), F.linear(x, w, b), dtype)
-    close(tk.gemv(x, w, glu=True, config=config), silu_mul(F.linear(x, w)), dtype)
+    close(dense.gemv(x, w, config=config), F.linear(x, w), dtype)
+    close(dense.gemv(x, w, b, config=config), F.linear(x, w, b), dtype)
+    close(dense.gemv(x, w, glu=True, config=config), silu_mul(F.linear(x, w)), dtype)
     # the default configurations too, and a weight that is a row block of a larger matrix (a view)
     big = torch.randn(80, 200, generator=gen).to(dtype)
-    close(tk.gemv(x, big[16:68]), F.linear(x, big[16:68]), dtype)
+    close(dense.gemv(x, big[16:68]), F.linear(x, big[16:68]), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -51,11 +53,11 @@ def test_skinny_gemm_matches_linear_for_a_few_rows(dtype):
     config = (16, 64, 2, 2)
     for rows in (2, 5, 16):
         x = torch.randn(rows, 200, generator=gen).to(dtype)
-        close(tk.skinny(x, w, config=config), F.linear(x, w), dtype)
-        close(tk.skinny(x, w, b, config=config), F.linear(x, w, b), dtype)
-        close(tk.skinny(x, w, glu=True, config=config), silu_mul(F.linear(x, w)), dtype)
+        close(dense.skinny(x, w, config=config), F.linear(x, w), dtype)
+        close(dense.skinny(x, w, b, config=config), F.linear(x, w, b), dtype)
+        close(dense.skinny(x, w, glu=True, config=config), silu_mul(F.linear(x, w)), dtype)
     x = torch.randn(8, 200, generator=gen).to(dtype)
-    close(tk.skinny(x, w), F.linear(x, w), dtype)  # the default configuration
+    close(dense.skinny(x, w), F.linear(x, w), dtype)  # the default configuration
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -72,30 +74,30 @@ def test_attention_matches_grouped_matmuls(dtype, monkeypatch):
     cells_idx = torch.arange(cells)
     block = ((cells_idx >= 100) & (cells_idx < 250)).unsqueeze(0).expand(t, -1)
     for splits in (16, 2):
-        monkeypatch.setattr(tk, "ATTENTION_TARGET_SPLITS", splits)
+        monkeypatch.setattr(attn, "ATTENTION_TARGET_SPLITS", splits)
         for mask in (causal, block):
-            close(tk.attention(q, k, v, mask), attend_grouped(q, k, v, mask), dtype)
-    one = tk.attention(q[:1], k, v, causal[:1])  # the 1-token decode
+            close(attn.attention(q, k, v, mask)[0], attend_grouped(q, k, v, mask), dtype)
+    one = attn.attention(q[:1], k, v, causal[:1])[0]  # the 1-token decode
     close(one, attend_grouped(q[:1], k, v, causal[:1]), dtype)
     # a tree's verify: more query rows (5 rows x 4 heads a group) than a program holds, in blocks of 16
-    monkeypatch.setattr(tk, "ATTENTION_MAX_ROWS", 16)
+    monkeypatch.setattr(tuning, "ATTENTION_MAX_ROWS", 16)
     tree = torch.randn(5, h, d, generator=gen).to(dtype)
     visible = torch.rand(5, cells, generator=gen) < 0.3
     visible[:, 0] = True
-    close(tk.attention(tree, k, v, visible), attend_grouped(tree, k, v, visible), dtype)
+    close(attn.attention(tree, k, v, visible)[0], attend_grouped(tree, k, v, visible), dtype)
     # head dim 256 (Qwen3.5's gated attention): smaller tiles, two row blocks of 32
-    monkeypatch.setattr(tk, "ATTENTION_MAX_ROWS", 64)
+    monkeypatch.setattr(tuning, "ATTENTION_MAX_ROWS", 64)
     q, kv = torch.randn(16, 4, 256, generator=gen).to(dtype), torch.randn(2, 90, 1, 256, generator=gen).to(dtype)
     late = torch.arange(90).unsqueeze(0) <= torch.arange(60, 76).unsqueeze(1)
-    close(tk.attention(q, kv[0], kv[1], late), attend_grouped(q, kv[0], kv[1], late), dtype)
+    close(attn.attention(q, kv[0], kv[1], late)[0], attend_grouped(q, kv[0], kv[1], late), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rms_norms_match_the_reference(dtype, monkeypatch):
+def test_rms_norms_match_the_reference(dtype):
     """The one-launch RMSNorm and residual add + RMSNorm against ops: a ragged row (200 columns in a block of
     256), one row and a window of rows, a residual sum bit for bit, a float32 weight over float16 rows; a
-    row's columns split over programs (NORM_CHUNK, the last chunk of the ragged row part past it) giving the
-    same bits as one program a row, and as its weights read after the PDL wait (PRE_WAIT_LOADS off)."""
+    row's columns split over programs (norm_chunk, the last chunk of the ragged row part past it) giving the
+    same bits as one program a row, and as its weights read after the PDL wait (pre_wait_loads off)."""
     from strata.layers.ops import add_rms_norm, rms_norm
 
     gen = torch.Generator().manual_seed(10)
@@ -103,25 +105,24 @@ def test_rms_norms_match_the_reference(dtype, monkeypatch):
         x = torch.randn(shape, generator=gen).to(dtype)
         res = torch.randn(shape, generator=gen).to(dtype)
         for w in (torch.rand(shape[-1], generator=gen).to(dtype) + 0.5, torch.rand(shape[-1], generator=gen) + 0.5):
-            monkeypatch.setattr(tk, "NORM_CHUNK", 0)
-            whole = tk.rms_norm(x, w, 1e-6), *tk.rms_norm(x, w, 1e-6, res)
+            def norm(options):  # (normed, x + res, normed x + res)
+                added = norms.rms_norm(x, w, 1e-6, res, options=options)
+                return norms.rms_norm(x, w, 1e-6, options=options)[0], added[2], added[0]
+
+            whole = norm(KernelOptions(norm_chunk=0))
             close(whole[0], rms_norm(x, w, 1e-6), dtype)
             want_total, want_h = add_rms_norm(x, res, w, 1e-6)
             assert whole[1].equal(want_total)
             close(whole[2], want_h, dtype)
-            monkeypatch.setattr(tk, "NORM_CHUNK", 64)
-            chunked = tk.rms_norm(x, w, 1e-6), *tk.rms_norm(x, w, 1e-6, res)
+            chunked = norm(KernelOptions(norm_chunk=64))
             assert all(a.equal(b) for a, b in zip(chunked, whole, strict=True))
-            monkeypatch.setattr(tk, "PRE_WAIT_LOADS", False)
-            assert tk.rms_norm(x, w, 1e-6, res)[1].equal(whole[2])
-            monkeypatch.setattr(tk, "PRE_WAIT_LOADS", True)
+            assert norm(KernelOptions(norm_chunk=64, pre_wait_loads=False))[2].equal(whole[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pre_wait", [True, False])
-def test_norm_rotate_store_writes_q_and_the_cache_cells(dtype, pre_wait, monkeypatch):
+def test_norm_rotate_store_writes_q_and_the_cache_cells(dtype, pre_wait):
     """Against ops.norm_rotate_store, its weights, cos and sin read before the PDL wait or after it."""
-    monkeypatch.setattr(tk, "PRE_WAIT_LOADS", pre_wait)
     gen = torch.Generator().manual_seed(3)
     t, h, hk, d = 3, 4, 2, 16
     proj = torch.randn(t, (h + 2 * hk) * d, generator=gen).to(dtype)  # one fused q/k/v projection
@@ -131,7 +132,7 @@ def test_norm_rotate_store_writes_q_and_the_cache_cells(dtype, pre_wait, monkeyp
     cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
     positions = torch.tensor([5, 9, 7])
     results = []
-    for fn in (tk.norm_rotate_store, norm_rotate_store):
+    for fn in (functools.partial(norms.norm_rotate_store, prewait=pre_wait), norm_rotate_store):
         kc, vc = torch.zeros(12, hk, d, dtype=dtype), torch.zeros(12, hk, d, dtype=dtype)
         results.append((fn(qk, v, q_w, k_w, cos, sin, 1e-6, h, kc, vc, positions), kc, vc))
     (q, kc, vc), (q_ref, kc_ref, vc_ref) = results
@@ -148,8 +149,10 @@ def test_static_forward_with_triton_kernels_matches_the_eager_one(monkeypatch):
     target = random_target("tiny", seed=4)
     kernels = TritonKernels(compiled=False)
     calls = {"gemv": 0, "skinny": 0, "attention": 0, "norm_rotate_store": 0}
+    homes = {"gemv": dense, "skinny": dense, "attention": attn, "norm_rotate_store": norms}
+
     def counting(name):
-        fn = getattr(tk, name)
+        fn = getattr(homes[name], name)
 
         def counted(*args, **kw):
             calls[name] += 1
@@ -157,7 +160,7 @@ def test_static_forward_with_triton_kernels_matches_the_eager_one(monkeypatch):
         return counted
 
     for name in calls:
-        monkeypatch.setattr(tk, name, counting(name))
+        monkeypatch.setattr(homes[name], name, counting(name))
     prompt = torch.randint(0, target.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
     caches = []
     for fns in (Kernels(attention="grouped"), kernels):
@@ -199,19 +202,19 @@ def test_float32_few_row_products_pipeline_only_what_shared_memory_holds(monkeyp
         def __getitem__(self, grid):
             return lambda *args, **kw: stages.append(kw["num_stages"])
 
-    monkeypatch.setattr(tk, "_build", lambda: {"skinny": Launcher()})
+    monkeypatch.setattr(jit_dense, "skinny_kernel", Launcher())
     for dtype in (torch.float32, torch.bfloat16):
         for glu in (False, True):
-            tk.skinny(torch.zeros(8, 256, dtype=dtype), torch.zeros(128, 256, dtype=dtype), glu=glu)
-    assert stages == [3, 2, tk.SKINNY_CONFIG[3], tk.SKINNY_CONFIG[3]]
+            dense.skinny(torch.zeros(8, 256, dtype=dtype), torch.zeros(128, 256, dtype=dtype), glu=glu)
+    assert stages == [3, 2, tuning.SKINNY_CONFIG[3], tuning.SKINNY_CONFIG[3]]
 
 
 def test_a_failing_triton_kernel_leaves_the_torch_path_with_one_warning(monkeypatch):
     def broken(*args, **kw):
         raise RuntimeError("no kernel for this GPU")
 
-    monkeypatch.setattr(tk, "gemv", broken)
-    monkeypatch.setattr(tk, "attention", broken)
+    monkeypatch.setattr(dense, "gemv", broken)
+    monkeypatch.setattr(attn, "attention", broken)
     kernels = TritonKernels(compiled=False)
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn(1, 32, generator=gen), torch.randn(24, 32, generator=gen)
@@ -247,15 +250,15 @@ def test_expert_gemvs_match_the_routed_experts(dtype, monkeypatch):
         weights, experts = route(h, router, top_k, True)
         want = experts_routed(h, gate_up, down, weights, experts)
         for grouped in (False, True):  # per assignment, and each expert once for all its rows
-            close(tk.experts(h, gate_up, down, weights, experts, grouped=grouped), want, dtype)
+            close(dense.experts(h, gate_up, down, weights, experts, grouped=grouped), want, dtype)
         for block_n, block_k, warps in ((8, 128, 1), (16, 16, 2)) if top_k == 3 else ():
-            monkeypatch.setattr(tk, "EXPERT_DOWN_SUM_CONFIG", (block_n, block_k, warps))
-            monkeypatch.setattr(tk, "EXPERT_DOWN_CONFIG", (4, block_k, 1))  # the same K steps, unsummed
+            monkeypatch.setattr(dense, "EXPERT_DOWN_SUM_CONFIG", (block_n, block_k, warps))
+            monkeypatch.setattr(dense, "EXPERT_DOWN_CONFIG", (4, block_k, 1))  # the same K steps, unsummed
             slots = []
-            unsummed = tk.experts(h, gate_up, down, weights, experts, grouped=False,
-                                  reduce=lambda y, w, t: slots.append(y) or sum_slots(y, w, t))
+            unsummed = dense.experts(h, gate_up, down, weights, experts, grouped=False,
+                                     reduce=lambda y, w, t: slots.append(y) or sum_slots(y, w, t))
             assert slots[0].shape == (rows, top_k, hidden)
-            assert tk.experts(h, gate_up, down, weights, experts, grouped=False).equal(unsummed)
+            assert dense.experts(h, gate_up, down, weights, experts, grouped=False).equal(unsummed)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -269,7 +272,7 @@ def test_route_kernel_matches_the_routing(renormalize):
         h = torch.randn(5, 32, generator=gen)
         router = torch.randn(e, 32, generator=gen)
         want_w, want_e = route(h, router, k, renormalize)
-        got_w, got_e = tk.route_topk(F.linear(h, router), k, renormalize)
+        got_w, got_e = dense.route_topk(F.linear(h, router), k, renormalize)
         assert got_e.equal(want_e) and bool((got_e.diff(dim=-1) > 0).all())
         close(got_w, want_w, torch.float32)
 
@@ -279,8 +282,8 @@ def test_a_moe_step_runs_the_expert_gemvs(monkeypatch):
     layer and keeps the eager step's logits."""
     target = random_target("tiny-moe", seed=2, num_hidden_layers=2)
     calls = []
-    real = tk.experts
-    monkeypatch.setattr(tk, "experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = dense.experts
+    monkeypatch.setattr(dense, "experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prompt = torch.randint(0, target.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
     outs = []
     for fns in (Kernels(attention="grouped", static=True), TritonKernels(compiled=False)):

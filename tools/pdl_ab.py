@@ -1,14 +1,15 @@
-"""Programmatic dependent launch on and off (STRATA_PDL, layers/pdl.py) in one process: ms per target-only
-step (padded to each window W: a verify's cost) of a random-weight shape, each setting's outputs compared
-with the first's. Inductor's flag is set once per process, at the first setting's compiled kernels. With
---knob the settings are values of module constants instead (Python literals, set before each engine).
+"""Programmatic dependent launch on and off (STRATA_PDL, layers/kernels/pdl.py) in one process: ms per
+target-only step (padded to each window W: a verify's cost) of a random-weight shape, each setting's outputs
+compared with the first's. Inductor's flag is set once per process, at the first setting's compiled kernels.
+With --knob the settings are values of KernelOptions fields instead (Python literals, one engine each);
+--set fixes module constants (the autotune lists of layers/kernels/tuning.py) before any kernel is built.
 
     PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --windows 1 16 --settings 1 0
     PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --quant Q4_K_M --windows 1 \
-        --knob strata.layers.triton_kernels.NORM_MAX_ROWS --settings 0 64 0 64
+        --knob norm_max_rows --settings 0 64 0 64
     PYTHONPATH=src python3 tools/pdl_ab.py --shape qwen3-8b --quant Q4_K_M --windows 16 \
-        --knob strata.layers.triton_kernels.QUANTIZE_ROWS strata.layers.triton_kernels.NORM_MAX_ROWS \
-        --settings 1,64 16,64 1,0 --set 'strata.layers.quant_kernels.WORD_SKINNY_CONFIGS=[(64, 4, 2, 1)]'
+        --knob quantize_rows norm_max_rows --settings 1,64 16,64 1,0 \
+        --set 'strata.layers.kernels.tuning.WORD_SKINNY_CONFIGS=[(64, 4, 2, 1)]'
 
 --out FILE.json also keeps every line's figures, the block shapes the autotuner chose, the device and the
 command, for bench/results."""
@@ -30,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from strata.engine.config import EngineConfig  # noqa: E402
 from strata.engine.decode import Engine  # noqa: E402
-from strata.layers import triton_kernels  # noqa: E402
-from strata.layers.quant_kernels import _build  # noqa: E402
+from strata.layers.kernels import KernelOptions  # noqa: E402
+from strata.layers.kernels.quantized import kernels  # noqa: E402
 from strata.models.random_init import random_target  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def tuned_shapes() -> dict:
     """The block shape the autotuner chose for each product the quantized kernels ran so far, by kernel and
     tuning key (which of a list's shapes a setting's products took, where two settings' outputs part)."""
     chosen = {}
-    for name, kernel in _build().items():
+    for name, kernel in kernels().items():
         for key, cfg in getattr(kernel, "cache", {}).items() if name.endswith("_tuned") else ():
             chosen.setdefault(name, {})[str(key)] = {**cfg.kwargs, "num_warps": cfg.num_warps,
                                                      "num_stages": cfg.num_stages}
@@ -62,7 +63,7 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=["1", "0"],
                     help="STRATA_PDL (or --knob) values, in order; with several knobs, comma-separated")
     ap.add_argument("--knob", nargs="+", default=None,
-                    help="module constants to set instead, e.g. strata.layers.x.NAME")
+                    help="KernelOptions fields to set instead, e.g. norm_max_rows")
     ap.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE",
                     help="module constants fixed for every setting, set first (e.g. a shorter autotune list)")
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -75,19 +76,22 @@ def main() -> None:
     opts = EngineConfig(backend="graphs+triton", max_len=512 + args.new_tokens + max(args.windows) + 1)
     first: dict[int, list[int]] = {}
     rows: list[dict] = []
-    knobs = [k.rsplit(".", 1) for k in args.knob or []]
-    name = ",".join(n for _, n in knobs) or "STRATA_PDL"
+    knobs = args.knob or []
+    unknown = set(knobs) - set(KernelOptions.__dataclass_fields__)
+    if unknown:
+        fields = ", ".join(KernelOptions.__dataclass_fields__)
+        ap.error(f"--knob {sorted(unknown)}: not KernelOptions fields ({fields})")
+    name = ",".join(knobs) or "STRATA_PDL"
     for setting in args.settings:
+        kernel_options = KernelOptions()
         if knobs:
             values = ast.literal_eval(setting if len(knobs) == 1 else f"({setting},)")
-            for (module, knob), value in zip(knobs, [values] if len(knobs) == 1 else values, strict=True):
-                setattr(importlib.import_module(module), knob, value)
-            _build.cache_clear()  # kernels built (and their autotune lists) from the constants as now set
-            triton_kernels._build.cache_clear()  # and the norm and attention kernels, built from constants too
+            kernel_options = replace(kernel_options, **dict(zip(knobs, [values] if len(knobs) == 1 else values,
+                                                                strict=True)))
         else:
             os.environ["STRATA_PDL"] = setting
         for w in args.windows:
-            engine = Engine(target, config=replace(opts, pad_rows=w))
+            engine = Engine(target, config=replace(opts, pad_rows=w, kernels=kernel_options))
             ids = engine.generate(prompt, args.new_tokens).output_ids
             runs = [engine.generate(prompt, args.new_tokens) for _ in range(args.runs)]
             ms = [1e3 * r.decode_s / max(len(r.accept_lengths), 1) for r in runs]

@@ -1,4 +1,4 @@
-"""Sweep the quantized GEMV and few-row GEMM kernels (layers/quant_kernels.py) on the Qwen3-8B shape's
+"""Sweep the quantized GEMV and few-row GEMM kernels (layers/kernels/quantized.py) on the Qwen3-8B shape's
 matrices of random valid GGUF blocks, on a CUDA device: achieved GB/s (bytes of blocks read per call
 over its time) for each type and configuration, against the device's copy bandwidth.
 
@@ -15,13 +15,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from strata.layers import quant_kernels as qk  # noqa: E402
+from strata.layers.kernels import quantized as qk  # noqa: E402
+from strata.layers.kernels.common import cdiv  # noqa: E402
+from strata.layers.kernels.qtypes import IQ4_XS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0  # noqa: E402
 from strata.layers.quant import random_blocks  # noqa: E402
 from pdl_ab import set_constants  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
-NAMES = {"Q8_0": qk.Q8_0, "Q4_0": qk.Q4_0, "Q4_K": qk.Q4_K, "Q5_K": qk.Q5_K, "Q6_K": qk.Q6_K, "IQ4_XS": qk.IQ4_XS}
+NAMES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K, "IQ4_XS": IQ4_XS}
 
 
 def timed(fn, reps: int = 20, calls: int = 10) -> float:
@@ -58,7 +60,7 @@ def main() -> None:
                          "product of all its rows)")
     ap.add_argument("--out")
     ap.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE",
-                    help="module constants set first (e.g. a shorter strata.layers.quant_kernels.LANE_K_CONFIGS)")
+                    help="module constants set first (e.g. a shorter strata.layers.kernels.tuning.LANE_K_CONFIGS)")
     args = ap.parse_args()
     set_constants(args.set)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -75,7 +77,7 @@ def main() -> None:
             glu = args.fused_gate_up and mat == "gate_up"
             if glu:
                 n //= 2
-            copies = [data] + [data.clone() for _ in range(qk.cdiv(256 << 20, data.numel()) - 1 if args.cold else 0)]
+            copies = [data] + [data.clone() for _ in range(cdiv(256 << 20, data.numel()) - 1 if args.cold else 0)]
             turn = itertools.count()
             for m in args.rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

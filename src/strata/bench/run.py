@@ -7,8 +7,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 
@@ -20,9 +19,8 @@ from ..engine.config import EngineConfig
 from ..engine.decode import Engine
 from ..engine.drafter import OracleDrafter
 from ..engine.stats import Acceptance
-from ..errors import StrataError
 from ..layers.kernels import TritonKernels
-from ..layers import quant_kernels as qk
+from ..layers.kernels import quantized as qk
 from ..layers.quant import QuantWeight, weight_bytes
 from ..models.loader import unpack
 from ..models.placement import sparse_layers
@@ -149,7 +147,7 @@ def round_split(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
 def hf_generate(target, prompt: list[int], new_tokens: int, modes: list[str], runs: int) -> dict:
     """transformers' generate on the very same weights (built from Strata's config and state dict)."""
     if target.device.type != "cuda":
-        from ..layers.fla_kernels import transformers_in_torch
+        from ..layers.kernels.fla import transformers_in_torch
 
         transformers_in_torch()
     try:
@@ -373,7 +371,7 @@ def rollback_cost(engine: Engine, reps: int = 20) -> dict:
     rollback costs at most their difference. Without it, replay_ms is the kernel set's delta rule over the
     kept rows. snapshot_writes_ms: writing W per-position states per layer instead (what keeping a snapshot
     per verified row would add to every verify). ms, in CUDA graphs on a GPU."""
-    from ..layers import delta_kernels
+    from ..layers.kernels import delta as delta_kernels
     from ..layers.linear_attention import LinearState
 
     layers = [(layer.mixer, engine.runner.cache.layers[layer.index]) for layer in engine.target.layers

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..cache import refuse_rows_unless_fit, refuse_unless_fits
 from ..errors import SettingError
-from ..layers.kernels import ATTENTION_KINDS
+from ..layers.kernels import ATTENTION_KINDS, KernelOptions
 
 DRAFT_SAMPLING_MODES = ("sample", "argmax")
 #: how the steps run, from the most dynamic to the most fused: eager (dynamic shapes, the CPU's default),
@@ -44,6 +44,7 @@ class EngineConfig:
     adaptive_window: bool = False  # each round's window chosen by measured cost and acceptance (window_policy.py)
     draft_sampling: str = "sample"  # sampled decoding: draw candidates from q, or take its argmax
     profile: bool = False  # time the draft and verify parts of each round (waits for the device)
+    kernels: KernelOptions = KernelOptions()  # the kernels' switches (an A/B run sets its own)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -140,7 +140,7 @@ class ModelRunner:
         self.cache = target.make_cache(aligned_cells(self.max_len + self.rows) if spare else self.max_len,
                                        rows=self.rows)
         self.graphs = CudaGraphs(dev, enabled=cfg.graphs)
-        self.kernels = select_kernels(dev, cfg.backend, cfg.attention)
+        self.kernels = select_kernels(dev, cfg.backend, cfg.attention, cfg.kernels)
         self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.candidates = torch.zeros(window - 1, dtype=torch.long, device=dev)

@@ -15,12 +15,11 @@ Row 0 of a tree is the anchor (depth 0); rows 1..N are nodes in order of depth."
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from ..layers.triton_kernels import pow2
+from ..layers.kernels.common import pow2
 
 #: tokens each depth offers the search (the paper's per-position top-k)
 TOP_K = 8
@@ -91,82 +90,6 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
                 torch.cat([torch.zeros(1, dtype=torch.long, device=dev), d_of + 1]), parent, anc)
 
 
-@functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def rank_in(s, c, scratch_ptr, C: tl.constexpr, CH: tl.constexpr):
-        """Each candidate's rank among the C candidates stored at scratch_ptr: how many score higher, ties
-        going to the lower index (so ranks are distinct)."""
-        rank = tl.zeros_like(c)
-        for c0 in range(0, C, CH):
-            o = c0 + tl.arange(0, CH)
-            so = tl.load(scratch_ptr + o, cache_modifier=".cg")
-            better = (so[None, :] > s[:, None]) | ((so[None, :] == s[:, None]) & (o[None, :] < c[:, None]))
-            rank += tl.sum(better.to(tl.int32), axis=1)
-        return rank
-
-    globals()["rank_in"] = rank_in  # Triton resolves a kernel's calls in its module's globals
-
-    @triton.jit
-    def tree_build_kernel(steps_ptr, idx_ptr, anchor_ptr, score_ptr, slot_ptr, tok_ptr, cand_ptr, row_ptr,
-                          tokens_ptr, depth_ptr, parent_ptr, anc_ptr, N, K, D: tl.constexpr, NP: tl.constexpr,
-                          KP: tl.constexpr, DP: tl.constexpr, RP: tl.constexpr, CH: tl.constexpr):
-        """One program: each depth's beam of N (ranked, best first), the global top N over all beams, the
-        rows in depth order with their parents' rows, and the ancestor rows by walking up the parents."""
-        C: tl.constexpr = NP * KP
-        c = tl.arange(0, C)
-        slot, j = c // KP, c % KP
-        for d in range(D):
-            if d == 0:
-                prev = tl.where(slot == 0, 0.0, float("-inf"))
-            else:
-                prev = tl.load(score_ptr + (d - 1) * NP + slot, mask=slot < N, other=float("-inf"),
-                               cache_modifier=".cg")
-            s = prev + tl.load(steps_ptr + d * K + j, mask=j < K, other=float("-inf"))
-            s = tl.where((slot < N) & (j < K), s, float("-inf"))
-            tl.store(cand_ptr + c, s)
-            tl.debug_barrier()
-            rank = rank_in(s, c, cand_ptr, C, CH)
-            keep = rank < N
-            tl.store(score_ptr + d * NP + rank, s, mask=keep)
-            tl.store(slot_ptr + d * NP + rank, slot, mask=keep)
-            tl.store(tok_ptr + d * NP + rank, tl.load(idx_ptr + d * K + j, mask=j < K, other=0), mask=keep)
-            tl.debug_barrier()
-        G: tl.constexpr = DP * NP
-        a = tl.arange(0, G)
-        da, sa = a // NP, a % NP
-        live = (da < D) & (sa < N)
-        s = tl.load(score_ptr + a, mask=live, other=float("-inf"), cache_modifier=".cg")
-        tl.store(cand_ptr + a, s)
-        tl.debug_barrier()
-        chosen = (rank_in(s, a, cand_ptr, G, CH) < N) & live
-        row = tl.cumsum(chosen.to(tl.int32), axis=0)  # 1-based in (depth, rank) order: row 0 is the anchor
-        tl.store(row_ptr + a, row, mask=chosen)
-        tl.debug_barrier()
-        up = tl.load(slot_ptr + a, mask=chosen, other=0, cache_modifier=".cg")
-        par = tl.load(row_ptr + (da - 1) * NP + up, mask=chosen & (da > 0), other=0, cache_modifier=".cg")
-        tl.store(tokens_ptr + row, tl.load(tok_ptr + a, mask=chosen, other=0, cache_modifier=".cg"), mask=chosen)
-        tl.store(depth_ptr + row, (da + 1).to(tl.int64), mask=chosen)
-        tl.store(parent_ptr + row, par.to(tl.int64), mask=chosen)
-        tl.store(tokens_ptr, tl.load(anchor_ptr))
-        tl.store(depth_ptr, tl.zeros((), dtype=tl.int64))
-        tl.store(parent_ptr, tl.zeros((), dtype=tl.int64))
-        r = tl.arange(0, RP)
-        rows = N + 1
-        tl.store(anc_ptr + r[:, None] * rows + r[None, :], tl.zeros([RP, RP], dtype=tl.int8),
-                 mask=(r[:, None] < rows) & (r[None, :] < rows))
-        tl.debug_barrier()
-        cur = r
-        for _ in range(D + 1):  # every row marks itself, its parent, ... up to the anchor (its own parent)
-            tl.store(anc_ptr + r * rows + cur, tl.full([RP], 1, dtype=tl.int8), mask=r < rows)
-            cur = tl.load(parent_ptr + cur, mask=r < rows, other=0, cache_modifier=".cg").to(tl.int32)
-
-    return tree_build_kernel
-
-
 def _build_fused(anchor: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor, budget: int) -> Tree:
     depths, k = steps.shape
     dev, rows = steps.device, budget + 1
@@ -178,7 +101,9 @@ def _build_fused(anchor: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor, b
     row = torch.empty(dp * np_, dtype=torch.int32, device=dev)
     tokens, depth, parent = (torch.empty(rows, dtype=torch.long, device=dev) for _ in range(3))
     anc = torch.empty(rows, rows, dtype=torch.int8, device=dev)
-    _kernel()[(1,)](steps.contiguous(), idx.contiguous(), anchor, score, slot, tok, cand, row, tokens, depth,
+    from .tree_kernel import tree_build_kernel
+
+    tree_build_kernel[(1,)](steps.contiguous(), idx.contiguous(), anchor, score, slot, tok, cand, row, tokens, depth,
                     parent, anc, budget, k, D=depths, NP=np_, KP=kp, DP=dp, RP=pow2(rows), CH=32, num_warps=4)
     return Tree(tokens, depth, parent, anc.view(torch.bool))
 

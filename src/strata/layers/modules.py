@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import graph_breaks, ops
-from .kernels import EAGER, Kernels
+from .kernels import EAGER, Activation, Kernels, unwrap
 from .quant import QuantExperts
 from .rotary import Rope
 
@@ -355,28 +355,32 @@ class SparseMoE(nn.Module):
         self.host_blocks = None
         return len(on)
 
-    def forward(self, h: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
+    def forward(self, h, kernels: Kernels = EAGER) -> torch.Tensor:
+        """h: rows, or an Activation whose int8 copy the experts' products take (Kernels.experts)."""
+        h, x8 = unwrap(h)
         flat = h.reshape(-1, h.shape[-1])
+        rows = flat if x8 is None else Activation(flat, x8)
         weights, experts = kernels.route(flat, self.gate.weight, self.top_k, self.renormalize)
         if self.host_experts and kernels.static:
-            out = self.placed(flat, weights, experts, kernels)
+            out = self.placed(rows, weights, experts, kernels)
         elif self.host_experts:
             out = ops.experts_placed(flat, self.gate_up_proj, self.down_proj, self.host_gate_up, self.host_down,
                                      self.slot, weights, experts, self.timing,
                                      self.counts if self.counting else None)
         else:
-            out = kernels.experts(flat, self.gate_up_proj, self.down_proj, weights, experts)
+            out = kernels.experts(rows, self.gate_up_proj, self.down_proj, weights, experts)
         out = out.view(h.shape)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(h, kernels)) * self.shared_expert(h, kernels)
         return out
 
-    def placed(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+    def placed(self, rows, weights: torch.Tensor, experts: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         """ops.experts_placed in static shapes, no host read among the device's work (a CUDA graph captures
         it in two segments): the device's experts run every (row, expert) pair, a pair whose expert is in
         host memory through a stand-in (stand_in: its resident expert 0), and the host's outputs replace
         the stand-ins' before each row's outputs are summed. The host's pairs run at graph_breaks.on_host,
-        once the device's work up to them (its experts included) is done."""
+        once the device's work up to them (its experts included) is done. rows: as forward's h, flat."""
+        h = unwrap(rows)[0]
         host_y = torch.empty(*experts.shape, h.shape[-1], dtype=h.dtype, device=h.device)
         host = torch.empty(experts.shape, dtype=torch.bool, device=h.device)
         fill = HostExperts(self, h, experts, host_y, host)
@@ -388,8 +392,8 @@ class SparseMoE(nn.Module):
             graph_breaks.on_host(fill)
             return kernels.sum_slots(torch.where(host[..., None], host_y, y), weights, dtype)
 
-        return kernels.experts(h, self.gate_up_proj, self.down_proj, weights, self.stand_in[experts], reduce=reduce,
-                               repeats=True)
+        return kernels.experts(rows, self.gate_up_proj, self.down_proj, weights, self.stand_in[experts],
+                               reduce=reduce, repeats=True)
 
 
 class HostExperts:

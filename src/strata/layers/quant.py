@@ -2,7 +2,7 @@
 
 A QuantWeight is a [rows, cols] matrix as row segments of GGUF blocks, each segment of one GGML type:
 a fused q/k/v can join Q4_K and Q6_K rows (Q4_K_M does that). Kernel sets hand it to the Triton
-kernels of quant_kernels.py, which dequantize in registers; the float tensor never exists, except
+kernels (kernels/quantized.py), which dequantize in registers; the float tensor never exists, except
 briefly for prefill-sized products (one matrix at a time)."""
 
 from __future__ import annotations
@@ -12,19 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import quant_kernels as qk
+from .kernels import quantized as qk
+from .kernels.options import KernelOptions
+from .kernels.qtypes import BLOCKS, HALF_FIELDS, IQ4_XS, KERNEL_TYPES, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, TILE
+from .kernels.x8 import quantize_x
 
-#: the types the device kernels take; other GGUF types are dequantized at load
-KERNEL_TYPES = set(qk.BLOCKS)
+DEFAULT = KernelOptions()
 #: rows up to which a product runs on the quantized kernels; larger ones (prefill) dequantize first
 KERNEL_MAX_ROWS = 16
-#: a product of at least this many rows over segments of several types (Q4_K_M's q/k/v: Q4_K then Q6_K
-#: rows) runs the segments after the first on a second stream beside it (a fork and a join in a captured
-#: graph): a small segment's product is a short grid whose time is mostly its latency. 0: none. On an H100
-#: a Q4_K_M 16-row verify took 2.3% less time, a 1-row step 1.1% less (the v GEMV then waits for the norm
-#: before it in full, not through PDL): bench/results/side-by-side-segments-ab-h100.json,
-#: side-by-side-1-row-ab-h100.json
-SEGMENTS_SIDE_BY_SIDE = 1
 
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -49,7 +44,7 @@ class QuantWeight:
     @classmethod
     def fits(cls, qtype: int, shape: tuple) -> bool:
         """Whether the device kernels take a matrix of this type and shape (their tiles are 256 wide)."""
-        return qtype in KERNEL_TYPES and len(shape) == 2 and shape[1] % qk.TILE == 0
+        return qtype in KERNEL_TYPES and len(shape) == 2 and shape[1] % TILE == 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,58 +73,61 @@ class QuantWeight:
     def dequantize(self) -> torch.Tensor:
         return torch.cat([qk.dequantize(s.data, s.qtype, self.cols) for s in self.segments]).to(self.dtype)
 
-    def takes_int8(self, rows: int) -> bool:
-        """Whether a product of `rows` rows computes with x quantized by quant_kernels.quantize_x."""
+    def takes_int8(self, rows: int, options: KernelOptions = DEFAULT) -> bool:
+        """Whether a product of `rows` rows computes with x quantized to int8 (kernels/x8.py)."""
         return rows <= KERNEL_MAX_ROWS and any(qk.int8_x(s.qtype, rows, self.cols, s.data.numel())
                                                for s in self.segments)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., cols] @ W^T (+ bias)."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, x8: tuple | None = None,
+               options: KernelOptions = DEFAULT) -> torch.Tensor:
+        """x [..., cols] @ W^T (+ bias). x8: x's int8 copy where the kernel that wrote x made it."""
         flat = x.reshape(-1, self.cols)
         if flat.shape[0] > KERNEL_MAX_ROWS:
             y = torch.nn.functional.linear(flat, self.dequantize())
         else:
-            x8 = None  # one quantized x for every segment that takes it (a fused q/k/v)
-            if len(self.segments) > 1 and self.takes_int8(flat.shape[0]):
-                x8 = qk.quantize_x(flat)
+            if x8 is None and len(self.segments) > 1 and self.takes_int8(flat.shape[0]):
+                x8 = quantize_x(flat)  # one quantized x for every segment that takes it (a fused q/k/v)
             if len(self.segments) == 1:
                 s = self.segments[0]
-                y = qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8)
+                y = qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, options=options)
             else:  # each segment writes its own columns: no concatenation after
                 y = torch.empty(flat.shape[0], self.shape[0], device=flat.device, dtype=flat.dtype)
-                self._segments_into(flat, x8, y)
+                self._segments_into(flat, x8, y, options)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    def _segments_into(self, flat: torch.Tensor, x8, y: torch.Tensor) -> None:
-        """Each segment's product into its columns of y; past the first, side by side with it where
-        SEGMENTS_SIDE_BY_SIDE says so."""
+    def _segments_into(self, flat: torch.Tensor, x8, y: torch.Tensor, options: KernelOptions) -> None:
+        """Each segment's product into its columns of y; past the first, side by side with it on a second
+        stream where options.segments_side_by_side says so (a small segment's product is a short grid whose
+        time is mostly its latency)."""
         starts = [0]
         for s in self.segments:
             starts.append(starts[-1] + s.rows)
         jobs = [(s, y[:, a:b]) for s, a, b in zip(self.segments, starts, starts[1:])]
-        if not (SEGMENTS_SIDE_BY_SIDE and flat.is_cuda and flat.shape[0] >= SEGMENTS_SIDE_BY_SIDE):
+        side_by_side = options.segments_side_by_side
+        if not (side_by_side and flat.is_cuda and flat.shape[0] >= side_by_side):
             for s, out in jobs:
-                qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out)
+                qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out, options=options)
             return
         main, side = torch.cuda.current_stream(flat.device), _side_stream(flat.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             for s, out in jobs[1:]:
-                qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out, lane=1)
+                qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out, lane=1, options=options)
         s, out = jobs[0]
-        qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out)
+        qk.matmul(flat, s.data, s.qtype, s.rows, x8=x8, out=out, options=options)
         main.wait_stream(side)
 
-    def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+    def gate_up_silu(self, x: torch.Tensor, x8: tuple | None = None,
+                     options: KernelOptions = DEFAULT) -> torch.Tensor | None:
         """silu(gate) * up of a stacked gate/up matrix in one pass, or None when the two halves are not one
         segment (or x has more rows than the kernels take)."""
         flat = x.reshape(-1, self.cols)
         if len(self.segments) != 1 or flat.shape[0] > KERNEL_MAX_ROWS:
             return None
         s = self.segments[0]
-        y = qk.matmul(flat, s.data, s.qtype, s.rows // 2, glu=True)
+        y = qk.matmul(flat, s.data, s.qtype, s.rows // 2, glu=True, x8=x8, options=options)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -149,7 +147,7 @@ class QuantExperts:
 
     @classmethod
     def fits(cls, qtype: int, cols: int) -> bool:
-        return qtype in KERNEL_TYPES and cols % qk.TILE == 0
+        return qtype in KERNEL_TYPES and cols % TILE == 0
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -174,24 +172,26 @@ class QuantExperts:
     def dequantize(self) -> torch.Tensor:
         return torch.stack([self.values(e) for e in range(self.data.shape[0])])
 
-    def takes_int8(self, rows: int) -> bool:
+    def takes_int8(self, rows: int, options: KernelOptions = DEFAULT) -> bool:
         """Whether the assignments of a window of `rows` rows take x as a 1-row norm leaves it quantized (one
         row: expert_matmul's word GEMVs quantize the rows as that)."""
-        return rows == 1 and self.data.shape[0] > 0 and qk.EXPERT_WORD_GEMVS and \
+        return rows == 1 and self.data.shape[0] > 0 and options.expert_word_gemvs and \
             qk.int8_x(self.qtype, 1, self.cols, self.data.shape[1] * self.data.shape[2])
 
-    def assignments(self, x: torch.Tensor, ids: torch.Tensor, share: int = 1, glu: bool = False) -> torch.Tensor:
+    def assignments(self, x: torch.Tensor, ids: torch.Tensor, share: int = 1, glu: bool = False,
+                    x8: tuple | None = None, options: KernelOptions = DEFAULT) -> torch.Tensor:
         """Assignment a's product with x row a // share over expert ids[a]: [A, rows] (glu: [A, rows / 2],
         silu(gate) * up)."""
-        return qk.expert_matmul(x, self.data, self.qtype, self.data.shape[1] // (2 if glu else 1), ids, share, glu)
+        return qk.expert_matmul(x, self.data, self.qtype, self.data.shape[1] // (2 if glu else 1), ids, share, glu,
+                                x8=x8, options=options)
 
 
 def non_finite_blocks(qtype: int, data: torch.Tensor) -> int:
     """Blocks of GGUF data whose float16 fields (the scales) are NaN or inf: the only values of a block of
     the kernels' types that can be, their quants being integers."""
-    blocks = data.reshape(-1, qk.BLOCKS[qtype][1])
+    blocks = data.reshape(-1, BLOCKS[qtype][1])
     bad = torch.zeros(blocks.shape[0], dtype=torch.bool, device=data.device)
-    for at in _HALF_FIELDS[qtype][0]:
+    for at in HALF_FIELDS[qtype][0]:
         bad |= ~torch.isfinite(blocks[:, at:at + 2].contiguous().view(torch.float16).squeeze(-1))
     return int(bad.sum())
 
@@ -220,17 +220,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-# Byte offsets of the float16 fields in each type's block (a random byte there could be Inf or NaN), and
-# their values in random blocks: weights of about the size of a N(0, 0.02) initialisation.
-_HALF_FIELDS = {qk.Q8_0: ([0], 3e-4), qk.Q4_0: ([0], 5e-3), qk.Q4_K: ([0, 2], 1e-4), qk.Q5_K: ([0, 2], 5e-5),
-                qk.Q6_K: ([208], 2e-5), qk.IQ4_XS: ([0], 2e-5)}
-
-
 def random_blocks(qtype: int, rows: int, cols: int, device, generator: torch.Generator) -> torch.Tensor:
     """Valid GGUF blocks of random content: [rows, row_bytes] uint8 on the device."""
-    block, size = qk.BLOCKS[qtype]
+    block, size = BLOCKS[qtype]
     raw = torch.randint(0, 256, (rows, cols // block, size), dtype=torch.uint8, device=device, generator=generator)
-    offsets, value = _HALF_FIELDS[qtype]
+    offsets, value = HALF_FIELDS[qtype]
     half = torch.tensor([value], dtype=torch.float16).view(torch.uint8).to(device)
     for at in offsets:
         raw[..., at:at + 2] = half
@@ -243,8 +237,8 @@ def use_more_bits(layer: int, layers: int) -> bool:
 
 
 #: a file type: name -> (the type of most matrices, the type of the "more bits" ones and the LM head)
-RECIPES = {"Q8_0": (qk.Q8_0, qk.Q8_0), "Q4_0": (qk.Q4_0, qk.Q4_0), "Q4_K_M": (qk.Q4_K, qk.Q6_K),
-           "Q5_K_M": (qk.Q5_K, qk.Q6_K), "Q6_K": (qk.Q6_K, qk.Q6_K), "IQ4_XS": (qk.IQ4_XS, qk.IQ4_XS)}
+RECIPES = {"Q8_0": (Q8_0, Q8_0), "Q4_0": (Q4_0, Q4_0), "Q4_K_M": (Q4_K, Q6_K), "Q5_K_M": (Q5_K, Q6_K),
+           "Q6_K": (Q6_K, Q6_K), "IQ4_XS": (IQ4_XS, IQ4_XS)}
 
 
 def recipe_types(recipe: str, param: str, layers: int) -> list[tuple[int, str]]:

@@ -95,7 +95,8 @@ class DecoderLM(nn.Module):
             into = self.lm_head.weight if logits == "all" or x.shape[-2] == 1 else None  # the head reads them all
             h = step.kernels.rms_norm(x, norm.weight, norm.eps, into) if pending is None else \
                 step.kernels.add_rms_norm(x, pending, norm.weight, norm.eps, into)[1]
-            out = self.head(h[..., -1:, :] if logits == "last" else h, step.kernels)
+            last = logits == "last" and into is None  # with into, "last" is the one row there is
+            out = self.head(h[..., -1:, :] if last else h, step.kernels)
         return ForwardOut(out, torch.cat(tapped, dim=-1) if tapped else None)
 
     def forward_batch(self, tokens: torch.Tensor, taps=(), logits: bool = True) -> ForwardOut:

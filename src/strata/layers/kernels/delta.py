@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from .triton_kernels import pow2
+from .common import pow2
 
 #: (BV, num_warps) of the recurrence programs. BV None: a whole value head a program (Dv rounded up to a power
 #: of two), which then applies the gated RMSNorm itself (two launches a layer); a smaller BV gives Dv / BV
@@ -177,7 +177,7 @@ def gated_delta_net(layer, proj: torch.Tensor, first: torch.Tensor, state, norm=
     """GatedDeltaNet.mix's contract: the input projection proj [T, C + Hv*Dv + 2Hv] of rows from position
     `first` (a 0-dim device tensor) -> the normalised, gated outputs [T, Hv*Dv], `state` advanced. norm:
     ops.gated_rms_norm's contract, when a program holds less than a head (the kernel set's compiled one)."""
-    from .ops import gated_rms_norm
+    from ..ops import gated_rms_norm
 
     kernel, args, meta, programs, conv_programs, out = _launch(layer, proj, first, state, config)
     kernel[(programs + conv_programs,)](0, *args, **meta)

@@ -4,20 +4,40 @@
 each elementwise group becomes one fused kernel through torch.compile, for the CUDA-graph path (a
 batch-1 decode step is otherwise hundreds of tiny kernels). `TritonKernels` also replaces the
 projections of up to 16 rows, attention, the norms of a few rows and the q/k group with Strata's
-Triton kernels (triton_kernels.py), a gated DeltaNet layer between its projections with two or three
-launches of its own (delta_kernels.py), and the gated delta rule elsewhere with fla-core's
-(fla_kernels.py). Modules call these methods and never choose a kernel themselves: they may say which
-matrix a norm's or attention's rows go into next (`into`), and the kernel set decides what to make of it."""
+Triton kernels (dense.py, attention.py, norms.py, quantized.py), a gated DeltaNet layer between its
+projections with two or three launches of its own (delta.py), and the gated delta rule elsewhere with
+fla-core's (fla.py). Modules call these methods and never choose a kernel themselves: they may say which
+matrix a norm's or attention's rows go into next (`into`), and the kernel set decides what to make of it:
+where it made their int8 copy for a quantized product, it hands the rows on as an Activation. Its switches
+are one KernelOptions value."""
 
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from . import delta_kernels, fla_kernels, ops, pdl
-from .quant import QuantExperts, QuantWeight
+from .. import ops
+from ..quant import QuantExperts, QuantWeight
+from . import attention as attn
+from . import delta, dense, fla, norms, pdl
+from .common import available
+from .options import KernelOptions
+
+
+class Activation(NamedTuple):
+    """Rows a norm or attention kernel wrote together with their quantize_x (x8.py), made in the same launch for
+    the quantized product that reads them next (the `into` it was told of). Any other reader takes `x`."""
+
+    x: torch.Tensor
+    x8: tuple
+
+
+def unwrap(x) -> tuple[torch.Tensor, tuple | None]:
+    """(the rows, their int8 copy or None) of a Tensor or an Activation."""
+    return (x.x, x.x8) if isinstance(x, Activation) else (x, None)
 
 #: the elementwise groups a compiled set fuses, each one kernel
 GROUPS = ("rms_norm", "add_rms_norm", "norm_rotate_store", "norm_rotate_store_kv", "silu_mul", "masked_softmax",
@@ -26,12 +46,15 @@ ATTENTION_KINDS = ("grouped", "sdpa")
 
 
 class Kernels:
-    def __init__(self, compiled: bool = False, attention: str = "sdpa", static: bool = False):
+    def __init__(self, compiled: bool = False, attention: str = "sdpa", static: bool = False,
+                 options: KernelOptions = KernelOptions()):
         """attention: "sdpa" (PyTorch's kernel, any batch) or "grouped" (two matmuls per K/V head for one
         sequence: 1.4x faster decode than SDPA on the H200 for an 8B shape). static: the steps may be
-        captured in CUDA graphs, so nothing may read a device value on the host (MoE routing)."""
+        captured in CUDA graphs, so nothing may read a device value on the host (MoE routing). options:
+        the kernels' switches (those of the quantized products apply to every set)."""
         self.attention = attention
         self.static = static
+        self.options = options
         self.groups = {name: _compiled_or_eager(getattr(ops, name)) if compiled else getattr(ops, name)
                        for name in GROUPS}
         for name, fn in self.groups.items():
@@ -46,10 +69,12 @@ class Kernels:
         """ops.add_rms_norm; into as in rms_norm."""
         return self.groups["add_rms_norm"](x, residual, weight, eps)
 
-    def linear(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w^T (+ b); w a tensor, or a QuantWeight (GGUF blocks, dequantized in the kernels' registers)."""
+    def linear(self, x, w, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w^T (+ b); x a tensor or an Activation, w a tensor or a QuantWeight (GGUF blocks, dequantized
+        in the kernels' registers)."""
+        x, x8 = unwrap(x)
         if isinstance(w, QuantWeight):
-            return w.matmul(x, b)
+            return w.matmul(x, b, x8, self.options)
         return F.linear(x, w, b)
 
     def experts(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -59,12 +84,14 @@ class Kernels:
         Static sets only: reduce sums the outputs [N, k, H] in place of sum_slots; repeats, a row may name
         an expert more than once (stand-ins for experts run elsewhere). Quantized experts (QuantExperts):
         eager, each expert hit dequantized for its rows; static, one quantized GEMV per assignment."""
+        h, x8 = unwrap(h)
         if not self.static:
             return ops.experts_routed(h, gate_up, down, weights, experts)
         if isinstance(gate_up, QuantExperts):  # one quantized GEMV per assignment, whatever the window
             n, k = experts.shape
             ids = experts.reshape(-1)
-            y = down.assignments(gate_up.assignments(h, ids, share=k, glu=True), ids)
+            act = gate_up.assignments(h, ids, share=k, glu=True, x8=x8, options=self.options)
+            y = down.assignments(act, ids, options=self.options)
             return (reduce or self.sum_slots)(y.view(n, k, -1), weights, h.dtype)
         run = ops.experts_grouped if ops.grouped_gemm_fits(h) else ops.experts_gathered
         return run(h, gate_up, down, weights, experts, reduce=reduce or ops.sum_slots)
@@ -76,9 +103,8 @@ class Kernels:
     def delta_rule(self, q, k, v, g, beta, state, rows: torch.Tensor | None = None):
         """The gated delta rule (ops.gated_delta_rule's contract). Eager on a GPU (prefill) through
         fla-core's kernels, its chunked one for long chunks; elsewhere token by token in torch."""
-        if q.is_cuda and not self.static and fla_kernels.available(q.device):
-            return fla_kernels.gated_delta_rule(q, k, v, g, beta, state, rows,
-                                                chunked=q.shape[0] > fla_kernels.CHUNKED_MIN_ROWS)
+        if q.is_cuda and not self.static and fla.available(q.device):
+            return fla.gated_delta_rule(q, k, v, g, beta, state, rows, chunked=q.shape[0] > fla.CHUNKED_MIN_ROWS)
         return ops.gated_delta_rule(q, k, v, g, beta, state, rows)
 
     def gated_delta_net(self, layer, proj: torch.Tensor, first: torch.Tensor, state) -> torch.Tensor:
@@ -86,11 +112,12 @@ class Kernels:
         these methods."""
         return layer.mix(proj, first, state, self)
 
-    def gate_up_silu(self, x: torch.Tensor, gate_up) -> torch.Tensor:
-        """silu(gate) * up of a stacked gate/up matrix ([2I, K])."""
+    def gate_up_silu(self, x, gate_up) -> torch.Tensor:
+        """silu(gate) * up of a stacked gate/up matrix ([2I, K]); x as in linear."""
         if isinstance(gate_up, QuantWeight):
-            fused = gate_up.gate_up_silu(x)
-            return fused if fused is not None else self.silu_mul(gate_up.matmul(x))
+            x, x8 = unwrap(x)
+            fused = gate_up.gate_up_silu(x, x8, self.options)
+            return fused if fused is not None else self.silu_mul(gate_up.matmul(x, None, x8, self.options))
         return self.silu_mul(self.linear(x, gate_up))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -106,16 +133,13 @@ class TritonKernels(Kernels):
     rows (the 1-token decode, a verify window, a drafter block), the experts of up to 256 (row, expert)
     assignments, attention, the norms of up to 64 rows (a 1-row norm or attention into a quantized product
     quantizing its row for it), the q/k norm + RoPE + cache write, and a gated DeltaNet layer between its
-    projections (delta_kernels.py: three launches in place of ~40). Larger shapes keep cuBLAS (and the
+    projections (delta.py: three launches in place of ~40). Larger shapes keep cuBLAS (and the
     grouped GEMM for experts). A kernel that fails to build or launch (an older GPU, a
     Triton that rejects it) warns once and leaves its torch path. compiled=False leaves the other
     groups eager (the tests' interpreter runs)."""
 
-    def __init__(self, compiled: bool = True, attention: str = "grouped"):
-        super().__init__(compiled=compiled, attention=attention, static=True)
-        from . import triton_kernels
-
-        self._tk = triton_kernels
+    def __init__(self, compiled: bool = True, attention: str = "grouped", options: KernelOptions = KernelOptions()):
+        super().__init__(compiled=compiled, attention=attention, static=True, options=options)
         self._failed: set[str] = set()
 
     def _either(self, name: str, fast, slow):
@@ -133,54 +157,62 @@ class TritonKernels(Kernels):
 
     def linear(self, x, w, b=None):
         if isinstance(w, QuantWeight):
-            return w.matmul(x, b)
-        name = self._tk.projection_kernel(x, w)
+            return super().linear(x, w, b)
+        x = unwrap(x)[0]
+        name = dense.projection_kernel(x, w)
         if name is None:
             return F.linear(x, w, b)
-        return self._either(name, lambda: getattr(self._tk, name)(x, w, b), lambda: F.linear(x, w, b))
+        return self._either(name, lambda: getattr(dense, name)(x, w, b), lambda: F.linear(x, w, b))
 
     def gate_up_silu(self, x, gate_up):
         if isinstance(gate_up, QuantWeight):
             return super().gate_up_silu(x, gate_up)
-        name = self._tk.projection_kernel(x, gate_up)
+        x = unwrap(x)[0]
+        name = dense.projection_kernel(x, gate_up)
         slow = lambda: self.silu_mul(F.linear(x, gate_up))  # noqa: E731
         if name is None:
             return slow()
-        return self._either(name, lambda: getattr(self._tk, name)(x, gate_up, glu=True), slow)
+        return self._either(name, lambda: getattr(dense, name)(x, gate_up, glu=True), slow)
 
     def experts(self, h, gate_up, down, weights, experts, reduce=None, repeats=False):
-        args = (h, gate_up, down, weights, experts)
-        slow = lambda: super(TritonKernels, self).experts(*args, reduce=reduce)  # noqa: E731
-        if isinstance(gate_up, QuantExperts) or not self._tk.experts_fit(gate_up, down, experts):
+        slow = lambda: super(TritonKernels, self).experts(h, gate_up, down, weights, experts, reduce=reduce)  # noqa: E731
+        if isinstance(gate_up, QuantExperts) or not dense.experts_fit(gate_up, down, experts):
             return slow()
         grouped = False if repeats else None  # the grouped kernel serves an expert at most once a row
-        return self._either("experts", lambda: self._tk.experts(*args, reduce=reduce, grouped=grouped,
-                                                                 sum_slots=self.sum_slots), slow)
+        args = (unwrap(h)[0], gate_up, down, weights, experts)
+        return self._either("experts", lambda: dense.experts(*args, reduce=reduce, grouped=grouped,
+                                                             sum_slots=self.sum_slots,
+                                                             down_sums=self.options.expert_down_sums), slow)
 
     def route(self, h, router, top_k, renormalize):
         slow = lambda: ops.route(h, router, top_k, renormalize)  # noqa: E731
         if isinstance(router, QuantWeight):
             return slow()
-        return self._either("route", lambda: self._tk.route_topk(self.linear(h, router), top_k, renormalize), slow)
+        return self._either("route", lambda: dense.route_topk(self.linear(h, router), top_k, renormalize), slow)
 
     def delta_rule(self, q, k, v, g, beta, state, rows=None):
         slow = lambda: ops.gated_delta_rule(q, k, v, g, beta, state, rows)  # noqa: E731
-        if not fla_kernels.available(q.device):
+        if not fla.available(q.device):
             return slow()
-        return self._either("delta_rule", lambda: fla_kernels.gated_delta_rule(q, k, v, g, beta, state, rows), slow)
+        return self._either("delta_rule", lambda: fla.gated_delta_rule(q, k, v, g, beta, state, rows), slow)
 
     def gated_delta_net(self, layer, proj, first, state):
         slow = lambda: layer.mix(proj, first, state, self)  # noqa: E731
-        if not (self._tk.available(proj.device) and delta_kernels.fits(layer, proj, state)):
+        if not (available(proj.device) and delta.fits(layer, proj, state)):
             return slow()
         return self._either("gated_delta_net",
-                            lambda: delta_kernels.gated_delta_net(layer, proj, first, state, self.gated_rms_norm), slow)
+                            lambda: delta.gated_delta_net(layer, proj, first, state, self.gated_rms_norm), slow)
 
     def attend(self, q, k, v, mask, into=None):
         slow = lambda: super(TritonKernels, self).attend(q, k, v, mask)  # noqa: E731
-        if self.attention == "grouped" and q.dim() == 3 and self._tk.attention_fits(q, k, v, mask):
-            quantize = self._int8_into(into, q.shape[0])
-            return self._either("attention", lambda: self._tk.attention(q, k, v, mask, quantize), slow)
+        if self.attention == "grouped" and q.dim() == 3 and attn.attention_fits(q, k, v, mask):
+            rows = self.options.attention_quantize_rows if self._int8_into(into, q.shape[0]) else 0
+
+            def fast():
+                out, x8 = attn.attention(q, k, v, mask, rows, self.options.pre_wait_loads)
+                return out if x8 is None else Activation(out, x8)
+
+            return self._either("attention", fast, slow)
         return slow()
 
     def rms_norm(self, x, weight, eps, into=None):
@@ -192,21 +224,28 @@ class TritonKernels(Kernels):
 
     def _norm(self, x, residual, weight, eps, into, slow):
         """rms_norm and add_rms_norm (residual given) on the Triton kernel where it fits, else slow()."""
-        if not self._tk.norm_fits(x, residual, weight):
+        if not norms.norm_fits(x, residual, weight, self.options.norm_max_rows):
             return slow()
         quantize = self._int8_into(into, x.numel() // x.shape[-1])
-        return self._either("rms_norm", lambda: self._tk.rms_norm(x, weight, eps, residual, quantize), slow)
+
+        def fast():
+            out, x8, total = norms.rms_norm(x, weight, eps, residual, quantize, self.options)
+            out = out if x8 is None else Activation(out, x8)
+            return out if residual is None else (total, out)
+
+        return self._either("rms_norm", fast, slow)
 
     def _int8_into(self, into, rows: int) -> bool:
         """Whether a kernel quantizes its `rows` rows of output for `into` (a quantized matrix taking int8 x)."""
-        return rows <= self._tk.QUANTIZE_ROWS and isinstance(into, (QuantWeight, QuantExperts)) and \
-            into.takes_int8(rows)
+        return rows <= self.options.quantize_rows and isinstance(into, (QuantWeight, QuantExperts)) and \
+            into.takes_int8(rows, self.options)
 
     def norm_rotate_store(self, qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells):
         args = (qk, v, q_weight, k_weight, cos, sin, eps, heads, k_cache, v_cache, cells)
         slow = lambda: self.groups["norm_rotate_store"](*args)  # noqa: E731
-        if q_weight is not None and self._tk.norm_rotate_store_fits(qk, v, k_cache, v_cache):
-            return self._either("norm_rotate_store", lambda: self._tk.norm_rotate_store(*args), slow)
+        if q_weight is not None and norms.norm_rotate_store_fits(qk, v, k_cache, v_cache):
+            return self._either("norm_rotate_store",
+                                lambda: norms.norm_rotate_store(*args, prewait=self.options.pre_wait_loads), slow)
         return slow()
 
 
@@ -233,22 +272,20 @@ EAGER = Kernels()
 _SHARED: dict[tuple, Kernels] = {}
 
 
-def select_kernels(device, backend: str, attention: str) -> Kernels:
+def select_kernels(device, backend: str, attention: str, options: KernelOptions = KernelOptions()) -> Kernels:
     """The kernel set of an engine's steps for its backend (engine/config.py's BACKENDS). Fused kernels only
     pay inside CUDA graphs; each compiled set is built once per process and shared (torch.compile caches per
     function)."""
-    from .triton_kernels import available
-
     if backend == "eager":
-        return EAGER
+        return EAGER if options == KernelOptions() else Kernels(options=options)
     on_gpu = torch.device(device).type == "cuda"
     if not (on_gpu and backend in ("graphs+compile", "graphs+triton")):
-        return Kernels(attention=attention, static=True)
+        return Kernels(attention=attention, static=True, options=options)
     use_triton = backend == "graphs+triton" and available(device)
-    key = (use_triton, attention)
+    key = (use_triton, attention, options)
     if key not in _SHARED:
         if use_triton:
             pdl.compiled(device)
-        _SHARED[key] = TritonKernels(attention=attention) if use_triton else \
-            Kernels(compiled=True, attention=attention, static=True)
+        _SHARED[key] = TritonKernels(attention=attention, options=options) if use_triton else \
+            Kernels(compiled=True, attention=attention, static=True, options=options)
     return _SHARED[key]
