@@ -31,11 +31,16 @@ def memory(device: torch.device) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def kv_bytes(num_layers: int, shape: tuple, dtype) -> int:
+    """Bytes of these layers' K and V, each of `shape`."""
+    return 2 * num_layers * torch.Size(shape).numel() * dtype.itemsize
+
+
 def refuse_unless_fits(num_layers: int, shape: tuple, device, dtype) -> SettingError:
     """A cache of these layers' K and V (each of `shape`, cells first or after the batch) is refused, not
     attempted, where the device lacks the memory: an overcommitting host would let the allocation through
     and kill the process while zeroing it. Returns the error to raise should the allocation fail anyway."""
-    size = 2 * num_layers * torch.Size(shape).numel() * dtype.itemsize
+    size = kv_bytes(num_layers, shape, dtype)
     cells = shape[-3]
     too_big = SettingError(f"a KV cache of {cells} positions ({size / 2 ** 30:.1f} GiB) does not fit in "
                            f"{torch.device(device).type} memory; give a smaller {{max_len}}")
@@ -61,8 +66,7 @@ def refuse_rows_unless_fit(rows: int, what: str, cfg, max_len: int, device, dtyp
         raise SettingError(f"{what}: a verify step of {rows} rows does not fit the context of {max_len} tokens "
                            f"(its rows follow at least one prompt token; {{max_len}})")
     cells = aligned_cells(max_len + rows)
-    cache = 2 * cfg.num_layers * cells * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-    need = cache + step_bytes(cfg, rows, cells)
+    need = kv_bytes(cfg.num_layers, (cells, cfg.num_kv_heads, cfg.head_dim), dtype) + step_bytes(cfg, rows, cells)
     have = memory(torch.device(device))
     if need > have:
         raise SettingError(f"{what}: a verify step of {rows} rows and its cache need about {need / 2 ** 30:.1f} "

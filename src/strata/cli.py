@@ -28,7 +28,7 @@ def pair_spec(args, model: str | None = None):
 FLAGS = {"max_len": "--max-model-len", "allow_long_context": "--allow-long-context", "window": "--spec",
          "tree": "--tree", "adaptive_window": "--adaptive-window", "draft_sampling": "--draft-sampling",
          "attention": "--attention", "backend": "--eager/--static/--no-graphs/--no-compile/--no-triton",
-         "verify_windows": "--verify-windows", "pad_rows": "pad_rows"}
+         "verify_windows": "--verify-windows"}
 
 
 def backend(args) -> str:
@@ -356,20 +356,20 @@ def cmd_bench(args) -> int:
                       hf=args.hf, profile=args.profile, quant=args.quant, trees=tuple(args.tree or ()),
                       prompts=args.prompts, windows=tuple(args.verify_windows or ()))
     out = None
-    if args.out is not None:  # both files checked before any timing
-        if Path(args.out).suffix == ".png" or not Path(args.out).name:
+    if args.out is not None:  # every file checked before any timing
+        given = Path(args.out)
+        if given.suffix == ".png" or not given.name:
             raise StrataError(f"--out {args.out!r}: expected the JSON's file name (its plot goes beside it as .png)")
+        named = (given, given.with_suffix(".png"), given.parent / "index.jsonl")
         inputs = inputs_of(args)
-        out = (check_output(args.out, what="--out", inputs=inputs),
-               check_output(Path(args.out).with_suffix(".png"), what="--out's plot", inputs=inputs),
-               check_output(Path(args.out).parent / "index.jsonl", what="--out's index", inputs=inputs))
+        out = [check_output(path, what=what, inputs=inputs)
+               for path, what in zip(named, ("--out", "--out's plot", "--out's index"))]
     result = run_command(pair_spec(args), engine_config(args, args.spec), bench, "strata " + " ".join(sys.argv[1:]))
     for line in summary(result):
         print(line, file=sys.stderr)
     if out is not None:
         write(result, *out)
-        print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}, and its line in "
-              f"{Path(args.out).parent / 'index.jsonl'}", file=sys.stderr)
+        print(f"wrote {named[0]} and {named[1]}, and its line in {named[2]}", file=sys.stderr)
     return 0
 def set_threads(args) -> None:
     """--threads, else OMP_NUM_THREADS (torch reads it), else one thread on the CPU and every core with a

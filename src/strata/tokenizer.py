@@ -112,13 +112,18 @@ class Tokenizer:
         n / longest_token tokens."""
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
+    def beyond(self, chars: int, limit: int) -> bool:
+        """Whether a text of `chars` characters surely encodes to more than `limit` tokens (past
+        CHARS_PER_TOKEN_BOUND x limit x longest_token characters), told without tokenizing it."""
+        return chars > CHARS_PER_TOKEN_BOUND * limit * self.longest_token
+
     def encode_within(self, text: str, limit: int, added: bool = False, piece: int = PIECE_CHARS) -> list[int] | None:
         """encode(text, added), or None when that is more than `limit` tokens. A text of more than
         CHARS_PER_TOKEN_BOUND x limit x longest_token characters is refused untokenized; a long one is
         first counted in pieces of `piece` characters cut at whitespace, and refused as soon as the count passes
         the limit by more than PIECE_SLACK tokens a cut (a cut changes a count by a token or two), so an
         oversized text costs about `limit` tokens of work whatever its length."""
-        if len(text) > CHARS_PER_TOKEN_BOUND * limit * self.longest_token:
+        if self.beyond(len(text), limit):
             return None
         if len(text) > piece:
             count = 0
@@ -137,8 +142,7 @@ class Tokenizer:
                     limit: int | None = None) -> list[int] | None:
         """A conversation through the chat template, encoded as transformers (a folder) or llama.cpp (a GGUF
         vocabulary) does: both give one BOS where the template writes it and the model adds it."""
-        if limit is not None and sum(len(m["content"]) for m in messages) > \
-                CHARS_PER_TOKEN_BOUND * limit * self.longest_token:
+        if limit is not None and self.beyond(sum(len(m["content"]) for m in messages), limit):
             return None
         text = self.apply_chat_template(messages, add_generation_prompt)
         if self.chat_strips is None:

@@ -107,8 +107,9 @@ class EngineConfig:
         max_len = self.context(target_cfg)
         refuse_unless_fits(target_cfg.num_layers, (max_len, target_cfg.num_kv_heads, target_cfg.head_dim), device,
                            dtype)
-        if self.rows() is not None:
-            refuse_rows_unless_fit(*self.rows(), target_cfg, max_len, device, dtype)
+        fixed = self.rows()
+        if fixed is not None:
+            refuse_rows_unless_fit(*fixed, target_cfg, max_len, device, dtype)
         return max_len
 
     def resolve(self, target, drafter) -> Plan:
@@ -125,7 +126,8 @@ class EngineConfig:
             raise SettingError("{adaptive_window}: this target has linear-attention layers, whose states are kept "
                                "for a fixed window; drop {adaptive_window}")
         rows = self.tree + 1 if self.tree is not None else max(window, self.pad_rows) if self.static else window
-        what = self.rows()[1] if self.rows() is not None else f"the verify window {window}"
+        fixed = self.rows()
+        what = fixed[1] if fixed is not None else f"the verify window {window}"
         refuse_rows_unless_fit(rows, what, target.cfg, max_len, target.device, target.dtype)
         return Plan(window, max_len, rows)
 

@@ -17,7 +17,6 @@ from .kernels.options import KernelOptions
 from .kernels.qtypes import BLOCKS, HALF_FIELDS, IQ4_XS, KERNEL_TYPES, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, TILE
 from .kernels.x8 import quantize_x
 
-DEFAULT = KernelOptions()
 #: rows up to which a product runs on the quantized kernels; larger ones (prefill) dequantize first
 KERNEL_MAX_ROWS = 16
 
@@ -73,13 +72,13 @@ class QuantWeight:
     def dequantize(self) -> torch.Tensor:
         return torch.cat([qk.dequantize(s.data, s.qtype, self.cols) for s in self.segments]).to(self.dtype)
 
-    def takes_int8(self, rows: int, options: KernelOptions = DEFAULT) -> bool:
+    def takes_int8(self, rows: int, options: KernelOptions = KernelOptions()) -> bool:
         """Whether a product of `rows` rows computes with x quantized to int8 (kernels/x8.py)."""
         return rows <= KERNEL_MAX_ROWS and any(qk.int8_x(s.qtype, rows, self.cols, s.data.numel())
                                                for s in self.segments)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, x8: tuple | None = None,
-               options: KernelOptions = DEFAULT) -> torch.Tensor:
+               options: KernelOptions = KernelOptions()) -> torch.Tensor:
         """x [..., cols] @ W^T (+ bias). x8: x's int8 copy where the kernel that wrote x made it."""
         flat = x.reshape(-1, self.cols)
         if flat.shape[0] > KERNEL_MAX_ROWS:
@@ -120,7 +119,7 @@ class QuantWeight:
         main.wait_stream(side)
 
     def gate_up_silu(self, x: torch.Tensor, x8: tuple | None = None,
-                     options: KernelOptions = DEFAULT) -> torch.Tensor | None:
+                     options: KernelOptions = KernelOptions()) -> torch.Tensor | None:
         """silu(gate) * up of a stacked gate/up matrix in one pass, or None when the two halves are not one
         segment (or x has more rows than the kernels take)."""
         flat = x.reshape(-1, self.cols)
@@ -172,14 +171,14 @@ class QuantExperts:
     def dequantize(self) -> torch.Tensor:
         return torch.stack([self.values(e) for e in range(self.data.shape[0])])
 
-    def takes_int8(self, rows: int, options: KernelOptions = DEFAULT) -> bool:
+    def takes_int8(self, rows: int, options: KernelOptions = KernelOptions()) -> bool:
         """Whether the assignments of a window of `rows` rows take x as a 1-row norm leaves it quantized (one
         row: expert_matmul's word GEMVs quantize the rows as that)."""
         return rows == 1 and self.data.shape[0] > 0 and options.expert_word_gemvs and \
             qk.int8_x(self.qtype, 1, self.cols, self.data.shape[1] * self.data.shape[2])
 
     def assignments(self, x: torch.Tensor, ids: torch.Tensor, share: int = 1, glu: bool = False,
-                    x8: tuple | None = None, options: KernelOptions = DEFAULT) -> torch.Tensor:
+                    x8: tuple | None = None, options: KernelOptions = KernelOptions()) -> torch.Tensor:
         """Assignment a's product with x row a // share over expert ids[a]: [A, rows] (glu: [A, rows / 2],
         silu(gate) * up)."""
         return qk.expert_matmul(x, self.data, self.qtype, self.data.shape[1] // (2 if glu else 1), ids, share, glu,

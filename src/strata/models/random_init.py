@@ -34,10 +34,7 @@ def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
     """Write config.json + model.safetensors with N(0, 0.02) weights and unit norms."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = qwen3_config(**{**SHAPES[shape], **overrides})
-    where = out_dir / "config.json"
-    fam = family_for(cfg, where)
-    mcfg = fam.config(cfg, where)
+    fam, mcfg, cfg = shape_config(shape, **overrides)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shp in checkpoint_shapes(fam.hf_layout(mcfg)).items():
@@ -47,16 +44,17 @@ def write_random_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, 
             tensors[name] = (torch.randn(shp, generator=gen) * 0.02).to(dtype)
     with replacing(out_dir / "model.safetensors") as tmp:
         save_file(tensors, str(tmp))
-    with replacing(where) as tmp:
+    with replacing(out_dir / "config.json") as tmp:
         tmp.write_text(json.dumps(cfg, indent=2))
     return out_dir
 
 
 def shape_config(shape: str, **overrides):
-    """(family, config) of a named shape, without building it."""
+    """(family, ModelConfig, config.json's dict) of a named shape, without building it."""
     hf = qwen3_config(**{**SHAPES[shape], **overrides})
-    fam = family_for(hf, Path(f"<random {shape}>"))
-    return fam, fam.config(hf, Path(f"<random {shape}>"))
+    where = Path(f"<random {shape}>")
+    fam = family_for(hf, where)
+    return fam, fam.config(hf, where), hf
 
 
 def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: int = 0, quant: str | None = None,
@@ -66,7 +64,7 @@ def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: 
     types that file type gives them, kept quantized on a GPU (or with quantized=True: the Triton kernels
     then run, in the interpreter on the CPU) and on the CPU dequantized by gguf's reference, as load_target
     keeps a GGUF file's."""
-    fam, cfg = shape_config(shape, **overrides)
+    fam, cfg, _ = shape_config(shape, **overrides)
     with torch.device("meta"):
         model = fam.build(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)

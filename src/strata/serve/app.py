@@ -202,12 +202,12 @@ class Server:
                                 f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more", param="max_tokens")
         return room
 
-    def build_job(self, req, params: SamplingParams, prompt_ids: list[int], loop, max_tokens: int | None,
+    def build_job(self, req, params: SamplingParams, prompt_ids: list[int], loop, max_tokens: int,
                   echo: str = "") -> Job:
-        room = self.check_prompt(prompt_ids, max_tokens)
+        """The job of a request whose prompt check_prompt passed, generating up to max_tokens tokens."""
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = self.config.stop_ids | set(req.stop_token_ids or [])
-        return Job(prompt_ids, max_tokens or room, params, stop_ids, stops, self.tokenizer, loop, echo)
+        return Job(prompt_ids, max_tokens, params, stop_ids, stops, self.tokenizer, loop, echo)
 
     def run(self, job: Job) -> Job:
         with self.lock:
@@ -312,18 +312,18 @@ def create_app(server: Server) -> FastAPI:
                 raise APIError(400, "batched prompts are not supported: send one prompt", param="prompt")
             prompt = prompt[0]
         params = server.check_request(req, req.max_tokens)
-        max_len = server.engine.max_len
         if isinstance(prompt, str):
             ids = await off_loop(encode, server.tokenizer, prompt, "prompt", server.prompt_limit(req.max_tokens),
-                                 max_len)
-            echo = prompt if req.echo else ""
+                                 server.engine.max_len)
         else:
             ids = list(prompt)
-            echo = ""
-            server.check_prompt(ids, req.max_tokens)  # before decoding the echo
-            if req.echo and server.tokenizer is not None:
-                echo = await off_loop(server.tokenizer.decode, ids)
-        max_tokens = req.max_tokens if req.max_tokens is not None else min(16, max_len - len(ids))
+        room = server.check_prompt(ids, req.max_tokens)  # before decoding an echo
+        echo = ""
+        if req.echo and isinstance(prompt, str):
+            echo = prompt
+        elif req.echo and server.tokenizer is not None:
+            echo = await off_loop(server.tokenizer.decode, ids)
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(16, room)
         job = server.build_job(req, params, ids, asyncio.get_running_loop(), max_tokens, echo)
         return await respond(request, req, job, chat=False)
 
@@ -342,7 +342,8 @@ def create_app(server: Server) -> FastAPI:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = await off_loop(encode_chat, server.tokenizer, messages, server.prompt_limit(max_tokens),
                              server.engine.max_len)
-        job = server.build_job(req, params, ids, asyncio.get_running_loop(), max_tokens)
+        room = server.check_prompt(ids, max_tokens)
+        job = server.build_job(req, params, ids, asyncio.get_running_loop(), max_tokens or room)
         return await respond(request, req, job, chat=True)
 
     async def respond(request: Request, req, job: Job, chat: bool):

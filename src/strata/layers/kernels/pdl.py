@@ -16,10 +16,12 @@ import os
 
 import torch
 
+from .common import interpreting
+
 
 def enabled(device) -> bool:
     """Kernels on this device launch with PDL."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("STRATA_PDL", "1") == "0":
+    if interpreting() or os.environ.get("STRATA_PDL", "1") == "0":
         return False
     device = torch.device(device)
     return device.type == "cuda" and _hopper(device.index if device.index is not None else torch.cuda.current_device())

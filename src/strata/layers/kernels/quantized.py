@@ -22,7 +22,6 @@ from .tuning import (GEMV_CONFIGS, LANE_K_CONFIGS, LANE_K_TUNE_KEY, LANES, SKINN
                      WORD_SKINNY_CONFIGS, loop_stages, prune_split, split_fits)
 from .x8 import quantize_x
 
-DEFAULT = KernelOptions()
 #: the types with a 1-row GEMV of their own on 32-bit words and int8 x, all with lanes along K
 INT8_GEMVS = {Q4_K: "gemv_q4k8c", Q5_K: "gemv_q4k8c", Q6_K: "gemv_q6k8c", Q8_0: "gemv_q8_0c", IQ4_XS: "gemv_q4k8c",
               Q4_0: "gemv_q4k8c"}
@@ -139,7 +138,7 @@ def int8_x(qtype: int, rows: int, cols: int, nbytes: int = 0) -> bool:
 
 def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = False,
            config: tuple[int, ...] | None = None, x8: tuple | None = None, out: torch.Tensor | None = None,
-           lane: int = 0, options: KernelOptions = DEFAULT) -> torch.Tensor:
+           lane: int = 0, options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """x [M, K] @ W^T for a quantized W of n rows ([n, row_bytes]; with glu 2n rows, gate then up, and
     the result silu(gate) * up [M, n]). config: one of configs()' block shapes, for sweeps. x8: x's
     quantize_x where it was made already (by the norm before, or for the segments that share x). out: where
@@ -236,7 +235,7 @@ def _byte_kernel(name: str, n: int, programs: int, args: tuple, config: tuple[in
 
 def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: torch.Tensor, share: int = 1,
                   glu: bool = False, config: tuple[int, ...] | None = None, x8: tuple | None = None,
-                  options: KernelOptions = DEFAULT) -> torch.Tensor:
+                  options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """A window's (row, expert) assignments over stacked quantized experts, one GEMV each: data [E, rows,
     row_bytes] (each expert's n rows, with glu its n gate rows then its n up rows), ids [A] the experts,
     x [A / share, K] (assignment a reads row a // share). Returns [A, n] (with glu silu(gate) * up).

@@ -39,6 +39,7 @@ def unwrap(x) -> tuple[torch.Tensor, tuple | None]:
     """(the rows, their int8 copy or None) of a Tensor or an Activation."""
     return (x.x, x.x8) if isinstance(x, Activation) else (x, None)
 
+
 #: the elementwise groups a compiled set fuses, each one kernel
 GROUPS = ("rms_norm", "add_rms_norm", "norm_rotate_store", "norm_rotate_store_kv", "silu_mul", "masked_softmax",
           "delta_inputs", "gated_rms_norm", "sum_slots")

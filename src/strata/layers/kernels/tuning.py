@@ -75,6 +75,12 @@ SKINNY_CONFIG = (64, 256, 4, 4)
 #: past 16 rows cuBLAS, faster at 33 and 64 rows of the 8B shape than every configuration swept
 SKINNY_MAX_ROWS = 16
 
+# -- gated DeltaNet's step (delta.py)
+#: (BV, num_warps) of the recurrence programs: BV value dims a program (None: a whole head, which then applies
+#: the gated RMSNorm itself); 16 wins a Qwen3.5-9B layer at 1 and 16 rows
+DELTA_CONFIG = (16, 1)
+CONV_CHANNELS_PER_WARP = 64  # channels a convolution program covers, per warp
+
 # -- attention and the norms (attention.py, norms.py)
 ATTENTION_BLOCK = 64  # cells a program's loop step reads
 ATTENTION_TARGET_SPLITS = 16
