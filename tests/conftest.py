@@ -31,23 +31,16 @@ def hf_config(family: str, tie: bool = False, kv_heads: int = 2, vocab: int = 25
     common.update(kw)
     if family == "qwen3":
         return transformers.Qwen3Config(head_dim=head_dim, rope_theta=10000.0, **common)
+    linear = dict(head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    experts = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
     if family == "qwen3_5":
-        return transformers.Qwen3_5TextConfig(head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4,
-                                              linear_key_head_dim=16, linear_value_head_dim=16,
-                                              linear_conv_kernel_dim=4, **common)
+        return transformers.Qwen3_5TextConfig(**{**linear, **common})
     if family == "qwen3_5_moe":
-        kw.pop("intermediate_size", None)
         common.pop("intermediate_size")
-        return transformers.Qwen3_5MoeTextConfig(head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4,
-                                                 linear_key_head_dim=16, linear_value_head_dim=16,
-                                                 linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2,
-                                                 moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                                 **common)
+        return transformers.Qwen3_5MoeTextConfig(**{**linear, **experts, **common})
     if family == "qwen3_next":
-        return transformers.Qwen3NextConfig(head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4,
-                                            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                                            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                                            shared_expert_intermediate_size=48, mlp_only_layers=[1], **common)
+        return transformers.Qwen3NextConfig(**{**linear, **experts, "mlp_only_layers": [1], **common})
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(head_dim=head_dim, rope_theta=10000.0, **common)
     if family == "llama":

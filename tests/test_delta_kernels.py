@@ -16,10 +16,11 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 CONFIGS = {"head": (None, 4), "half_head": (8, 1)}
 
 
-def layer_of(dtype, seed=0) -> GatedDeltaNet:
-    """2 key heads of 16, 4 value heads of 12 (no power of two: the blocks are masked), kernel 4."""
+def layer_of(dtype, seed=0, tiled=False) -> GatedDeltaNet:
+    """2 key heads of 16, 4 value heads of 12 (no power of two: the blocks are masked), kernel 4; tiled: the
+    value heads in llama.cpp's qwen35 order."""
     gen = torch.Generator().manual_seed(seed)
-    layer = GatedDeltaNet(0, 32, 2, 4, 16, 12, 4, 1e-6)
+    layer = GatedDeltaNet(0, 32, 2, 4, 16, 12, 4, 1e-6, tiled)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
@@ -38,11 +39,12 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 STATE = ("conv", "rec", "qk", "v", "gb", "begin", "end")
 
 
-@pytest.mark.parametrize("dtype, config", [(torch.float32, "head"), (torch.float16, "half_head")])
-def test_kernel_follows_the_layer_through_every_start(dtype, config):
+@pytest.mark.parametrize("dtype, config, tiled", [(torch.float32, "head", False), (torch.float16, "half_head", False),
+                                                  (torch.float32, "half_head", True)])
+def test_kernel_follows_the_layer_through_every_start(dtype, config, tiled):
     """From a state full of garbage: a fresh start, a forward at the end, rollbacks of 2 and 3 kept rows, a
     re-run from the same position, a 1-row rollback, more rows than slots, a fresh start again."""
-    layer, gen = layer_of(dtype), torch.Generator().manual_seed(1)
+    layer, gen = layer_of(dtype, tiled=tiled), torch.Generator().manual_seed(1)
     got, want = layer.make_state(4, "cpu", dtype), layer.make_state(4, "cpu", dtype)
     for name in STATE[:5]:
         getattr(got, name).copy_(torch.randn(getattr(got, name).shape, generator=gen))
@@ -55,6 +57,11 @@ def test_kernel_follows_the_layer_through_every_start(dtype, config):
         with torch.no_grad():
             y_ref = layer.mix(proj, torch.tensor(first), want, Kernels(static=True))
         assert y.dtype == dtype and rel_err(y, y_ref) <= TOL[dtype], (first, rows)
+        if tiled:  # the order matters: the other one's outputs are not these
+            other = layer_of(dtype)
+            with torch.no_grad():
+                y_other = other.mix(proj, torch.tensor(first), other.make_state(4, "cpu", dtype), Kernels(static=True))
+            assert rel_err(y_other, y_ref) > 1e-2
         assert got.conv.equal(want.conv) and got.begin.equal(want.begin) and got.end.equal(want.end), (first, rows)
         for name in ("rec", "qk", "v", "gb"):
             assert rel_err(getattr(got, name), getattr(want, name)) <= TOL[dtype], (first, rows, name)

@@ -87,6 +87,19 @@ def qwen2_tokenizer(folder, vocab: int):
     return tok
 
 
+def add_vocabulary(w, hf_dir, vocab_size: int) -> None:
+    """The folder's byte-level BPE vocabulary (padded to the model's rows) as llama.cpp's converter writes it."""
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)])
+    w.add_token_types([3 if by_id.get(i) == "<|endoftext|>" else 1 if i in by_id else 5 for i in range(vocab_size)])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m
+                        for m in json.loads((hf_dir / "tokenizer.json").read_text())["model"]["merges"]])
+    w.add_eos_token_id(tok.token_to_id("<|endoftext|>"))
+
+
 def write_gguf_target(path, hf_dir, arch: str, matrix_type=T.F32, seed: int = 0) -> dict:
     """The checkpoint in llama.cpp's layout (norms F32, matrices `matrix_type`, the folder's vocabulary).
     Returns the values stored, under the checkpoint's names, in Strata's (un-interleaved) row order."""
@@ -102,16 +115,7 @@ def write_gguf_target(path, hf_dir, arch: str, matrix_type=T.F32, seed: int = 0)
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.rope.freq_base", theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(cfg["vocab_size"])])
-    w.add_token_types([3 if by_id.get(i) == "<|endoftext|>" else 1 if i in by_id else 5
-                       for i in range(cfg["vocab_size"])])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m
-                        for m in json.loads((hf_dir / "tokenizer.json").read_text())["model"]["merges"]])
-    w.add_eos_token_id(tok.token_to_id("<|endoftext|>"))
+    add_vocabulary(w, hf_dir, cfg["vocab_size"])
     if arch == "llama":  # Llama 3's RoPE scaling travels as per-frequency divisors, as llama.cpp stores it
         import transformers
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -37,3 +37,32 @@ def target_name(hf: str) -> str:
         return TARGET[hf]
     _, _, n, rest = hf.split(".", 3)  # model.layers.N.rest
     return f"blk.{n}.{LAYER[rest]}"
+#: the hybrids' (llama.cpp's qwen35, qwen35moe, qwen3next) layer tensors under blk.N.: a full-attention layer's
+#: norms, a gated DeltaNet layer's parts, a shared expert's
+HYBRID = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "in_proj_qkv": "attn_qkv.weight",
+    "in_proj_z": "attn_gate.weight",
+    "in_proj_b": "ssm_beta.weight",
+    "in_proj_a": "ssm_alpha.weight",
+    "in_proj_ba": "ssm_ba.weight",  # qwen3next: b and a of each key head's group together
+    "conv1d": "ssm_conv1d.weight",
+    "dt_bias": "ssm_dt.bias",
+    "A": "ssm_a",  # -exp(A_log), no .weight
+    "norm": "ssm_norm.weight",
+    "out_proj": "ssm_out.weight",
+    "shared_gate": "ffn_gate_shexp.weight",
+    "shared_up": "ffn_up_shexp.weight",
+    "shared_down": "ffn_down_shexp.weight",
+    "shared_router": "ffn_gate_inp_shexp.weight",
+}
+
+
+def nextn_layer(name: str, layers: int) -> int | None:
+    """The block of a tensor past a target's `layers` (an MTP block: `{arch}.nextn_predict_layers` of them
+    follow the decoder's), else None."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= layers:
+        return int(parts[1])
+    return None

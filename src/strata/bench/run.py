@@ -389,7 +389,7 @@ def rollback_cost(engine: Engine, reps: int = 20) -> dict:
             if fused:
                 delta_kernels.start_state(layer, s.begin + rows, s)
             else:
-                kernels.delta_rule(s.qk[0], s.qk[1], s.v, s.gb[0], s.gb[1], s.rec[0], rows)
+                kernels.delta_rule(s.qk[0], s.qk[1], s.v, s.gb[0], s.gb[1], s.rec[0], rows, s.tiled)
 
     def at_end():  # start_state never moves begin or end
         for layer, s in layers:

@@ -23,8 +23,8 @@ class LinearState:
     last forward's first position) and at `end`, and the inputs of that forward's first `slots` rows."""
 
     def __init__(self, slots: int, channels: int, kernel: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int,
-                 device, dtype):
-        self.slots = slots
+                 device, dtype, tiled: bool = False):
+        self.slots, self.tiled = slots, tiled
         self.conv = torch.zeros(slots + 1, kernel - 1, channels, device=device, dtype=dtype)
         self.rec = torch.zeros(2, v_heads, k_dim, v_dim, device=device, dtype=torch.float32)  # at begin, at end
         self.qk = torch.zeros(2, slots, k_heads, k_dim, device=device, dtype=dtype)
@@ -42,7 +42,8 @@ class LinearState:
         if not kernels.static and (fresh | at_end).item():  # eager steps may read the host: no replay needed
             return conv, torch.where(fresh, 0.0, self.rec[1])
         rows = torch.where(at_end | fresh, 0, (first - self.begin).clamp(0, self.slots))  # replay only a rollback
-        _, replayed = kernels.delta_rule(self.qk[0], self.qk[1], self.v, self.gb[0], self.gb[1], self.rec[0], rows)
+        _, replayed = kernels.delta_rule(self.qk[0], self.qk[1], self.v, self.gb[0], self.gb[1], self.rec[0], rows,
+                                         self.tiled)
         return conv, torch.where(fresh, 0.0, torch.where(at_end, self.rec[1], replayed))
 
     def keep(self, first: torch.Tensor, x_full: torch.Tensor, inputs: tuple, rec0: torch.Tensor,
@@ -74,10 +75,14 @@ class GatedDeltaNet(nn.Module):
     input_matrix = None  # its input projection takes float rows
 
     def __init__(self, index: int, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int,
-                 eps: float):
+                 eps: float, tiled: bool = False):
+        """tiled: the value heads in llama.cpp's qwen35 order (value head j reads key head j % k_heads), not
+        transformers' (j // (v_heads / k_heads)): its files are loaded as they are, quantized rows and
+        columns never moved."""
         super().__init__()
         self.index, self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.eps = \
             index, k_heads, v_heads, k_dim, v_dim, eps
+        self.tiled = tiled
         self.channels = 2 * k_heads * k_dim + v_heads * v_dim
         self.kernel = kernel
         self.in_proj = Linear(hidden, self.channels + v_heads * v_dim + 2 * v_heads)
@@ -94,7 +99,7 @@ class GatedDeltaNet(nn.Module):
 
     def make_state(self, slots: int, device, dtype) -> LinearState:
         return LinearState(slots, self.channels, self.kernel, self.k_heads, self.v_heads, self.k_dim, self.v_dim,
-                           device, dtype)
+                           device, dtype, self.tiled)
 
     def forward(self, h: torch.Tensor, step: Step, state: LinearState) -> torch.Tensor:
         """h [T, hidden] at consecutive positions from step.positions[0] -> the mixer's output [T, hidden]."""
@@ -114,7 +119,7 @@ class GatedDeltaNet(nn.Module):
         conv0, rec0 = state.start(first, kernels)
         x_full, qk, v, gb = kernels.delta_inputs(conv0, proj, self.conv_weight, self.A_log, self.dt_bias,
                                                  self.k_heads, self.v_heads, self.k_dim, self.v_dim)
-        out, rec1 = kernels.delta_rule(qk[0], qk[1], v, gb[0], gb[1], rec0)
+        out, rec1 = kernels.delta_rule(qk[0], qk[1], v, gb[0], gb[1], rec0, tiled=self.tiled)
         state.keep(first, x_full, (qk, v, gb), rec0, rec1)
         z = proj[:, c:z_end].unflatten(-1, (self.v_heads, self.v_dim))
         return kernels.gated_rms_norm(out.to(self.norm.weight.dtype), z, self.norm.weight, self.eps).flatten(-2)

@@ -255,15 +255,22 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def value_heads(x: torch.Tensor, heads: int, tiled: bool) -> torch.Tensor:
+    """Key heads x [..., Hk, D] repeated to the value heads they serve: each Hv / Hk times in a row, or with
+    tiled the whole set Hv / Hk times (value head j reads key head j % Hk)."""
+    rep = heads // x.shape[-2]
+    return x.repeat(*(1,) * (x.dim() - 2), rep, 1) if tiled else x.repeat_interleave(rep, -2)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, rows: torch.Tensor | None = None):
+                     state: torch.Tensor, rows: torch.Tensor | None = None, tiled: bool = False):
     """The gated delta rule, token by token in float32: q, k [T, Hk, Dk] (l2-normalised here, q scaled by
-    Dk^-0.5, each key head serving Hv / Hk value heads in a row), v [T, Hv, Dv], g (log decay) and
-    beta [T, Hv], state [Hv, Dk, Dv] before row 0. Returns (outputs [T, Hv, Dv], the state after the
-    rows). rows (a 0-dim device tensor): the state after only the first `rows` rows (a rollback's replay;
-    no host read, the later rows leave the state as it is)."""
-    rep = v.shape[1] // q.shape[1]
-    q, k = l2norm(q.float()).repeat_interleave(rep, 1), l2norm(k.float()).repeat_interleave(rep, 1)
+    Dk^-0.5, each key head serving Hv / Hk value heads: in a row, or with tiled every Hk-th, as llama.cpp's
+    qwen35 files order them), v [T, Hv, Dv], g (log decay) and beta [T, Hv], state [Hv, Dk, Dv] before
+    row 0. Returns (outputs [T, Hv, Dv], the state after the rows). rows (a 0-dim device tensor): the state
+    after only the first `rows` rows (a rollback's replay; no host read, the later rows leave the state as
+    it is)."""
+    q, k = value_heads(l2norm(q.float()), v.shape[1], tiled), value_heads(l2norm(k.float()), v.shape[1], tiled)
     q = q / (q.shape[-1] ** 0.5)
     v, g, beta = v.float(), g.float(), beta.float()
     outs = []

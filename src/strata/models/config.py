@@ -33,6 +33,7 @@ class LinearAttentionConfig:
     k_dim: int
     v_dim: int
     kernel: int
+    tiled: bool = False  # value heads in llama.cpp's qwen35 order (GatedDeltaNet's tiled)
 
 
 @dataclass

@@ -4,6 +4,7 @@ and training batches; the model runner decides shapes, cells and kernels (engine
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -294,7 +295,18 @@ class DenseFamily:
         """dense_hf_layout under llama.cpp's names; q/k rows un-interleaved where the converter did that."""
         from ..gguf_names import target_name
 
-        unpermute = {"self_attn.q_proj.weight": "unpermute_q", "self_attn.k_proj.weight": "unpermute_k"}
-        return {param: [(target_name(hf), shape, next((t for k, t in unpermute.items() if hf.endswith(k)), None)
-                         if self.gguf_qk_permuted else None) for hf, shape in sources]
+        heads = {"self_attn.q_proj.weight": cfg.num_heads, "self_attn.k_proj.weight": cfg.num_kv_heads}
+
+        def undo(hf: str):
+            n = next((h for k, h in heads.items() if hf.endswith(k)), None)
+            return functools.partial(unpermute, heads=n) if n and self.gguf_qk_permuted else None
+
+        return {param: [(target_name(hf), shape, undo(hf)) for hf, shape in sources]
                 for param, sources in dense_hf_layout(cfg).items()}
+
+
+def unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of q/k rows: per head its converter stores the two RoPE halves
+    pairwise ([h0[0], h1[0], h0[1], ...]); NeoX rotate-half wants them as halves."""
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)

@@ -275,13 +275,6 @@ def check_tensors(model: torch.nn.Module, where) -> None:
                                   f"whose scales are not finite (NaN or inf)")
 
 
-def unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's interleaving of q/k rows: per head its converter stores the two RoPE halves
-    pairwise ([h0[0], h1[0], h0[1], ...]); NeoX rotate-half wants them as halves."""
-    rows = t.shape[0]
-    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-
-
 def gguf_model(path: Path):
     """(family, config, metadata, tensor table) of a GGUF target, or a one-line error."""
     from .. import gguf_file
@@ -293,29 +286,36 @@ def gguf_model(path: Path):
     return fam, fam.gguf_config(kv, tensors, str(path)), kv, tensors
 
 
+def stored_shape(info, shape: tuple) -> tuple:
+    """The shape a layout expects, or the file's where it differs only by dimensions of 1 (a [1, n] matrix
+    that llama-quantize writes as an [n] vector)."""
+    stored = tuple(reversed(info.shape))
+    squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
+    return stored if stored != shape and squeeze(stored) == squeeze(shape) else shape
+
+
 def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool = False,
                      place=None):
     from .. import gguf_file
     from ..errors import ArtifactError
-    from ..gguf_names import ROPE_FACTORS
+    from ..gguf_names import ROPE_FACTORS, nextn_layer
     from ..layers.quant import QuantWeight
 
     try:
         fam, cfg, _, tensors = gguf_model(path)
         layout = fam.gguf_layout(cfg)
         known = {name for sources in layout.values() for name, *_ in sources} | {ROPE_FACTORS}
-        unknown = sorted(set(tensors) - known)
+        unknown = sorted(n for n in set(tensors) - known if nextn_layer(n, cfg.num_layers) is None)
         if unknown:
             raise StrataError(f"{path}: unexpected tensors {', '.join(unknown[:6])}{' ...' if len(unknown) > 6 else ''} "
                               f"(a {fam.gguf_arch} file with parts Strata does not implement)")
-        heads = {"unpermute_q": cfg.num_heads, "unpermute_k": cfg.num_kv_heads}
         state, quant = {}, {}
 
         def values(sources):
             parts = []
             for name, shape, transform in sources:
-                t = gguf_file.values(tensors[name], shape, str(path)).to(dtype)
-                parts.append(unpermute(t, heads[transform]) if transform else t)
+                t = gguf_file.values(tensors[name], stored_shape(tensors[name], shape), str(path)).reshape(shape)
+                parts.append((transform(t.float()) if transform else t).to(dtype))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         for param, sources in layout.items():
@@ -330,9 +330,9 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
             if quantized and all(QuantWeight.fits(tensors[n].type, s) and tuple(reversed(tensors[n].shape)) == s
                                  for n, s, _ in sources):
                 parts = [(int(tensors[n].type), gguf_file.rows_of_blocks(tensors[n], s)) for n, s, _ in sources]
-                parts = [(t, unpermute(raw, heads[tr]) if tr else raw) for (t, raw), (_, _, tr) in zip(parts, sources)]
+                parts = [(t, tr(raw) if tr else raw) for (t, raw), (_, _, tr) in zip(parts, sources)]
                 quant[param] = quantized_weight(parts, sources[0][1][1], device, dtype)
-                state[param] = torch.empty(sum(s[0] for _, s, _ in sources), sources[0][1][1], device="meta",
+                state[param] = torch.empty(sum(raw.shape[0] for _, raw in parts), sources[0][1][1], device="meta",
                                            dtype=dtype)
                 continue
             state[param] = values(sources)

@@ -1,14 +1,17 @@
 """Qwen3.5 (text): a hybrid of gated DeltaNet linear-attention layers and gated full-attention layers
-(3:1 by default), partial RoPE, zero-centred RMSNorms; transformers' Qwen3_5ForCausalLM."""
+(3:1 by default), partial RoPE, zero-centred RMSNorms; transformers' Qwen3_5ForCausalLM and llama.cpp's
+qwen35 layout, with their mixture-of-experts kin (Qwen3.5-MoE: qwen35moe; Qwen3-Next: qwen3next)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import StrataError
+from ..gguf_names import HYBRID, nextn_layer
 from ..layers.linear_attention import GatedDeltaNet
 from .config import LinearAttentionConfig, moe_from_hf, optional, require
-from .decoder import DenseFamily, attention, dense_hf_layout
+from .decoder import DenseFamily, attention, dense_gguf_config, dense_hf_layout, gguf_count, gguf_value
+from .qwen3_moe import moe_gguf_config, sparse_gguf_layout
 from .registry import register
 
 
@@ -28,10 +31,68 @@ def rope_order(head_dim: int, rotary: int) -> torch.Tensor:
                       torch.arange(rotary + rest, head_dim)])
 
 
+def rows(index: torch.Tensor):
+    """A transform of a tensor's rows (gguf_layout's third field): these rows, in this order."""
+    return lambda t: t.index_select(0, index)
+
+
+def hybrid_gguf_config(fam, kv: dict, tensors: dict, where: str):
+    """A hybrid's hyper-parameters from llama.cpp's keys: the decoder's as for a dense file (without the
+    `nextn_predict_layers` MTP blocks that follow it), partial RoPE from `rope.dimension_count` (the M-RoPE
+    sections are one RoPE for text, whose positions are the same in each), the DeltaNet shape from the
+    `ssm.*` keys, its layers from `attention.recurrent_layers` (else every `full_attention_interval`-th layer
+    attends), the experts from `expert_*`."""
+    a = fam.gguf_arch
+    total = gguf_count(kv, f"{a}.block_count", where)
+    nextn = gguf_value(kv, f"{a}.nextn_predict_layers", where, 0, f"a count below {a}.block_count {total}", int,
+                       lambda v: 0 <= v < total)
+    layers = total - nextn
+    main = {name: info for name, info in tensors.items() if nextn_layer(name, layers) is None}
+    plain = {k: v for k, v in kv.items() if k not in (f"{a}.expert_count", f"{a}.rope.dimension_count")}
+    plain[f"{a}.block_count"] = layers
+    moe = f"{a}.expert_count" in kv
+    if moe and f"{a}.feed_forward_length" not in kv:
+        plain[f"{a}.feed_forward_length"] = kv.get(f"{a}.expert_feed_forward_length")
+    cfg = dense_gguf_config(fam, plain, main, where)
+    rotary = gguf_value(kv, f"{a}.rope.dimension_count", where, None,
+                        f"an even count up to the head dim {cfg.head_dim}", int,
+                        lambda v: 0 < v <= cfg.head_dim and v % 2 == 0)
+    cfg.rope.rotary_dim = rotary
+
+    def count(key: str, default=None) -> int:
+        return gguf_count(kv, f"{a}.{key}", where, default)
+
+    k_heads, v_heads, k_dim, inner = (count(f"ssm.{k}") for k in ("group_count", "time_step_rank", "state_size",
+                                                                   "inner_size"))
+    if v_heads % k_heads or inner % v_heads:
+        raise StrataError(f"{where}: metadata keys '{a}.ssm.time_step_rank' {v_heads} (value heads) and "
+                          f"'{a}.ssm.inner_size' {inner} must be multiples of '{a}.ssm.group_count' {k_heads} and of "
+                          f"the value heads")
+    recurrent = kv.get(f"{a}.attention.recurrent_layers")
+    if recurrent is None:
+        every = count("full_attention_interval", 4)
+        recurrent = [(n + 1) % every != 0 for n in range(layers)]
+    must_list = isinstance(recurrent, list) and len(recurrent) >= layers and \
+        all(isinstance(r, bool) for r in recurrent)
+    if not must_list:
+        raise StrataError(f"{where}: metadata key '{a}.attention.recurrent_layers' must list a bool for each of the "
+                          f"{layers} layers")
+    cfg.linear = LinearAttentionConfig([n for n in range(layers) if recurrent[n]], k_heads, v_heads, k_dim,
+                                       inner // v_heads, count("ssm.conv_kernel"),
+                                       tiled=fam.gguf_tiled and k_heads != v_heads)
+    if moe:
+        shared = count("expert_shared_feed_forward_length", 0) if f"blk.{layers - 1}.ffn_up_shexp.weight" in main \
+            else 0
+        cfg.moe = moe_gguf_config(a, kv, main, where, layers, shared)
+    return cfg
+
+
 class Qwen3_5(DenseFamily):
     name = "qwen3_5"
     architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
     model_types = ("qwen3_5_text",)
+    gguf_arch = "qwen35"
+    gguf_tiled = True  # its converter reorders the value heads to tiled order (GatedDeltaNet's tiled)
     qk_norm = True
     rope_scalings = ()
 
@@ -70,7 +131,7 @@ class Qwen3_5(DenseFamily):
         lin = cfg.linear
         if index in lin.layers:
             return GatedDeltaNet(index, cfg.hidden_size, lin.k_heads, lin.v_heads, lin.k_dim, lin.v_dim, lin.kernel,
-                                 cfg.rms_norm_eps)
+                                 cfg.rms_norm_eps, lin.tiled)
         return attention(cfg, index, gated=True)
 
     def hf_layout(self, cfg):
@@ -95,6 +156,49 @@ class Qwen3_5(DenseFamily):
             out[a + "norm.weight"] = [(src + "norm.weight", (lin.v_dim,))]
             out[a + "out_proj.weight"] = [(src + "out_proj.weight", (h, lin.v_heads * lin.v_dim))]
         return in_checkpoint(out, cfg)
+
+    def gguf_config(self, kv, tensors, where):
+        return hybrid_gguf_config(self, kv, tensors, where)
+
+    def gguf_layout(self, cfg):
+        """llama.cpp's tensors, which its converter stored with the norms as 1 + w (as the modules keep them),
+        A as -exp(A_log), the convolution squeezed and (qwen35) the value heads tiled, which the modules
+        take as they are (GatedDeltaNet's tiled). Left to undo: partial RoPE's order of a head's dims (rows)
+        and qwen3next's b and a of each key head's group together (rows)."""
+        out, lin, h, d = super().gguf_layout(cfg), cfg.linear, cfg.hidden_size, cfg.head_dim
+        order = rope_order(d, cfg.rope.rotary_dim)
+        heads, kv = torch.arange(2 * cfg.num_heads * d).view(cfg.num_heads, 2, d), torch.arange(cfg.num_kv_heads * d)
+        q_rows = torch.stack([heads[:, 0][:, order], heads[:, 1]], dim=1).flatten()
+        k_rows = kv.view(cfg.num_kv_heads, d)[:, order].flatten()
+        channels, vd = 2 * lin.k_heads * lin.k_dim + lin.v_heads * lin.v_dim, lin.v_heads * lin.v_dim
+        for n in range(cfg.num_layers):
+            blk, param = f"blk.{n}.", f"layers.{n}."
+            out[param + "post_attention_layernorm.weight"] = [(blk + HYBRID["post_attention_layernorm.weight"],
+                                                               (h,), None)]
+            if n not in lin.layers:
+                (q, _, _), k, v = out[param + "self_attn.qkv_proj.weight"]
+                out[param + "self_attn.qkv_proj.weight"] = [(q, (2 * cfg.num_heads * d, h), rows(q_rows)),
+                                                            (k[0], k[1], rows(k_rows)), v]
+                for norm in ("q_norm", "k_norm"):
+                    (name, shape, _), = out[param + f"self_attn.{norm}.weight"]
+                    out[param + f"self_attn.{norm}.weight"] = [(name, shape, rows(order))]
+                continue
+            for key in [k for k in out if k.startswith(param + "self_attn.")]:
+                del out[key]
+            a = param + "linear_attn."
+            out[a + "in_proj.weight"] = [(blk + HYBRID["in_proj_qkv"], (channels, h), None),
+                                         (blk + HYBRID["in_proj_z"], (vd, h), None)] + self.gguf_ba(blk, lin, h)
+            out[a + "conv_weight"] = [(blk + HYBRID["conv1d"], (channels, lin.kernel), None)]
+            out[a + "dt_bias"] = [(blk + HYBRID["dt_bias"], (lin.v_heads,), None)]
+            out[a + "A_log"] = [(blk + HYBRID["A"], (lin.v_heads,), lambda t: torch.log(-t))]
+            out[a + "norm.weight"] = [(blk + HYBRID["norm"], (lin.v_dim,), None)]
+            out[a + "out_proj.weight"] = [(blk + HYBRID["out_proj"], (h, vd), None)]
+        return out
+
+    def gguf_ba(self, blk: str, lin, hidden: int) -> list[tuple]:
+        """The input projection's b rows then its a rows."""
+        return [(blk + HYBRID["in_proj_b"], (lin.v_heads, hidden), None),
+                (blk + HYBRID["in_proj_a"], (lin.v_heads, hidden), None)]
 
     def finish(self, state, cfg):
         """Zero-centred norms (the checkpoint stores w, the model scales by 1 + w) and partial RoPE's dims
@@ -126,6 +230,7 @@ class Qwen3_5Moe(Qwen3_5):
     name = "qwen3_5_moe"
     architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
     model_types = ("qwen3_5_moe_text",)
+    gguf_arch = "qwen35moe"
 
     sparse_by_config = False  # every layer sparse (Qwen3-Next: as decoder_sparse_step / mlp_only_layers say)
 
@@ -159,6 +264,20 @@ class Qwen3_5Moe(Qwen3_5):
             out[param + "shared_expert_gate.weight"] = [(hf + "shared_expert_gate.weight", (1, h))]
         return out
 
+    def gguf_layout(self, cfg):
+        out, h, moe = super().gguf_layout(cfg), cfg.hidden_size, cfg.moe
+        for n in moe.layers:
+            blk, param = f"blk.{n}.", f"layers.{n}.mlp."
+            del out[param + "gate_up_proj.weight"], out[param + "down_proj.weight"]
+            out.update(sparse_gguf_layout(blk, param, moe, h))
+            if moe.shared:
+                out[param + "shared_expert.gate_up_proj.weight"] = [
+                    (blk + HYBRID["shared_gate"], (moe.shared, h), None),
+                    (blk + HYBRID["shared_up"], (moe.shared, h), None)]
+                out[param + "shared_expert.down_proj.weight"] = [(blk + HYBRID["shared_down"], (h, moe.shared), None)]
+                out[param + "shared_expert_gate.weight"] = [(blk + HYBRID["shared_router"], (1, h), None)]
+        return out
+
 
 class Qwen3Next(Qwen3_5Moe):
     """Qwen3-Next: Qwen3.5-MoE's layers with the DeltaNet input projections grouped per key head (q, k, v,
@@ -168,6 +287,8 @@ class Qwen3Next(Qwen3_5Moe):
     name = "qwen3_next"
     architectures = ("Qwen3NextForCausalLM",)
     model_types = ("qwen3_next",)
+    gguf_arch = "qwen3next"
+    gguf_tiled = False  # its converter keeps the value heads grouped, q/k/v/z regrouped as finish does
 
     sparse_by_config = True
 
@@ -187,6 +308,12 @@ class Qwen3Next(Qwen3_5Moe):
                 (src + "in_proj_qkvz.weight", (lin.k_heads * (2 * lin.k_dim + 2 * rep * lin.v_dim), h)),
                 (src + "in_proj_ba.weight", (lin.k_heads * 2 * rep, h))]
         return out
+
+    def gguf_ba(self, blk, lin, hidden):
+        """ssm_ba: each key head's group's b rows, then its a rows."""
+        rep = lin.v_heads // lin.k_heads
+        groups = torch.arange(2 * lin.v_heads).view(lin.k_heads, 2, rep)
+        return [(blk + HYBRID["in_proj_ba"], (2 * lin.v_heads, hidden), rows(groups[:, i].flatten())) for i in (0, 1)]
 
     def finish(self, state, cfg):
         lin, out = cfg.linear, dict(state)

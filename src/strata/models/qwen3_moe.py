@@ -21,6 +21,31 @@ def sparse_layout(hf: str, param: str, moe: MoeConfig, hidden: int) -> dict[str,
             param + "down_proj": [(f"{hf}experts.{n}.down_proj.weight", (hidden, i)) for n in e]}
 
 
+def sparse_gguf_layout(blk: str, param: str, moe: MoeConfig, hidden: int) -> dict[str, list[tuple]]:
+    """sparse_layout's parameters from llama.cpp's tensors under `blk` (blk.N.): its router and 3-D experts."""
+    from ..gguf_names import EXPERTS
+
+    e, i, h = moe.experts, moe.intermediate, hidden
+    return {param + "gate.weight": [(blk + "ffn_gate_inp.weight", (e, h), None)],
+            param + "gate_up_proj": [(blk + EXPERTS["gate"], (e, i, h), None), (blk + EXPERTS["up"], (e, i, h), None)],
+            param + "down_proj": [(blk + EXPERTS["down"], (e, h, i), None)]}
+
+
+def moe_gguf_config(a: str, kv: dict, tensors: dict, where: str, layers: int, shared: int = 0) -> MoeConfig:
+    """The experts of llama.cpp's `{a}.expert_*` keys, sparse in the layers that have a router. Its qwen3moe,
+    qwen35moe and qwen3next graphs always renormalise the top-k weights (Qwen3-MoE's norm_topk_prob)."""
+    experts, top_k, inter = (gguf_count(kv, f"{a}.{k}", where) for k in ("expert_count", "expert_used_count",
+                                                                            "expert_feed_forward_length"))
+    if top_k > experts:
+        raise StrataError(f"{where}: metadata key '{a}.expert_used_count' {top_k} exceeds {a}.expert_count {experts}")
+    scale = kv.get(f"{a}.expert_weights_scale", 0.0)
+    if scale not in (0, 0.0, 1, 1.0):
+        raise StrataError(f"{where}: metadata key '{a}.expert_weights_scale' = {scale!r} scales the experts' "
+                          f"weights, which is not supported")
+    sparse = [n for n in range(layers) if f"blk.{n}.ffn_gate_inp.weight" in tensors]
+    return MoeConfig(experts, top_k, inter, True, sparse, shared)
+
+
 class Qwen3Moe(DenseFamily):
     name = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
@@ -34,21 +59,9 @@ class Qwen3Moe(DenseFamily):
         return cfg
 
     def gguf_config(self, kv, tensors, where):
-        a = self.gguf_arch
-        plain = {k: v for k, v in kv.items() if k != f"{a}.expert_count"}
+        plain = {k: v for k, v in kv.items() if k != f"{self.gguf_arch}.expert_count"}
         cfg = dense_gguf_config(self, plain, tensors, where)
-        experts, top_k, inter = (gguf_count(kv, f"{a}.{k}", where) for k in ("expert_count", "expert_used_count",
-                                                                                "expert_feed_forward_length"))
-        if top_k > experts:
-            raise StrataError(f"{where}: metadata key '{a}.expert_used_count' {top_k} exceeds {a}.expert_count "
-                              f"{experts}")
-        scale = kv.get(f"{a}.expert_weights_scale", 0.0)
-        if scale not in (0, 0.0, 1, 1.0):
-            raise StrataError(f"{where}: metadata key '{a}.expert_weights_scale' = {scale!r} scales the experts' "
-                              f"weights, which is not supported")
-        sparse = [n for n in range(cfg.num_layers) if f"blk.{n}.ffn_gate_inp.weight" in tensors]
-        # llama.cpp's qwen3moe graph always renormalises the top-k weights (as Qwen3-MoE's norm_topk_prob)
-        cfg.moe = MoeConfig(experts, top_k, inter, True, sparse)
+        cfg.moe = moe_gguf_config(self.gguf_arch, kv, tensors, where, cfg.num_layers)
         return cfg
 
     def hf_layout(self, cfg):
@@ -60,18 +73,11 @@ class Qwen3Moe(DenseFamily):
         return out
 
     def gguf_layout(self, cfg):
-        from ..gguf_names import EXPERTS
-
         out = {param: sources for param, sources in super().gguf_layout(cfg).items()
                if not any(param == f"layers.{n}.mlp.{m}" for n in cfg.moe.layers
                           for m in ("gate_up_proj.weight", "down_proj.weight"))}
-        e, i, h = cfg.moe.experts, cfg.moe.intermediate, cfg.hidden_size
         for n in cfg.moe.layers:
-            blk, param = f"blk.{n}.", f"layers.{n}.mlp."
-            out[param + "gate.weight"] = [(blk + "ffn_gate_inp.weight", (e, h), None)]
-            out[param + "gate_up_proj"] = [(blk + EXPERTS["gate"], (e, i, h), None),
-                                           (blk + EXPERTS["up"], (e, i, h), None)]
-            out[param + "down_proj"] = [(blk + EXPERTS["down"], (e, h, i), None)]
+            out.update(sparse_gguf_layout(f"blk.{n}.", f"layers.{n}.mlp.", cfg.moe, cfg.hidden_size))
         return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 from torch import nn
 
@@ -44,9 +44,10 @@ class Family(Protocol):
     def gguf_config(self, kv: dict, tensors: dict, where: str) -> ModelConfig:
         """Hyper-parameters from a llama.cpp GGUF file's metadata and tensor table."""
 
-    def gguf_layout(self, cfg: ModelConfig) -> dict[str, list[tuple[str, tuple, str | None]]]:
-        """As hf_layout, for llama.cpp's tensor names; the third field names a row transform the
-        converter applied (undone at load), or None."""
+    def gguf_layout(self, cfg: ModelConfig) -> dict[str, list[tuple[str, tuple, Callable | None]]]:
+        """As hf_layout, for llama.cpp's tensor names and shapes; the third field undoes what the converter
+        did to the tensor's rows (a function of its rows, float or quantized blocks alike: a reordering
+        or a selection of them; of the values, for a vector), or None."""
 
 
 _FAMILIES: dict[str, Family] = {}

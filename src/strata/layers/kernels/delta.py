@@ -47,7 +47,7 @@ def _launch(layer, proj: torch.Tensor, first: torch.Tensor, state, config: tuple
     args = (t, first, proj, layer.conv_weight, layer.A_log, layer.dt_bias, layer.norm.weight, mixed, out, state.conv,
             state.rec, state.qk, state.v, state.gb, state.begin, state.end, state.slots, proj.stride(0), layer.eps)
     meta = dict(HK=hk, HV=hv, DK=dk, DV=dv, KERNEL=layer.kernel, BK=pow2(dk), BV=bv, BC=block,
-                BW=pow2(layer.kernel), NORM=bv >= dv, num_warps=warps)
+                BW=pow2(layer.kernel), NORM=bv >= dv, TILED=layer.tiled, num_warps=warps)
     from .jit_delta import delta_net_kernel
 
     return delta_net_kernel, args, meta, programs, -(-c // block), out

@@ -33,10 +33,16 @@ def available(device: torch.device) -> bool:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, rows: torch.Tensor | None = None, chunked: bool = False):
+                     state: torch.Tensor, rows: torch.Tensor | None = None, chunked: bool = False,
+                     tiled: bool = False):
     """ops.gated_delta_rule's arguments and results; outputs in v's dtype. chunked: the chunked kernel
-    (prefill; its state after the rows, not bit-identical to the recurrent kernel's)."""
+    (prefill; its state after the rows, not bit-identical to the recurrent kernel's). fla's kernels serve
+    key heads in a row, so tiled ones are repeated to the value heads first."""
+    from ..ops import value_heads
+
     chunk, recurrent = _ops()
+    if tiled:
+        q, k = value_heads(q, v.shape[1], True), value_heads(k, v.shape[1], True)
     kwargs = dict(g=g[None].float(), beta=beta[None].float(), initial_state=state[None].float(),
                   output_final_state=True, use_qk_l2norm_in_kernel=True)
     if rows is not None:

@@ -11,7 +11,7 @@ def delta_net_kernel(phase, T, first_ptr, proj_ptr, conv_w_ptr, a_log_ptr, dt_bi
                      out_ptr, conv_ptr, rec_ptr, kept_qk_ptr, kept_v_ptr, kept_gb_ptr, begin_ptr, end_ptr, slots,
                      stride_proj, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      KERNEL: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
-                     BW: tl.constexpr, NORM: tl.constexpr):
+                     BW: tl.constexpr, NORM: tl.constexpr, TILED: tl.constexpr):
     """Phase 0 (the programs past HV * NV convolve) or phase 1 of a forward of T rows from *first_ptr."""
     KD: tl.constexpr = HK * DK
     VD: tl.constexpr = HV * DV
@@ -49,7 +49,12 @@ def delta_net_kernel(phase, T, first_ptr, proj_ptr, conv_w_ptr, a_log_ptr, dt_bi
     else:
         h = pid // NV
         vb = pid % NV
-        kh = h // (HV // HK)
+        if TILED:  # llama.cpp's qwen35 order: value head h reads key head h % HK
+            kh = h % HK
+            leads = h < HK  # the key head's first value head
+        else:
+            kh = h // (HV // HK)
+            leads = h % (HV // HK) == 0
         dk = tl.arange(0, BK)
         dv = vb * BV + tl.arange(0, BV)
         kmask = dk < DK
@@ -98,7 +103,7 @@ def delta_net_kernel(phase, T, first_ptr, proj_ptr, conv_w_ptr, a_log_ptr, dt_bi
                 tl.store(out_ptr + i * VD + h * DV + dv, o, mask=vmask)
                 keep = i < slots
                 owner = keep & (vb == 0)  # of the head's decay and beta
-                qk_mask = tl.where(owner & (h % (HV // HK) == 0), kmask, False)  # the key head's first
+                qk_mask = tl.where(owner & leads, kmask, False)
                 tl.store(kept_qk_ptr + i * KD + kh * DK + dk, q_in, mask=qk_mask)
                 tl.store(kept_qk_ptr + (slots + i) * KD + kh * DK + dk, k_in, mask=qk_mask)
                 tl.store(kept_v_ptr + i * VD + h * DV + dv, v_in, mask=tl.where(keep, vmask, False))

@@ -101,12 +101,13 @@ class Kernels:
         """A MoE layer's routing (ops.route's contract)."""
         return ops.route(h, router, top_k, renormalize)
 
-    def delta_rule(self, q, k, v, g, beta, state, rows: torch.Tensor | None = None):
+    def delta_rule(self, q, k, v, g, beta, state, rows: torch.Tensor | None = None, tiled: bool = False):
         """The gated delta rule (ops.gated_delta_rule's contract). Eager on a GPU (prefill) through
         fla-core's kernels, its chunked one for long chunks; elsewhere token by token in torch."""
         if q.is_cuda and not self.static and fla.available(q.device):
-            return fla.gated_delta_rule(q, k, v, g, beta, state, rows, chunked=q.shape[0] > fla.CHUNKED_MIN_ROWS)
-        return ops.gated_delta_rule(q, k, v, g, beta, state, rows)
+            return fla.gated_delta_rule(q, k, v, g, beta, state, rows, chunked=q.shape[0] > fla.CHUNKED_MIN_ROWS,
+                                        tiled=tiled)
+        return ops.gated_delta_rule(q, k, v, g, beta, state, rows, tiled)
 
     def gated_delta_net(self, layer, proj: torch.Tensor, first: torch.Tensor, state) -> torch.Tensor:
         """A gated DeltaNet layer between its projections (GatedDeltaNet.mix's contract): its composition of
@@ -191,11 +192,12 @@ class TritonKernels(Kernels):
             return slow()
         return self._either("route", lambda: dense.route_topk(self.linear(h, router), top_k, renormalize), slow)
 
-    def delta_rule(self, q, k, v, g, beta, state, rows=None):
-        slow = lambda: ops.gated_delta_rule(q, k, v, g, beta, state, rows)  # noqa: E731
+    def delta_rule(self, q, k, v, g, beta, state, rows=None, tiled=False):
+        slow = lambda: ops.gated_delta_rule(q, k, v, g, beta, state, rows, tiled)  # noqa: E731
         if not fla.available(q.device):
             return slow()
-        return self._either("delta_rule", lambda: fla.gated_delta_rule(q, k, v, g, beta, state, rows), slow)
+        return self._either("delta_rule", lambda: fla.gated_delta_rule(q, k, v, g, beta, state, rows, tiled=tiled),
+                            slow)
 
     def gated_delta_net(self, layer, proj, first, state):
         slow = lambda: layer.mix(proj, first, state, self)  # noqa: E731

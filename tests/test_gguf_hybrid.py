@@ -1,0 +1,144 @@
+"""llama.cpp's hybrid GGUF targets (qwen35, qwen35moe, qwen3next), written as its converter and llama-quantize lay
+them out (tests/hybrid_layout.py) from tiny checkpoints transformers writes: greedy decoding equals transformers'
+on the values each file holds, eagerly and in static shapes, on the quantized kernels too; speculation with partial
+acceptance (the hybrid rollback) and the expert budget change no token; an MTP block is skipped; bad metadata is a
+one-line error."""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from strata.engine.decode import Engine
+from strata.engine.prompt_lookup import PromptLookupDrafter
+from strata.models.loader import load_target
+
+from conftest import cli, write_hf_model
+from hybrid_layout import ARCH, COMMON, SHAPES, from_gguf, to_gguf, write
+from test_gguf_target import qwen2_tokenizer
+from test_hybrid import Truncating
+
+T = gguf.GGMLQuantizationType
+PROMPT = [5, 17, 200, 31, 7, 5, 17, 200, 31, 9, 64]
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf-hybrid")
+    out = {}
+    for family in ARCH:
+        path, _ = write_hf_model(d / family, family, seed=31, vocab=320, **COMMON, **SHAPES[family])
+        qwen2_tokenizer(path, 320)
+        out[family] = path
+    return d, out
+
+
+def reference(d, hf_dir, stored, name):
+    """transformers' model of the values a file holds (its config, the stored values as its checkpoint)."""
+    import transformers
+
+    folder = d / name
+    folder.mkdir()
+    shutil.copy(hf_dir / "config.json", folder / "config.json")
+    save_file({k: v.contiguous() for k, v in stored.items()}, str(folder / "model.safetensors"))
+    return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def transformers_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_the_layout_reads_back_into_the_checkpoint(hybrids):
+    """to_gguf then from_gguf gives the checkpoint back (the norms' +1 and A's -exp within float32 rounding)."""
+    _, hf = hybrids
+    import json
+
+    for family, folder in hf.items():
+        tensors = load_file(folder / "model.safetensors")
+        cfg = json.loads((folder / "config.json").read_text())
+        back = from_gguf(to_gguf(tensors, cfg, family), cfg, family)
+        assert back.keys() == tensors.keys()
+        for name, t in tensors.items():
+            assert torch.allclose(back[name], t.float(), rtol=1e-6, atol=1e-6), name
+
+
+@pytest.mark.parametrize("family,qtype", [("qwen3_5", T.F32), ("qwen3_5_moe", T.F32), ("qwen3_next", T.F32),
+                                          ("qwen3_5", T.Q4_K), ("qwen3_5_moe", T.Q8_0), ("qwen3_next", T.Q5_K),
+                                          ("qwen3_5_moe", T.IQ4_XS)], ids=lambda x: getattr(x, "name", x))
+def test_hybrid_gguf_decodes_as_transformers_on_its_values(hybrids, family, qtype):
+    d, hf = hybrids
+    path = d / f"{family}-{qtype.name}.gguf"
+    stored = write(path, hf[family], family, qtype, seed=int(qtype), mtp=qtype == T.Q8_0)
+    want = transformers_greedy(reference(d, hf[family], stored, f"{family}-{qtype.name}-ref"), PROMPT, 24)
+    target = load_target(path)
+    for backend in ("eager", "static"):
+        assert Engine(target, max_len=128, backend=backend).generate(PROMPT, 24).output_ids == want, backend
+
+
+def test_quantized_hybrid_rows_stay_in_their_blocks(hybrids):
+    """On the quantized kernels' path every matrix stays in the file's blocks, the rows the loader reorders or
+    picks (partial RoPE's q/k order, qwen3next's b and a of ssm_ba) moved as whole quantized rows: each holds
+    the values the file dequantized at load holds."""
+    from strata.layers.quant import QuantWeight
+
+    d, hf = hybrids
+    for family in ("qwen3_5", "qwen3_next"):
+        path = d / f"{family}-kept.gguf"
+        write(path, hf[family], family, T.Q8_0, seed=3)
+        kept, plain = load_target(path, quantized=True), load_target(path).state_dict()
+        matrices = {f"{name}.{attr}": v for name, m in kept.named_modules() for attr, v in vars(m).items()
+                    if isinstance(v, QuantWeight)}
+        assert {"layers.0.linear_attn.in_proj.weight", "layers.3.self_attn.qkv_proj.weight"} <= set(matrices)
+        for name, w in matrices.items():
+            assert torch.equal(w.dequantize().float(), plain[name].float()), name
+
+
+def test_speculation_and_the_expert_budget_on_a_hybrid_gguf(hybrids):
+    """Prompt lookup and every acceptance length of a drafter (each a rollback of the recurrent state) equal
+    target-only, eagerly and in static shapes; experts kept in host memory change no token."""
+    d, hf = hybrids
+    path = d / "moe-spec.gguf"
+    write(path, hf["qwen3_5_moe"], "qwen3_5_moe", T.Q8_0, seed=7)
+    target = load_target(path)
+    base = Engine(target, max_len=128).generate(PROMPT, 40).output_ids
+    for backend in ("eager", "static"):
+        lookup = Engine(target, PromptLookupDrafter(3), max_len=128, window=8, backend=backend)
+        assert lookup.generate(PROMPT, 40).output_ids == base
+        res = Engine(target, Truncating(PROMPT + base, 8, 320), max_len=128, window=8,
+                     backend=backend).generate(PROMPT, 40)
+        assert res.output_ids == base and res.accept_lengths[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+    from strata.models.placement import place_experts
+
+    budget = load_target(path, place=lambda m: place_experts(m, "cpu", 1, 128))
+    assert sum(layer.mlp.host_experts for layer in budget.layers) > 0
+    assert Engine(budget, max_len=128).generate(PROMPT, 40).output_ids == base
+
+
+def test_hybrid_gguf_metadata_errors_are_one_line(hybrids, monkeypatch, tmp_path):
+    d, hf = hybrids
+    real = gguf.GGUFWriter.write_header_to_file
+    cases = [("qwen35.ssm.time_step_rank", 3, "time_step_rank"),
+             ("qwen35.rope.dimension_count", 200, "rope.dimension_count"),
+             ("qwen35.nextn_predict_layers", 4, "nextn_predict_layers"),
+             ("qwen35.attention.recurrent_layers", None, None)]
+    for key, value, needle in cases:
+        def edit(w, key=key, value=value):
+            w.kv_data[0].pop(key, None)
+            if value is not None:
+                w.add_uint32(key, value)
+            return real(w)
+
+        monkeypatch.setattr(gguf.GGUFWriter, "write_header_to_file", edit)
+        path = tmp_path / f"{key}.gguf"
+        write(path, hf["qwen3_5"], "qwen3_5")
+        monkeypatch.undo()
+        if needle is None:  # without the list, every fourth layer attends (llama.cpp's default interval)
+            assert load_target(path).cfg.linear.layers == [0, 1, 2]
+            continue
+        code, err = cli("generate", "--model", path, "--prompt-ids", "1,2", "--max-new-tokens", "2")
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
