@@ -69,7 +69,8 @@ def test_the_layout_reads_back_into_the_checkpoint(hybrids):
 
 @pytest.mark.parametrize("family,qtype", [("qwen3_5", T.F32), ("qwen3_5_moe", T.F32), ("qwen3_next", T.F32),
                                           ("qwen3_5", T.Q4_K), ("qwen3_5_moe", T.Q8_0), ("qwen3_next", T.Q5_K),
-                                          ("qwen3_5_moe", T.IQ4_XS)], ids=lambda x: getattr(x, "name", x))
+                                          ("qwen3_5_moe", T.IQ4_XS), ("qwen3_next", T.Q3_K)],
+                         ids=lambda x: getattr(x, "name", x))
 def test_hybrid_gguf_decodes_as_transformers_on_its_values(hybrids, family, qtype):
     d, hf = hybrids
     path = d / f"{family}-{qtype.name}.gguf"
@@ -96,6 +97,21 @@ def test_quantized_hybrid_rows_stay_in_their_blocks(hybrids):
         assert {"layers.0.linear_attn.in_proj.weight", "layers.3.self_attn.qkv_proj.weight"} <= set(matrices)
         for name, w in matrices.items():
             assert torch.equal(w.dequantize().float(), plain[name].float()), name
+        assert kept.dequantized == {}
+
+
+def test_types_without_a_device_kernel_are_dequantized_at_load_and_said_so(hybrids):
+    """Q3_K matrices (no device kernel yet) load as floats on the kernels' path, named with their bytes."""
+    from strata.models.loader import dequantized_report
+
+    d, hf = hybrids
+    path = d / "q3k.gguf"
+    write(path, hf["qwen3_5"], "qwen3_5", T.Q3_K, seed=4)
+    kept = load_target(path, quantized=True)
+    assert "blk.0.attn_qkv.weight (Q3_K)" in kept.dequantized and kept.dequantized["blk.0.attn_qkv.weight (Q3_K)"] \
+        == 512 * 256 * 4
+    line = dequantized_report(kept, path)
+    assert "Q3_K" in line and "float32" in line and len(line.splitlines()) == 1
 
 
 def test_speculation_and_the_expert_budget_on_a_hybrid_gguf(hybrids):
@@ -142,3 +158,34 @@ def test_hybrid_gguf_metadata_errors_are_one_line(hybrids, monkeypatch, tmp_path
             continue
         code, err = cli("generate", "--model", path, "--prompt-ids", "1,2", "--max-new-tokens", "2")
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+#: the tiny hybrid with experts in every layer and a shared one (Qwen3.5-MoE's layout: qwen35moe)
+TINY_HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+@pytest.mark.parametrize("overrides", [{}, TINY_HYBRID_MOE], ids=["qwen35", "qwen35moe"])
+def test_init_random_writes_a_shape_as_a_gguf_file(tmp_path, overrides):
+    """The random GGUF of a shape reads back as the shape's config (the types llama-quantize would give it: rows
+    of 64 values are not whole Q4_K blocks, so Q8_0) and decodes as its values do in a folder."""
+    from strata.models.random_gguf import write_random_gguf
+    from strata.models.random_init import shape_config
+
+    path = tmp_path / "tiny.gguf"
+    counts = write_random_gguf(path, "tiny-hybrid", "Q4_K_M", seed=2, **overrides)
+    assert set(counts) == {"F32", "Q8_0"} and counts["Q8_0"] > 10
+    fam, cfg, _ = shape_config("tiny-hybrid", **overrides)
+    got = load_target(path)
+    assert got.cfg.family == fam.name and got.cfg.moe == cfg.moe and got.cfg.rope.rotary_dim == cfg.rope.rotary_dim
+    assert (got.cfg.linear.layers, got.cfg.linear.v_heads, got.cfg.linear.tiled) == (cfg.linear.layers, 4, True)
+    assert len(Engine(got, max_len=64).generate([1, 2, 3], 8).output_ids) == 8
+
+
+def test_init_random_gguf_from_the_command_line(tmp_path):
+    path = tmp_path / "r.gguf"
+    code, err = cli("init-random", "--shape", "tiny-hybrid", "--quant", "Q8_0", path)
+    assert code == 0 and "Q8_0" in err and path.is_file(), err
+    code, err = cli("init-random", "--shape", "tiny-hybrid", "--quant", "Q8_0", path)
+    assert code == 2 and "--force" in err, err
+    code, err = cli("generate", "--model", path, "--prompt-ids", "1,2", "--max-new-tokens", "3")
+    assert code == 0, err

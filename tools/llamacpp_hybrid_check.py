@@ -7,7 +7,9 @@ Q3_K_M). Per file:
 - quantized: Strata's greedy tokens equal transformers' on the values the file holds (gguf.quants' dequantization,
   read back into the checkpoint's names by hybrid_layout.from_gguf); llama.cpp is no exact reference there, as its
   CPU path quantizes activations;
-- the MTP file: Strata skips the block and decodes as the file without it.
+- the MTP file: Strata skips the block and decodes as the file without it;
+- `strata init-random --quant` files (models/random_gguf.py: a tiny qwen35 and qwen35moe in Q8_0): llama-completion
+  loads and decodes them (its text beside Strata's, for information: it quantizes activations).
 Prints one line per check and exits 1 on any difference. Never from CI (llama.cpp is built by
 ../shared/tools/build_llamacpp.sh; its converter needs ../shared/tools/lcpp_convert.py for the demo's vocabulary).
 
@@ -151,6 +153,17 @@ def main() -> None:
         for text in TEXTS[:2]:
             check(nextn is not None and strata_text(a, tok, text) == strata_text(b, tok, text),
                   f"qwen3_5 with an MTP block (nextn_predict_layers): decodes as the file without it {text!r}")
+        from strata.models.random_gguf import write_random_gguf
+        from test_gguf_hybrid import TINY_HYBRID_MOE
+
+        for arch, overrides in (("qwen35", {}), ("qwen35moe", TINY_HYBRID_MOE)):
+            path = d / f"random-{arch}.gguf"
+            write_random_gguf(path, "tiny-hybrid", "Q8_0", **overrides)
+            tok = tokenizer_of(path)[0]
+            theirs = llama_completion(bins, path, "hello")
+            mine = strata_text(load_target(path), tok, "hello")[1]
+            check(len(theirs) > 0, f"init-random {arch} Q8_0: llama-completion loads and decodes it ({theirs!r}; "
+                                   f"Strata: {mine!r})")
     print(f"{len(failures)} failed")
     sys.exit(1 if failures else 0)
 

@@ -82,6 +82,11 @@ def load(args, drafter: bool = True, window: int | None = None, prompt=None):
     config = engine_config(args, window)
     spec = pair_spec(args)
     pair = load_pair(spec, config, drafter, prompt)
+    from .models.loader import dequantized_report
+
+    note = dequantized_report(pair.target, pair.model_dir)
+    if note:
+        print(note, file=sys.stderr)
     if pair.target.expert_plan is not None:
         print(pair.target.expert_plan.report(), file=sys.stderr)
     return pair, config
@@ -168,6 +173,8 @@ def cmd_generate(args) -> int:
 def cmd_init_random(args) -> int:
     from .models.random_init import write_random_model
 
+    if args.quant is not None:
+        return init_random_gguf(args)
     out = check_output(args.out_dir, folder=True)
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise StrataError(f"{args.out_dir}: exists and is not empty (add --force to write the model there, "
@@ -179,6 +186,19 @@ def cmd_init_random(args) -> int:
         print(f"removed {', '.join(p.name for p in stale)}: weights of the model that was there", file=sys.stderr)
     write_random_model(out, shape=args.shape, seed=args.seed)
     print(f"wrote a random {args.shape} model to {args.out_dir}", file=sys.stderr)
+    return 0
+
+
+def init_random_gguf(args) -> int:
+    from .models.random_gguf import write_random_gguf
+
+    out = check_output(args.out_dir)
+    if out.exists() and not args.force:
+        raise StrataError(f"{args.out_dir}: exists (add --force to replace it)")
+    counts = write_random_gguf(out, args.shape, args.quant, args.seed)
+    types = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
+    print(f"wrote a random {args.shape} {args.quant} GGUF to {args.out_dir} ({out.stat().st_size / 2 ** 30:.2f} GiB; "
+          f"tensors: {types})", file=sys.stderr)
     return 0
 
 

@@ -257,8 +257,12 @@ def build_parser(commands) -> argparse.ArgumentParser:
     tr.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: OMP_NUM_THREADS if set, else 1)")
     tr.set_defaults(func=commands.cmd_train_drafter)
 
-    r = sub.add_parser("init-random", help="write a random-weight model of a named shape (HF layout)")
-    r.add_argument("out_dir", help="the folder to write (new or empty)")
+    r = sub.add_parser("init-random", help="write a random-weight model of a named shape (a Hugging Face folder, "
+                                           "or with --quant a llama.cpp GGUF file)")
+    r.add_argument("out_dir", help="the folder to write (new or empty), or with --quant the GGUF file")
+    r.add_argument("--quant", choices=["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"],
+                   help="write a GGUF file in llama.cpp's layout instead: random valid blocks of the types this "
+                        "llama.cpp file type gives each matrix (for llama-bench and strata bench --model on one file)")
     r.add_argument("--force", action="store_true", help="write into a folder that is not empty, replacing its "
                                                          "config.json and weights")
     r.add_argument("--shape", default="tiny", choices=list(SHAPES), help="the shape (default tiny)")

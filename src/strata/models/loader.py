@@ -4,6 +4,7 @@ its family, with the checkpoint's tensors packed into the modules' fused paramet
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -309,7 +310,7 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
         if unknown:
             raise StrataError(f"{path}: unexpected tensors {', '.join(unknown[:6])}{' ...' if len(unknown) > 6 else ''} "
                               f"(a {fam.gguf_arch} file with parts Strata does not implement)")
-        state, quant = {}, {}
+        state, quant, dequantized = {}, {}, {}
 
         def values(sources):
             parts = []
@@ -336,9 +337,29 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
                                            dtype=dtype)
                 continue
             state[param] = values(sources)
+            kinds = [(n, tensors[n].type.name) for n, s, _ in sources if len(s) > 1]
+            if quantized and any(kind not in ("F32", "F16", "BF16") for _, kind in kinds):
+                size = state[param].element_size()
+                dequantized.update({f"{n} ({tensors[n].type.name})": math.prod(s) * size for n, s, _ in sources
+                                    if len(s) > 1})
     except ArtifactError as e:
         raise StrataError(str(e)) from None
-    return instantiate(fam, cfg, state, device, quant, place)
+    model = instantiate(fam, cfg, state, device, quant, place)
+    model.dequantized = dequantized
+    return model
+
+
+def dequantized_report(model, where) -> str | None:
+    """One line on the quantized tensors that run as floats (types the device kernels do not take, or rows
+    that are not whole 256-value tiles): how many, of which types, and the bytes that costs."""
+    if not model.dequantized:
+        return None
+    names = sorted(model.dequantized)
+    kinds = sorted({n.rsplit(" ", 1)[1].strip("()") for n in names})
+    return (f"{where}: {len(names)} tensors of types the device kernels do not take ({', '.join(kinds)}; "
+            f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) run dequantized to "
+            f"{str(model.norm.weight.dtype).removeprefix('torch.')}: "
+            f"{sum(model.dequantized.values()) / 2 ** 30:.2f} GiB")
 
 
 #: a sparse layer's two expert parameters, each the other's pair

@@ -18,10 +18,12 @@ from .shapes import SHAPES
 
 
 def qwen3_config(**overrides) -> dict:
-    """A Qwen3 config.json (Qwen3-MoE when the overrides name experts, Qwen3.5 when they list layer types)."""
+    """A Qwen3 config.json (Qwen3-MoE when the overrides name experts, Qwen3.5 when they list layer types,
+    Qwen3.5-MoE when both)."""
     moe, hybrid = "num_experts" in overrides, "layer_types" in overrides
-    arch, kind = ("Qwen3_5ForCausalLM", "qwen3_5_text") if hybrid else \
-        ("Qwen3MoeForCausalLM", "qwen3_moe") if moe else ("Qwen3ForCausalLM", "qwen3")
+    arch, kind = {(False, False): ("Qwen3ForCausalLM", "qwen3"), (True, False): ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                  (False, True): ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+                  (True, True): ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text")}[moe, hybrid]
     cfg = dict(architectures=[arch], model_type=kind, rms_norm_eps=1e-6, rope_theta=1000000.0,
                tie_word_embeddings=False, attention_bias=False, bos_token_id=None, eos_token_id=None,
                torch_dtype="bfloat16")

@@ -24,4 +24,13 @@ SHAPES = {
                        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 8,
                        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                        linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25),
+    # Qwen3.5-35B-A3B's published text config (Qwen3.6-35B-A3B has the same shape)
+    "qwen3.5-35b-a3b": dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                            num_key_value_heads=2, head_dim=256, max_position_embeddings=262144, rope_theta=10000000.0,
+                            layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                         "full_attention"] * 10,
+                            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512),
 }
