@@ -38,7 +38,8 @@ NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm
          "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
          "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
          "linear_attn.in_proj_ba.weight": "ssm_ba.weight", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
-         "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
+         "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.A_log": "ssm_a",
+         "linear_attn.norm.weight": "ssm_norm.weight",
          "linear_attn.out_proj.weight": "ssm_out.weight"}
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
@@ -163,7 +164,7 @@ def random_blocks(qtype, rows: int, cols: int, gen: np.random.Generator) -> np.n
 
 def write(path, hf_dir, family: str, qtype=T.F32, seed: int = 0, mtp: bool = False) -> dict[str, torch.Tensor]:
     """The checkpoint in llama.cpp's layout (and with qtype, its matrices quantized: gguf's quantizer for
-    Q8_0, valid random blocks for the k-quants, Q6_K for attn_v and ffn_down as Q4_K_M has them; the shared
+    Q8_0, Q4_0 and Q5_0, valid random blocks for the others, Q6_K for attn_v and ffn_down as Q4_K_M has them; the shared
     expert's router as the [n] vector a quantized file holds). mtp: a trailing MTP block (nextn tensors
     Strata skips). Returns the values stored under the checkpoint's names (the reference's weights)."""
     from test_gguf_target import add_vocabulary
@@ -216,7 +217,7 @@ def write(path, hf_dir, family: str, qtype=T.F32, seed: int = 0, mtp: bool = Fal
             stored[name] = t
             continue
         flat = t.reshape(-1, t.shape[-1]).numpy()
-        arr = quants.quantize(flat, kind) if kind in (T.Q8_0, T.Q4_0) else random_blocks(kind, *flat.shape, gen)
+        arr = quants.quantize(flat, kind) if kind in (T.Q8_0, T.Q4_0, T.Q5_0) else random_blocks(kind, *flat.shape, gen)
         stored[name] = torch.from_numpy(quants.dequantize(arr, kind).reshape(t.shape).copy())
         arr = arr.reshape(*t.shape[:-1], -1)
         w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=kind)

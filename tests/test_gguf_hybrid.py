@@ -101,17 +101,21 @@ def test_quantized_hybrid_rows_stay_in_their_blocks(hybrids):
 
 
 def test_types_without_a_device_kernel_are_dequantized_at_load_and_said_so(hybrids):
-    """Q3_K matrices (no device kernel yet) load as floats on the kernels' path, named with their bytes."""
+    """Q5_0 matrices (no device kernel) load as floats on the kernels' path, named with their bytes; Q3_K ones
+    stay in their blocks."""
     from strata.models.loader import dequantized_report
 
     d, hf = hybrids
-    path = d / "q3k.gguf"
-    write(path, hf["qwen3_5"], "qwen3_5", T.Q3_K, seed=4)
+    path = d / "q5_0.gguf"
+    write(path, hf["qwen3_5"], "qwen3_5", T.Q5_0, seed=4)
     kept = load_target(path, quantized=True)
-    assert "blk.0.attn_qkv.weight (Q3_K)" in kept.dequantized and kept.dequantized["blk.0.attn_qkv.weight (Q3_K)"] \
+    assert "blk.0.attn_qkv.weight (Q5_0)" in kept.dequantized and kept.dequantized["blk.0.attn_qkv.weight (Q5_0)"] \
         == 512 * 256 * 4
     line = dequantized_report(kept, path)
-    assert "Q3_K" in line and "float32" in line and len(line.splitlines()) == 1
+    assert "Q5_0" in line and "float32" in line and len(line.splitlines()) == 1
+    path = d / "q3_k.gguf"
+    write(path, hf["qwen3_5"], "qwen3_5", T.Q3_K, seed=4)
+    assert load_target(path, quantized=True).dequantized == {}
 
 
 def test_speculation_and_the_expert_budget_on_a_hybrid_gguf(hybrids):
@@ -161,7 +165,8 @@ def test_hybrid_gguf_metadata_errors_are_one_line(hybrids, monkeypatch, tmp_path
 
 
 #: the tiny hybrid with experts in every layer and a shared one (Qwen3.5-MoE's layout: qwen35moe)
-TINY_HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+TINY_HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32)
 
 
 @pytest.mark.parametrize("overrides", [{}, TINY_HYBRID_MOE], ids=["qwen35", "qwen35moe"])
@@ -189,3 +194,25 @@ def test_init_random_gguf_from_the_command_line(tmp_path):
     assert code == 2 and "--force" in err, err
     code, err = cli("generate", "--model", path, "--prompt-ids", "1,2", "--max-new-tokens", "3")
     assert code == 0, err
+
+
+def test_a_q3_k_m_file_keeps_its_q3_k_and_iq3_xxs_blocks(tmp_path):
+    """Q3_K_M and IQ3_XXS random files of a tiny hybrid with 256-wide rows: their Q3_K / IQ3_XXS matrices stay in
+    their blocks on the kernels' path (nothing dequantized at load), holding the values the CPU's load gives.
+    The file types --quant offers are the recipes Strata writes."""
+    from strata.cli_options import QUANTS
+    from strata.layers.quant import RECIPES, QuantWeight
+    from strata.models.random_gguf import write_random_gguf
+
+    assert QUANTS == list(RECIPES)
+    for recipe, kind in (("Q3_K_M", "Q3_K"), ("IQ3_XXS", "IQ3_XXS")):
+        path = tmp_path / f"{recipe}.gguf"
+        counts = write_random_gguf(path, "tiny-hybrid", recipe, hidden_size=256, intermediate_size=256, head_dim=64,
+                                   linear_key_head_dim=64, linear_value_head_dim=64)
+        assert counts[kind] >= 10, counts
+        kept, plain = load_target(path, quantized=True), load_target(path).state_dict()
+        assert kept.dequantized == {}
+        for name, m in kept.named_modules():
+            for attr, w in vars(m).items():
+                if isinstance(w, QuantWeight) and any(s.qtype == getattr(T, kind) for s in w.segments):
+                    assert torch.equal(w.dequantize().float(), plain[f"{name}.{attr}"].float()), name

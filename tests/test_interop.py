@@ -43,7 +43,8 @@ def random_blocks(qtype, rows: int, cols: int, gen: np.random.Generator) -> np.n
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = gen.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     scale = np.float16(0.002 if qtype == T.IQ4_XS else 0.0005)
-    halves = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [size - 2], T.IQ4_XS: [0], T.Q3_K: [size - 2]}[qtype]
+    halves = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [size - 2], T.IQ4_XS: [0], T.Q3_K: [size - 2],
+              T.IQ3_XXS: [0]}[qtype]
     for at in halves:
         raw[..., at:at + 2] = np.frombuffer(scale.tobytes(), dtype=np.uint8)
     return raw.reshape(rows, -1)

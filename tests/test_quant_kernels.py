@@ -22,7 +22,7 @@ from conftest import write_hf_drafter
 from test_interop import random_blocks
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q3_K, T.IQ3_XXS]
 
 
 def blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:

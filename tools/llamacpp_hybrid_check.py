@@ -8,8 +8,9 @@ Q3_K_M). Per file:
   read back into the checkpoint's names by hybrid_layout.from_gguf); llama.cpp is no exact reference there, as its
   CPU path quantizes activations;
 - the MTP file: Strata skips the block and decodes as the file without it;
-- `strata init-random --quant` files (models/random_gguf.py: a tiny qwen35 and qwen35moe in Q8_0): llama-completion
-  loads and decodes them (its text beside Strata's, for information: it quantizes activations).
+- `strata init-random --quant` files (models/random_gguf.py: a tiny qwen35 and qwen35moe in Q8_0, a qwen35 of
+  256-wide rows in Q3_K_M and IQ3_XXS): llama-completion loads and decodes them (its text beside Strata's, for
+  information: it quantizes activations).
 Prints one line per check and exits 1 on any difference. Never from CI (llama.cpp is built by
 ../shared/tools/build_llamacpp.sh; its converter needs ../shared/tools/lcpp_convert.py for the demo's vocabulary).
 
@@ -40,7 +41,8 @@ from strata.pair import tokenizer_of  # noqa: E402
 from conftest import write_hf_model  # noqa: E402
 from hybrid_layout import ARCH, COMMON, SHAPES, from_gguf, to_gguf  # noqa: E402
 
-TEXTS = ["def quicksort(arr):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):", "for i in range(10):"]
+TEXTS = ["def quicksort(arr):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):",
+         "for i in range(10):"]
 NEW = 24
 failures = []
 
@@ -60,7 +62,8 @@ def checkpoint(folder: Path, family: str, mtp: bool = False) -> Path:
         cfg = json.loads((folder / "config.json").read_text())
         last = cfg["layer_types"].index("full_attention")
         prefix, h = f"model.layers.{last}.", cfg["hidden_size"]
-        tensors.update({"mtp.layers.0." + k[len(prefix):]: t.clone() for k, t in tensors.items() if k.startswith(prefix)})
+        tensors.update({"mtp.layers.0." + k[len(prefix):]: t.clone() for k, t in tensors.items()
+                        if k.startswith(prefix)})
         gen = torch.Generator().manual_seed(5)
         tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.02
         for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
@@ -156,13 +159,16 @@ def main() -> None:
         from strata.models.random_gguf import write_random_gguf
         from test_gguf_hybrid import TINY_HYBRID_MOE
 
-        for arch, overrides in (("qwen35", {}), ("qwen35moe", TINY_HYBRID_MOE)):
-            path = d / f"random-{arch}.gguf"
-            write_random_gguf(path, "tiny-hybrid", "Q8_0", **overrides)
+        wide = dict(hidden_size=256, intermediate_size=256, head_dim=64, linear_key_head_dim=64,
+                    linear_value_head_dim=64)
+        for arch, recipe, overrides in (("qwen35", "Q8_0", {}), ("qwen35moe", "Q8_0", TINY_HYBRID_MOE),
+                                        ("qwen35", "Q3_K_M", wide), ("qwen35", "IQ3_XXS", wide)):
+            path = d / f"random-{arch}-{recipe}.gguf"
+            write_random_gguf(path, "tiny-hybrid", recipe, **overrides)
             tok = tokenizer_of(path)[0]
             theirs = llama_completion(bins, path, "hello")
             mine = strata_text(load_target(path), tok, "hello")[1]
-            check(len(theirs) > 0, f"init-random {arch} Q8_0: llama-completion loads and decodes it ({theirs!r}; "
+            check(len(theirs) > 0, f"init-random {arch} {recipe}: llama-completion loads and decodes it ({theirs!r}; "
                                    f"Strata: {mine!r})")
     print(f"{len(failures)} failed")
     sys.exit(1 if failures else 0)

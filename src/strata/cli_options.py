@@ -7,6 +7,9 @@ import argparse
 
 from .models.shapes import SHAPES
 
+#: the llama.cpp file types of --quant (layers/quant.py's RECIPES)
+QUANTS = ["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q3_K_M", "IQ3_XXS"]
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
@@ -176,7 +179,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="Strata target-only vs DFlash vs HF generate vs the bandwidth floor")
     be.add_argument("--shape", choices=list(SHAPES), help="random weights of a named shape")
-    be.add_argument("--quant", choices=["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"],
+    be.add_argument("--quant", choices=QUANTS,
                     help="with --shape: random valid GGUF blocks of this llama.cpp file type, kept "
                          "quantized on a GPU, dequantized on the CPU (as a GGUF file is)")
     be.add_argument("--drafter-layers", type=int, metavar="N", help="a random DFlash drafter of this many layers")
@@ -260,7 +263,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
     r = sub.add_parser("init-random", help="write a random-weight model of a named shape (a Hugging Face folder, "
                                            "or with --quant a llama.cpp GGUF file)")
     r.add_argument("out_dir", help="the folder to write (new or empty), or with --quant the GGUF file")
-    r.add_argument("--quant", choices=["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"],
+    r.add_argument("--quant", choices=QUANTS,
                    help="write a GGUF file in llama.cpp's layout instead: random valid blocks of the types this "
                         "llama.cpp file type gives each matrix (for llama-bench and strata bench --model on one file)")
     r.add_argument("--force", action="store_true", help="write into a folder that is not empty, replacing its "

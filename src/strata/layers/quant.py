@@ -14,7 +14,8 @@ import torch
 
 from .kernels import quantized as qk
 from .kernels.options import KernelOptions
-from .kernels.qtypes import BLOCKS, HALF_FIELDS, IQ4_XS, KERNEL_TYPES, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, TILE
+from .kernels.qtypes import (BLOCKS, HALF_FIELDS, IQ3_XXS, IQ4_XS, KERNEL_TYPES, Q3_K, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0,
+                             TILE)
 from .kernels.x8 import quantize_x
 
 #: rows up to which a product runs on the quantized kernels; larger ones (prefill) dequantize first
@@ -237,7 +238,7 @@ def use_more_bits(layer: int, layers: int) -> bool:
 
 #: a file type: name -> (the type of most matrices, the type of the "more bits" ones and the LM head)
 RECIPES = {"Q8_0": (Q8_0, Q8_0), "Q4_0": (Q4_0, Q4_0), "Q4_K_M": (Q4_K, Q6_K), "Q5_K_M": (Q5_K, Q6_K),
-           "Q6_K": (Q6_K, Q6_K), "IQ4_XS": (IQ4_XS, IQ4_XS)}
+           "Q6_K": (Q6_K, Q6_K), "IQ4_XS": (IQ4_XS, IQ4_XS), "Q3_K_M": (Q3_K, Q5_K), "IQ3_XXS": (IQ3_XXS, IQ4_XS)}
 
 
 def recipe_types(recipe: str, param: str, layers: int) -> list[tuple[int, str]]:

@@ -22,7 +22,8 @@ T = gguf.GGMLQuantizationType
 #: llama.cpp's LlamaFileType of each recipe
 FILE_TYPES = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
               "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q5_K_M": gguf.LlamaFileType.MOSTLY_Q5_K_M,
-              "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K, "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS}
+              "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K, "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS,
+              "Q3_K_M": gguf.LlamaFileType.MOSTLY_Q3_K_M, "IQ3_XXS": gguf.LlamaFileType.MOSTLY_IQ3_XXS}
 #: tensors llama-quantize leaves in F32 (besides vectors)
 KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 #: matrices that get the recipe's larger type in llama.cpp's "more bits" layers

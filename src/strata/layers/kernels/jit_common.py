@@ -15,6 +15,8 @@ Q4_K = tl.constexpr(int(T.Q4_K))
 Q5_K = tl.constexpr(int(T.Q5_K))
 Q6_K = tl.constexpr(int(T.Q6_K))
 IQ4_XS = tl.constexpr(int(T.IQ4_XS))
+Q3_K = tl.constexpr(int(T.Q3_K))
+IQ3_XXS = tl.constexpr(int(T.IQ3_XXS))
 
 
 @triton.jit

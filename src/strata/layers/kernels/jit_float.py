@@ -7,13 +7,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .jit_common import IQ4_XS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _silu_mul, settle
+from .jit_common import IQ3_XXS, IQ4_XS, Q3_K, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _silu_mul, settle
 
 
 @triton.jit
 def _half_cols(QTYPE: tl.constexpr):
     """Columns (within a 256-column tile) of the two halves _halves returns, in their order."""
-    if QTYPE == Q8_0:  # Q8_0: blocks 0..3, then 4..7
+    if QTYPE == Q8_0 or QTYPE == Q3_K or QTYPE == IQ3_XXS:  # Q8_0: blocks 0..3, then 4..7; Q3_K, IQ3_XXS: halves
         c = tl.arange(0, 128)
         lo, hi = c, c + 128
     elif QTYPE == Q4_0 or QTYPE == IQ4_XS:  # Q4_0, IQ4_XS: per 32 weights, low nibbles first (16), high after
@@ -99,6 +99,37 @@ def _halves(w_ptr, row_off, k0, tab_ptr, QTYPE: tl.constexpr):
         q_hi = ((low >> 4) | (((high >> (2 * part + 4)) & 3) << 4)) - 32
         lo = (d * tl.load(i8 + base + 192 + first).to(tl.float32)) * q_lo.to(tl.float32)
         hi = (d * tl.load(i8 + base + 196 + first).to(tl.float32)) * q_hi.to(tl.float32)
+    elif QTYPE == Q3_K:  # Q3_K: 32 bytes of third bits, 64 of low 2 bits, 12 of 6-bit scales, d
+        base = ro + (k0 // 256) * 110
+        s = tl.arange(0, 4)[None, :, None]  # the shift of a weight's 2 bits in its byte
+        l = tl.arange(0, 32)[None, None, :]  # the byte (weights 32 s + l of a half)
+        d = tl.load(f16 + (base + 108) // 2).to(tl.float32)
+        third = tl.load(u8 + base + l).to(tl.int32)  # bit 4 h + s: weight 128 h + 32 s + l's
+        halves = ()
+        for h in tl.static_range(2):
+            j = 8 * h + 2 * s + l // 16  # the 16-weight group's scale: 4 bits of byte j % 8, 2 of byte 8 + j % 4
+            sc = ((tl.load(u8 + base + 96 + j % 8).to(tl.int32) >> (4 * (j // 8))) & 15) | \
+                (((tl.load(u8 + base + 104 + j % 4).to(tl.int32) >> (2 * (j // 4))) & 3) << 4)
+            two = (tl.load(u8 + base + 32 + 32 * h + l).to(tl.int32) >> (2 * s)) & 3
+            q = two - 4 * (1 - ((third >> (4 * h + s)) & 1))  # a set third bit: no offset
+            halves += ((d * (sc - 32).to(tl.float32)) * q.to(tl.float32),)
+        lo, hi = halves
+    elif QTYPE == IQ3_XXS:  # IQ3_XXS: d, 64 grid indices of 4 values, 8 words of a 4-bit scale and 4 x 7 sign bits
+        base = ro + (k0 // 256) * 98
+        g = tl.arange(0, 4)[None, :, None]  # the group of 32 weights within a half
+        w = tl.arange(0, 32)[None, None, :]
+        d = tl.load(f16 + base // 2).to(tl.float32)
+        halves = ()
+        for h in tl.static_range(2):
+            at = base + 66 + 4 * (g + 4 * h)  # the group's word, from bytes (98-byte blocks: 2-byte aligned)
+            aux = tl.load(u8 + at).to(tl.uint32) | (tl.load(u8 + at + 1).to(tl.uint32) << 8) | \
+                (tl.load(u8 + at + 2).to(tl.uint32) << 16) | (tl.load(u8 + at + 3).to(tl.uint32) << 24)
+            db = d * (0.5 + (aux >> 28).to(tl.float32)) * 0.5
+            signs = tl.load(tab_ptr + 1024 + ((aux >> (7 * (w // 8))) & 127).to(tl.int32)).to(tl.int32)
+            index = tl.load(u8 + base + 2 + 8 * (g + 4 * h) + w // 4).to(tl.int32)
+            grid = tl.load(tab_ptr + 4 * index + w % 4).to(tl.float32)
+            halves += ((db * grid) * tl.where(((signs >> (w % 8)) & 1) == 0, 1.0, -1.0),)
+        lo, hi = halves
     else:  # IQ4_XS: d, 16 bits of scale highs, 4 bytes of scale lows, 128 bytes of 4-bit table indices
         base = ro + (k0 // 256) * 136
         j = tl.arange(0, 8)[None, :, None]

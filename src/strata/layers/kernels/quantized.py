@@ -74,7 +74,7 @@ def dequantize(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     check(data, qtype, cols)
     out = torch.empty(rows, cols, dtype=torch.float32, device=data.device)
     block_n = 128 if interpreting() else 8  # the interpreter's cost is per program, not per element
-    kernels()["dequant"][(cdiv(rows, block_n), cols // TILE)](data, table(data.device), out, rows, cols,
+    kernels()["dequant"][(cdiv(rows, block_n), cols // TILE)](data, table(data.device, qtype), out, rows, cols,
                                                               data.stride(0), QTYPE=int(qtype), BLOCK_N=block_n)
     return out
 
@@ -85,7 +85,7 @@ def gather(data: torch.Tensor, qtype: int, cols: int, tokens: torch.Tensor, dtyp
     flat = tokens.reshape(-1).contiguous()
     out = torch.empty(flat.numel(), cols, dtype=dtype, device=data.device)
     if flat.numel():
-        kernels()["gather"][(flat.numel(),)](flat, data, table(data.device), out, cols, data.stride(0),
+        kernels()["gather"][(flat.numel(),)](flat, data, table(data.device, qtype), out, cols, data.stride(0),
                                              QTYPE=int(qtype))
     return out.view(*tokens.shape, cols)
 
@@ -175,7 +175,7 @@ def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, glu: bool = 
             found[word][(cdiv(n, block_n), split)](*args, BLOCK_N=block_n, SPLIT=split, num_warps=warps,
                                                    num_stages=stages, **loop_stages(word, stages), **extra)
         return y
-    tab = table(x.device)
+    tab = table(x.device, qtype)
     name = "gemv" if rows == 1 else "skinny"
     args = (x, data, tab, y, n, k, data.stride(0), data, 0, 0, 0) if rows == 1 else \
         (x, data, tab, y, rows, n, k, data.stride(0), x.stride(0), y.stride(0))
@@ -254,7 +254,7 @@ def expert_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, ids: 
                    ids.numel(), ids_ptr=ids.contiguous(), expert_bytes=data.stride(0), stride_y=y.stride(0),
                    EXPERTS=True, SHARE=share)
         return y
-    args = (x, data, table(x.device), y, n, k, data.stride(1), ids.contiguous(), data.stride(0), x.stride(0),
+    args = (x, data, table(x.device, qtype), y, n, k, data.stride(1), ids.contiguous(), data.stride(0), x.stride(0),
             y.stride(0))
     _byte_kernel("gemv", n, ids.numel(), args, config or GEMV_CONFIGS[0], config is None, QTYPE=int(qtype), GLU=glu,
                  EXPERTS=True, SHARE=share, **pdl.options(x.device))
