@@ -17,7 +17,7 @@ from strata.engine.decode import Engine
 from strata.engine.prompt_lookup import PromptLookupDrafter
 from strata.models.loader import load_target
 
-from conftest import cli, write_hf_model
+from conftest import cli, write_hf_drafter, write_hf_model
 from hybrid_layout import ARCH, COMMON, SHAPES, from_gguf, to_gguf, write
 from test_gguf_target import qwen2_tokenizer
 from test_hybrid import Truncating
@@ -119,14 +119,20 @@ def test_types_without_a_device_kernel_are_dequantized_at_load_and_said_so(hybri
 
 
 def test_speculation_and_the_expert_budget_on_a_hybrid_gguf(hybrids):
-    """Prompt lookup and every acceptance length of a drafter (each a rollback of the recurrent state) equal
-    target-only, eagerly and in static shapes; experts kept in host memory change no token."""
+    """A DFlash drafter, prompt lookup and every acceptance length of a drafter (each a rollback of the recurrent
+    state) equal target-only, eagerly and in static shapes; experts kept in host memory change no token."""
+    from strata.dflash.drafter import load_drafter
+
     d, hf = hybrids
     path = d / "moe-spec.gguf"
     write(path, hf["qwen3_5_moe"], "qwen3_5_moe", T.Q8_0, seed=7)
     target = load_target(path)
     base = Engine(target, max_len=128).generate(PROMPT, 40).output_ids
+    drafter_dir = write_hf_drafter(d / "drafter", layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                                   intermediate=256, taps=(0, 2), num_target_layers=4, vocab=320, mask_token_id=319)
     for backend in ("eager", "static"):
+        dflash = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, backend=backend)
+        assert dflash.generate(PROMPT, 40).output_ids == base
         lookup = Engine(target, PromptLookupDrafter(3), max_len=128, window=8, backend=backend)
         assert lookup.generate(PROMPT, 40).output_ids == base
         res = Engine(target, Truncating(PROMPT + base, 8, 320), max_len=128, window=8,

@@ -72,17 +72,14 @@ def hybrid_gguf_config(fam, kv: dict, tensors: dict, where: str):
     if recurrent is None:
         every = count("full_attention_interval", 4)
         recurrent = [(n + 1) % every != 0 for n in range(layers)]
-    must_list = isinstance(recurrent, list) and len(recurrent) >= layers and \
-        all(isinstance(r, bool) for r in recurrent)
-    if not must_list:
+    if not (isinstance(recurrent, list) and len(recurrent) >= layers and all(isinstance(r, bool) for r in recurrent)):
         raise StrataError(f"{where}: metadata key '{a}.attention.recurrent_layers' must list a bool for each of the "
                           f"{layers} layers")
     cfg.linear = LinearAttentionConfig([n for n in range(layers) if recurrent[n]], k_heads, v_heads, k_dim,
                                        inner // v_heads, count("ssm.conv_kernel"),
                                        tiled=fam.gguf_tiled and k_heads != v_heads)
     if moe:
-        shared = count("expert_shared_feed_forward_length", 0) if f"blk.{layers - 1}.ffn_up_shexp.weight" in main \
-            else 0
+        shared = count("expert_shared_feed_forward_length") if f"blk.{layers - 1}.ffn_up_shexp.weight" in main else 0
         cfg.moe = moe_gguf_config(a, kv, main, where, layers, shared)
     return cfg
 
