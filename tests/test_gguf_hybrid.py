@@ -222,3 +222,20 @@ def test_a_q3_k_m_file_keeps_its_q3_k_and_iq3_xxs_blocks(tmp_path):
             for attr, w in vars(m).items():
                 if isinstance(w, QuantWeight) and any(s.qtype == getattr(T, kind) for s in w.segments):
                     assert torch.equal(w.dequantize().float(), plain[f"{name}.{attr}"].float()), name
+
+
+def test_bench_quantizes_a_random_hybrid_as_llama_quantize_would():
+    """`bench --shape ... --quant` on a hybrid (with experts): its matrices in blocks, the routers and the
+    DeltaNet convolution left in float (they were refused as matrices of 4-value rows); it decodes."""
+    from strata.layers.quant import QuantWeight
+    from strata.models.random_init import random_target
+
+    wide = dict(hidden_size=256, intermediate_size=256, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
+                **{**TINY_HYBRID_MOE, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256})
+    kept = random_target("tiny-hybrid", quant="Q4_K_M", quantized=True, **wide)
+    mixer, mlp = kept.layers[0].mixer, kept.layers[0].mlp
+    assert isinstance(mixer.in_proj.weight, QuantWeight) and isinstance(mixer.conv_weight, torch.nn.Parameter)
+    assert isinstance(mlp.shared_expert_gate.weight, torch.nn.Parameter) and isinstance(mlp.gate.weight,
+                                                                                        torch.nn.Parameter)
+    plain = random_target("tiny-hybrid", quant="Q4_K_M", **wide)
+    assert len(Engine(plain, max_len=64).generate([1, 2, 3], 4).output_ids) == 4

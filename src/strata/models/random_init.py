@@ -102,6 +102,10 @@ def dequantize_blocks(model, dtype) -> None:
                 module.register_parameter(attr, torch.nn.Parameter(values, requires_grad=False))
 
 
+#: matrices llama-quantize leaves in float: the routers (of the experts, of the shared expert) and the convolution
+KEPT_FLOAT = ("mlp.gate.weight", "shared_expert_gate.weight", "conv_weight")
+
+
 def quantize_randomly(model, cfg, recipe: str, device, dtype, gen) -> None:
     """Every matrix of a meta-built model replaced by random GGUF blocks as `recipe` types them."""
     from ..errors import StrataError
@@ -128,7 +132,7 @@ def quantize_randomly(model, cfg, recipe: str, device, dtype, gen) -> None:
                 blocks = random_blocks(t, experts * rows, cols, device, gen).view(experts, rows, -1)
                 replace_parameter(model, f"layers.{n}.mlp.{attr}", QuantExperts(t, blocks, cols, dtype))
     for name, p in list(model.named_parameters()):
-        if p.dim() != 2 or name.endswith("mlp.gate.weight"):
+        if p.dim() != 2 or name.endswith(KEPT_FLOAT):
             continue
         rows, cols = p.shape
         check(name, cols)
