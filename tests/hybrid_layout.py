@@ -162,11 +162,19 @@ def random_blocks(qtype, rows: int, cols: int, gen: np.random.Generator) -> np.n
     return blocks(qtype, rows, cols, gen)
 
 
-def write(path, hf_dir, family: str, qtype=T.F32, seed: int = 0, mtp: bool = False) -> dict[str, torch.Tensor]:
+#: llama.cpp's converter's --fuse-qkv and --fuse-gate-up-exps: the tensor that holds the parts, stacked along rows
+FUSED = {"attn_qkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+         "ffn_gate_up_exps.weight": ("ffn_gate_exps.weight", "ffn_up_exps.weight")}
+
+
+def write(path, hf_dir, family: str, qtype=T.F32, seed: int = 0, mtp: bool = False,
+          fuse: bool = False) -> dict[str, torch.Tensor]:
     """The checkpoint in llama.cpp's layout (and with qtype, its matrices quantized: gguf's quantizer for
     Q8_0, Q4_0 and Q5_0, valid random blocks for the others, Q6_K for attn_v and ffn_down as Q4_K_M has them; the shared
     expert's router as the [n] vector a quantized file holds). mtp: a trailing MTP block (nextn tensors
-    Strata skips). Returns the values stored under the checkpoint's names (the reference's weights)."""
+    Strata skips). fuse: the full-attention layers' q/k/v and the experts' gate/up as one tensor each (the
+    converter's --fuse-qkv and --fuse-gate-up-exps; one type for the parts, as llama-quantize gives the fused
+    tensor). Returns the values stored under the checkpoint's names (the reference's weights)."""
     from test_gguf_target import add_vocabulary
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -206,20 +214,29 @@ def write(path, hf_dir, family: str, qtype=T.F32, seed: int = 0, mtp: bool = Fal
         tensors.update({f"blk.{layers}.nextn.eh_proj.weight": torch.randn(h, 2 * h) * 0.02,
                         **{f"blk.{layers}.nextn.{k}.weight": torch.ones(h) for k in ("enorm", "hnorm",
                                                                                      "shared_head_norm")}})
-    gen, stored = np.random.default_rng(seed), {}
+    gen, stored, arrays = np.random.default_rng(seed), {}, {}
     for name, t in tensors.items():
         kind = T.Q6_K if qtype == T.Q4_K and name.endswith(("attn_v.weight", "ffn_down.weight")) else qtype
         if kind == T.F32 or not quantizable(name, t):
             if kind != T.F32 and name.endswith("ffn_gate_inp_shexp.weight"):
                 t = t.reshape(-1)
-            arr = t.numpy()
-            w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=T.F32)
+            arrays[name] = (t.numpy(), T.F32)
             stored[name] = t
             continue
         flat = t.reshape(-1, t.shape[-1]).numpy()
         arr = quants.quantize(flat, kind) if kind in (T.Q8_0, T.Q4_0, T.Q5_0) else random_blocks(kind, *flat.shape, gen)
         stored[name] = torch.from_numpy(quants.dequantize(arr, kind).reshape(t.shape).copy())
-        arr = arr.reshape(*t.shape[:-1], -1)
+        arrays[name] = (arr.reshape(*t.shape[:-1], -1), kind)
+    if fuse:
+        for name in [n for n in arrays if n.endswith(FUSED["attn_qkv.weight"][0]) or
+                     n.endswith(FUSED["ffn_gate_up_exps.weight"][0])]:
+            blk = name.rsplit(".", 2)[0]
+            whole, parts = next((f, p) for f, p in FUSED.items() if name.endswith(p[0]))
+            pieces = [arrays.pop(f"{blk}.{p}") for p in parts]
+            assert len({kind for _, kind in pieces}) == 1, "a fused tensor has one type"
+            arrays[f"{blk}.{whole}"] = (np.concatenate([a for a, _ in pieces], axis=pieces[0][0].ndim - 2),
+                                        pieces[0][1])
+    for name, (arr, kind) in arrays.items():
         w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -239,3 +239,31 @@ def test_bench_quantizes_a_random_hybrid_as_llama_quantize_would():
                                                                                         torch.nn.Parameter)
     plain = random_target("tiny-hybrid", quant="Q4_K_M", **wide)
     assert len(Engine(plain, max_len=64).generate([1, 2, 3], 4).output_ids) == 4
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.Q8_0], ids=lambda x: x.name)
+def test_fused_qkv_and_gate_up_experts_load_as_their_parts(hybrids, qtype):
+    """A file with the converter's --fuse-qkv and --fuse-gate-up-exps tensors (attn_qkv of a full-attention layer,
+    ffn_gate_up_exps) loads as the file with the parts: the same values, dequantized at load and in their blocks
+    (QuantWeight, QuantExperts), and the same tokens."""
+    from strata.layers.quant import QuantExperts, QuantWeight
+
+    d, hf = hybrids
+    plain, fused = d / f"parts-{qtype.name}.gguf", d / f"fused-{qtype.name}.gguf"
+    write(plain, hf["qwen3_5_moe"], "qwen3_5_moe", qtype, seed=9)
+    write(fused, hf["qwen3_5_moe"], "qwen3_5_moe", qtype, seed=9, fuse=True)
+    names = {t.name for t in gguf.GGUFReader(fused).tensors}
+    assert "blk.3.attn_qkv.weight" in names and "blk.0.ffn_gate_up_exps.weight" in names and \
+        "blk.3.attn_q.weight" not in names
+    a, b = load_target(fused), load_target(plain)
+    for name, t in b.state_dict().items():
+        assert torch.equal(a.state_dict()[name], t), name
+    assert Engine(a, max_len=64).generate(PROMPT, 12).output_ids == Engine(b, max_len=64).generate(PROMPT, 12).output_ids
+    if qtype != T.F32:
+        ka, kb = load_target(fused, quantized=True), load_target(plain, quantized=True)
+        for la, lb in zip(ka.layers, kb.layers):
+            pairs = [(la.mlp.gate_up_proj, lb.mlp.gate_up_proj)]
+            if hasattr(la.mixer, "qkv_proj"):
+                pairs.append((la.mixer.qkv_proj.weight, lb.mixer.qkv_proj.weight))
+            for wa, wb in pairs:
+                assert isinstance(wa, (QuantWeight, QuantExperts)) and torch.equal(wa.dequantize(), wb.dequantize())

@@ -3,7 +3,8 @@ transformers writes (tests/hybrid_layout.py's shapes, the demo's vocabulary), co
 convert_hf_to_gguf.py (F32; a Qwen3.5 one also with an MTP block) and quantized by llama-quantize (Q8_0, Q4_K_M,
 Q3_K_M). Per file:
 - F32: the converter's tensors equal tests/hybrid_layout.to_gguf's bit for bit (the layout the CI tests write), and
-  Strata's greedy text equals llama-completion's (llama.cpp decodes F32 files exactly);
+  Strata's greedy text equals llama-completion's (llama.cpp decodes F32 files exactly), also on the converter's
+  files with --fuse-qkv --fuse-gate-up-exps;
 - quantized: Strata's greedy tokens equal transformers' on the values the file holds (gguf.quants' dequantization,
   read back into the checkpoint's names by hybrid_layout.from_gguf); llama.cpp is no exact reference there, as its
   CPU path quantizes activations;
@@ -74,10 +75,10 @@ def checkpoint(folder: Path, family: str, mtp: bool = False) -> Path:
     return folder
 
 
-def convert(src: Path, convert_py: str, folder: Path, out: Path, mtp: bool) -> None:
+def convert(src: Path, convert_py: str, folder: Path, out: Path, mtp: bool, *flags: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
     args = [sys.executable, convert_py, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-            "--outfile", str(out)] + ([] if mtp else ["--no-mtp"])
+            "--outfile", str(out), *flags] + ([] if mtp else ["--no-mtp"])
     subprocess.run(args, env=env, check=True, capture_output=True)
 
 
@@ -123,10 +124,16 @@ def main() -> None:
             check(same, f"{family}: llama.cpp's converter writes the tensors tests/hybrid_layout.py writes "
                         f"({len(theirs)} tensors)")
             target, tok = load_target(f32), tokenizer_of(f32)[0]
+            fused = d / f"{family}-F32-fused.gguf"
+            convert(src, convert_py, folder, fused, False, "--fuse-qkv", "--fuse-gate-up-exps")
+            fused_target = load_target(fused)
             for text in TEXTS:
                 ids, mine = strata_text(target, tok, text)
                 check(llama_completion(bins, f32, text) == mine, f"{family} F32 {text!r}: Strata's text equals "
                                                                   f"llama-completion's ({NEW} tokens)")
+                check(strata_text(fused_target, tok, text)[1] == mine == llama_completion(bins, fused, text),
+                      f"{family} F32 --fuse-qkv --fuse-gate-up-exps {text!r}: Strata's text as the parts' file and "
+                      f"llama-completion's")
             for ftype in ("Q8_0", "Q4_K_M", "Q3_K_M"):
                 path = d / f"{family}-{ftype}.gguf"
                 subprocess.run([str(bins / "llama-quantize"), str(f32), str(path), ftype], check=True,

@@ -295,6 +295,41 @@ def stored_shape(info, shape: tuple) -> tuple:
     return stored if stored != shape and squeeze(stored) == squeeze(shape) else shape
 
 
+#: what llama.cpp's converter writes as one tensor with --fuse-qkv and --fuse-gate-up-exps: the parts' matrices
+#: stacked along their rows (a 3-D expert tensor: each expert's gate rows, then its up rows)
+FUSED = {("attn_q", "attn_k", "attn_v"): "attn_qkv", ("ffn_gate_exps", "ffn_up_exps"): "ffn_gate_up_exps"}
+
+
+def with_fused(layout: dict, tensors: dict) -> dict:
+    """The layout with the fused tensors a file holds in place of their parts: one source of their shape, whose
+    transform splits it into the parts (each part's own transform applied) and stacks them as the parts' sources
+    are stacked (along the first dimension). A fused 3-D expert tensor in blocks is already each expert's gate
+    then up rows, as quantized_experts stacks the parts; only its float values are regrouped."""
+    out = dict(layout)
+    for param, sources in layout.items():
+        for parts, fused in FUSED.items():
+            if len(sources) != len(parts):
+                continue
+            heads = [name.rsplit(".", 2) for name, *_ in sources]  # blk.N.attn_q.weight -> blk.N, attn_q, weight
+            if any(len(h) != 3 or h[1] != part or (h[0], h[2]) != (heads[0][0], heads[0][2])
+                   for h, part in zip(heads, parts)):
+                continue
+            name = f"{heads[0][0]}.{fused}.{heads[0][2]}"
+            if name not in tensors or any(n in tensors for n, *_ in sources):
+                continue
+            shapes = [s for _, s, _ in sources]
+            axis = len(shapes[0]) - 2 if len(shapes[0]) > 1 else 0
+            sizes = [s[axis] for s in shapes]
+            shape = (*shapes[0][:axis], sum(sizes), *shapes[0][axis + 1:])
+            transforms = [t for *_, t in sources]
+
+            def split(t, sizes=sizes, transforms=transforms, axis=axis):
+                return torch.cat([tr(p) if tr else p for p, tr in zip(torch.split(t, sizes, dim=axis), transforms)])
+
+            out[param] = [(name, shape, split)]
+    return out
+
+
 def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool = False,
                      place=None):
     from .. import gguf_file
@@ -304,7 +339,7 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
 
     try:
         fam, cfg, _, tensors = gguf_model(path)
-        layout = fam.gguf_layout(cfg)
+        layout = with_fused(fam.gguf_layout(cfg), tensors)
         known = {name for sources in layout.values() for name, *_ in sources} | {ROPE_FACTORS}
         unknown = sorted(n for n in set(tensors) - known if nextn_layer(n, cfg.num_layers) is None)
         if unknown:
