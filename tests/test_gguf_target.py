@@ -100,9 +100,10 @@ def add_vocabulary(w, hf_dir, vocab_size: int) -> None:
     w.add_eos_token_id(tok.token_to_id("<|endoftext|>"))
 
 
-def write_gguf_target(path, hf_dir, arch: str, matrix_type=T.F32, seed: int = 0) -> dict:
-    """The checkpoint in llama.cpp's layout (norms F32, matrices `matrix_type`, the folder's vocabulary).
-    Returns the values stored, under the checkpoint's names, in Strata's (un-interleaved) row order."""
+def write_gguf_target(path, hf_dir, arch: str, matrix_type=T.F32, seed: int = 0, fuse_qkv: bool = False) -> dict:
+    """The checkpoint in llama.cpp's layout (norms F32, matrices `matrix_type`, the folder's vocabulary; fuse_qkv:
+    each layer's q, k, v rows in one attn_qkv, as the converter's --fuse-qkv writes them). Returns the values
+    stored, under the checkpoint's names, in Strata's (un-interleaved) row order."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(hf_dir / "model.safetensors")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -130,7 +131,7 @@ def write_gguf_target(path, hf_dir, arch: str, matrix_type=T.F32, seed: int = 0)
         w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
     tensors = stack_experts(tensors)
     gen = np.random.default_rng(seed)
-    stored = {}
+    stored, qkv = {}, {}
     for name, t in tensors.items():
         t = t.float()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -155,7 +156,15 @@ def write_gguf_target(path, hf_dir, arch: str, matrix_type=T.F32, seed: int = 0)
             arr = quants.quantize(t.numpy(), matrix_type) if matrix_type in (T.Q8_0, T.Q4_0) else \
                 random_blocks(matrix_type, t.shape[0], t.shape[1], gen)
             qtype, values = matrix_type, torch.from_numpy(quants.dequantize(arr, matrix_type).reshape(t.shape))
-        w.add_tensor(gguf_name(name), arr, raw_shape=arr.shape, raw_dtype=qtype)
+        part = re.search(r"layers\.(\d+)\.self_attn\.([qkv])_proj\.weight", name) if fuse_qkv else None
+        if part:
+            parts = qkv.setdefault(part.group(1), {})
+            parts[part.group(2)] = arr
+            if len(parts) == 3:
+                fused = np.concatenate([parts[x] for x in "qkv"])
+                w.add_tensor(f"blk.{part.group(1)}.attn_qkv.weight", fused, raw_shape=fused.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(name), arr, raw_shape=arr.shape, raw_dtype=qtype)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             h = heads if "q_proj" in name else kv_heads
             values = values.reshape(h, values.shape[0] // h // 2, 2, -1).transpose(1, 2).reshape(values.shape)
@@ -202,6 +211,24 @@ def test_gguf_target_decodes_like_its_weights_in_a_folder(checkpoints, family, q
     prompt = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     assert Engine(got, max_len=128).generate(prompt, 24).output_ids == \
         Engine(ref, max_len=128).generate(prompt, 24).output_ids
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.Q8_0], ids=lambda x: x.name)
+def test_a_fused_qkv_reads_as_its_parts(checkpoints, qtype):
+    """A llama file whose q, k, v are one attn_qkv (the converter's --fuse-qkv, q and k rows interleaved inside
+    it) loads as the file with the parts, dequantized at load and in its blocks (each part's rows restored)."""
+    from strata.layers.quant import QuantWeight
+
+    d, hf = checkpoints
+    fused, parts = d / f"llama-{qtype.name}-fused.gguf", d / f"llama-{qtype.name}-parts.gguf"
+    write_gguf_target(fused, hf["llama"], "llama", qtype, seed=3, fuse_qkv=True)
+    write_gguf_target(parts, hf["llama"], "llama", qtype, seed=3)
+    for quantized in (False, True) if qtype != T.F32 else (False,):
+        a, b = load_target(fused, quantized=quantized), load_target(parts, quantized=quantized)
+        for la, lb in zip(a.layers, b.layers):
+            wa, wb = la.self_attn.qkv_proj.weight, lb.self_attn.qkv_proj.weight
+            assert isinstance(wa, QuantWeight) == quantized
+            assert torch.equal(wa.dequantize(), wb.dequantize()) if quantized else torch.equal(wa, wb)
 
 
 def test_gguf_vocabulary_tokenizes_like_the_folder_and_drives_the_cli(checkpoints):
