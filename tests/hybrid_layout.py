@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from gguf import quants
 from safetensors.torch import load_file
+from test_interop import random_blocks
 
 T = gguf.GGMLQuantizationType
 ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
@@ -94,9 +95,7 @@ def to_gguf(hf: dict[str, torch.Tensor], cfg: dict, family: str) -> dict[str, to
 def tile_v(t: torch.Tensor, rest: str, kh: int, rep: int, kd: int, vd: int, inverse: bool = False) -> torch.Tensor:
     """The converter's value-head reorder of one DeltaNet tensor (grouped by key head -> tiled), or its inverse."""
     outer, inner = (rep, kh) if inverse else (kh, rep)
-    if rest == "linear_attn.in_proj_qkv.weight":
-        return torch.cat([t[:2 * kh * kd], heads_order(t[2 * kh * kd:], 0, outer, inner, vd)])
-    if rest == "linear_attn.conv1d.weight":
+    if rest in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):  # q, k, then v rows / channels
         return torch.cat([t[:2 * kh * kd], heads_order(t[2 * kh * kd:], 0, outer, inner, vd)])
     if rest == "linear_attn.in_proj_z.weight":
         return heads_order(t, 0, outer, inner, vd)
@@ -154,12 +153,6 @@ def quantizable(name: str, t: torch.Tensor) -> bool:
     """What llama-quantize quantizes: matrices, but the norms, routers and the convolution."""
     return t.dim() >= 2 and t.shape[-1] % 256 == 0 and not name.endswith(("norm.weight", "ffn_gate_inp.weight",
                                                                             "ssm_conv1d.weight", "shexp.weight"))
-
-
-def random_blocks(qtype, rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
-    from test_interop import random_blocks as blocks
-
-    return blocks(qtype, rows, cols, gen)
 
 
 #: llama.cpp's converter's --fuse-qkv and --fuse-gate-up-exps: the tensor that holds the parts, stacked along rows

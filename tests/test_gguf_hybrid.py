@@ -109,10 +109,10 @@ def test_types_without_a_device_kernel_are_dequantized_at_load_and_said_so(hybri
     path = d / "q5_0.gguf"
     write(path, hf["qwen3_5"], "qwen3_5", T.Q5_0, seed=4)
     kept = load_target(path, quantized=True)
-    assert "blk.0.attn_qkv.weight (Q5_0)" in kept.dequantized and kept.dequantized["blk.0.attn_qkv.weight (Q5_0)"] \
-        == 512 * 256 * 4
+    assert kept.dequantized["blk.0.attn_qkv.weight"] == ("Q5_0", 512 * 256 * 4)
     line = dequantized_report(kept, path)
-    assert "Q5_0" in line and "float32" in line and len(line.splitlines()) == 1
+    assert "Q5_0" in line and "blk.0.attn_qkv.weight (Q5_0)" in line and "float32" in line and \
+        len(line.splitlines()) == 1
     path = d / "q3_k.gguf"
     write(path, hf["qwen3_5"], "qwen3_5", T.Q3_K, seed=4)
     assert load_target(path, quantized=True).dequantized == {}
@@ -258,7 +258,8 @@ def test_fused_qkv_and_gate_up_experts_load_as_their_parts(hybrids, qtype):
     a, b = load_target(fused), load_target(plain)
     for name, t in b.state_dict().items():
         assert torch.equal(a.state_dict()[name], t), name
-    assert Engine(a, max_len=64).generate(PROMPT, 12).output_ids == Engine(b, max_len=64).generate(PROMPT, 12).output_ids
+    assert Engine(a, max_len=64).generate(PROMPT, 12).output_ids == \
+        Engine(b, max_len=64).generate(PROMPT, 12).output_ids
     if qtype != T.F32:
         ka, kb = load_target(fused, quantized=True), load_target(plain, quantized=True)
         for la, lb in zip(ka.layers, kb.layers):

@@ -37,7 +37,7 @@ class DecoderLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary: RotaryTable | None = None
         self.expert_plan = None  # a mixture-of-experts target's placement (models/placement.py)
-        self.dequantized: dict[str, int] = {}  # GGUF tensors the kernels do not take, as floats: "name (type)" -> bytes
+        self.dequantized: dict[str, tuple[str, int]] = {}  # GGUF tensors the kernels do not take: name -> (type, bytes)
 
     @property
     def device(self) -> torch.device:

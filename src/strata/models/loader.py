@@ -372,11 +372,10 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
                                            dtype=dtype)
                 continue
             state[param] = values(sources)
-            kinds = [(n, tensors[n].type.name) for n, s, _ in sources if len(s) > 1]
-            if quantized and any(kind not in ("F32", "F16", "BF16") for _, kind in kinds):
-                size = state[param].element_size()
-                dequantized.update({f"{n} ({tensors[n].type.name})": math.prod(s) * size for n, s, _ in sources
-                                    if len(s) > 1})
+            matrices = {n: (tensors[n].type.name, math.prod(s) * state[param].element_size())
+                        for n, s, _ in sources if len(s) > 1}
+            if quantized and any(kind not in ("F32", "F16", "BF16") for kind, _ in matrices.values()):
+                dequantized.update(matrices)
     except ArtifactError as e:
         raise StrataError(str(e)) from None
     model = instantiate(fam, cfg, state, device, quant, place)
@@ -387,14 +386,15 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
 def dequantized_report(model, where) -> str | None:
     """One line on the quantized tensors that run as floats (types the device kernels do not take, or rows
     that are not whole 256-value tiles): how many, of which types, and the bytes that costs."""
-    if not model.dequantized:
+    found = model.dequantized
+    if not found:
         return None
-    names = sorted(model.dequantized)
-    kinds = sorted({n.rsplit(" ", 1)[1].strip("()") for n in names})
+    names = [f"{n} ({kind})" for n, (kind, _) in sorted(found.items())]
+    kinds = sorted({kind for kind, _ in found.values()})
     return (f"{where}: {len(names)} tensors of types the device kernels do not take ({', '.join(kinds)}; "
             f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) run dequantized to "
             f"{str(model.norm.weight.dtype).removeprefix('torch.')}: "
-            f"{sum(model.dequantized.values()) / 2 ** 30:.2f} GiB")
+            f"{sum(nbytes for _, nbytes in found.values()) / 2 ** 30:.2f} GiB")
 
 
 #: a sparse layer's two expert parameters, each the other's pair

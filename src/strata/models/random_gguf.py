@@ -19,11 +19,6 @@ from ..layers.quant import RECIPES, random_blocks, use_more_bits
 from .random_init import shape_config
 
 T = gguf.GGMLQuantizationType
-#: llama.cpp's LlamaFileType of each recipe
-FILE_TYPES = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-              "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q5_K_M": gguf.LlamaFileType.MOSTLY_Q5_K_M,
-              "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K, "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS,
-              "Q3_K_M": gguf.LlamaFileType.MOSTLY_Q3_K_M, "IQ3_XXS": gguf.LlamaFileType.MOSTLY_IQ3_XXS}
 #: tensors llama-quantize leaves in F32 (besides vectors)
 KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 #: matrices that get the recipe's larger type in llama.cpp's "more bits" layers
@@ -42,7 +37,7 @@ def metadata(w: gguf.GGUFWriter, arch: str, cfg, recipe: str) -> None:
         u32(key, value)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope.theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_file_type(FILE_TYPES[recipe])
+    w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{recipe}"])  # llama.cpp's name of each recipe
     if cfg.moe is not None:
         u32("expert_count", cfg.moe.experts)
         u32("expert_used_count", cfg.moe.top_k)
