@@ -190,12 +190,16 @@ def cmd_init_random(args) -> int:
 
 
 def init_random_gguf(args) -> int:
+    import torch
+
     from .models.random_gguf import write_random_gguf
 
     out = check_output(args.out_dir)
     if out.exists() and not args.force:
         raise StrataError(f"{args.out_dir}: exists (add --force to replace it)")
-    counts = write_random_gguf(out, args.shape, args.quant, args.seed)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise StrataError("--device cuda: no CUDA device is available")
+    counts = write_random_gguf(out, args.shape, args.quant, args.seed, args.device)
     types = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
     print(f"wrote a random {args.shape} {args.quant} GGUF to {args.out_dir} ({out.stat().st_size / 2 ** 30:.2f} GiB; "
           f"tensors: {types})", file=sys.stderr)

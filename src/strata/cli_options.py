@@ -270,5 +270,8 @@ def build_parser(commands) -> argparse.ArgumentParser:
                                                          "config.json and weights")
     r.add_argument("--shape", default="tiny", choices=list(SHAPES), help="the shape (default tiny)")
     r.add_argument("--seed", type=int, default=0, help="seed of the weights")
+    r.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="with --quant: where the random values are drawn (cuda: a 35B shape in seconds rather than "
+                        "minutes; other values than the CPU's for the same seed)")
     r.set_defaults(func=commands.cmd_init_random)
     return parser

@@ -233,6 +233,14 @@ def host_expert_outputs(hx: torch.Tensor, routed: torch.Tensor, host_gate_up: to
                 rows, slots = pairs.setdefault(e, ([], []))
                 rows.append(r)
                 slots.append(j)
+    if pairs and not isinstance(host_down, torch.Tensor):  # GGUF blocks: every expert in one call of the CPU's kernels
+        order = sorted(pairs)
+        out = host_gate_up.swiglu_pairs(host_down, hx, [(-1 - slot[e], pairs[e][0]) for e in order])
+        rows = [r for e in order for r in pairs[e][0]]
+        slots = [j for e in order for j in pairs[e][1]]
+        y[rows, slots] = out.to(hx.dtype)
+        host[rows, slots] = True
+        return y, host
     for e in sorted(pairs):
         rows, slots = pairs[e]
         if len(rows) == 1:  # plain indexing: no index tensors made

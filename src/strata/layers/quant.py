@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import host_blocks
 from .kernels import quantized as qk
 from .kernels.options import KernelOptions
 from .kernels.qtypes import (BLOCKS, HALF_FIELDS, IQ3_XXS, IQ4_XS, KERNEL_TYPES, Q3_K, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0,
@@ -72,6 +73,11 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([qk.dequantize(s.data, s.qtype, self.cols) for s in self.segments]).to(self.dtype)
+
+    def swiglu_pairs(self, down: QuantExperts, x: torch.Tensor, groups: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """This gate/up stack and `down`, both in host memory, as SwiGLU experts over rows of x on the CPU in
+        their blocks (kernels/host_blocks.py): groups [(expert, its rows of x)] -> [pairs, H] float32."""
+        return host_blocks.expert_pairs(x, groups, self, down)
 
     def takes_int8(self, rows: int, options: KernelOptions = KernelOptions()) -> bool:
         """Whether a product of `rows` rows computes with x quantized to int8 (kernels/x8.py)."""
@@ -171,6 +177,11 @@ class QuantExperts:
 
     def dequantize(self) -> torch.Tensor:
         return torch.stack([self.values(e) for e in range(self.data.shape[0])])
+
+    def swiglu_pairs(self, down: QuantExperts, x: torch.Tensor, groups: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """This gate/up stack and `down`, both in host memory, as SwiGLU experts over rows of x on the CPU in
+        their blocks (kernels/host_blocks.py): groups [(expert, its rows of x)] -> [pairs, H] float32."""
+        return host_blocks.expert_pairs(x, groups, self, down)
 
     def takes_int8(self, rows: int, options: KernelOptions = KernelOptions()) -> bool:
         """Whether the assignments of a window of `rows` rows take x as a 1-row norm leaves it quantized (one

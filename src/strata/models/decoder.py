@@ -14,8 +14,8 @@ from torch import nn
 from ..cache import KVCache
 from ..errors import StrataError
 from ..layers.kernels import EAGER, Kernels
-from ..layers.modules import (MLP, Attention, DecoderLayer, Linear, RMSNorm, SparseMoE, Step, causal_masks,
-                              run_layers)
+from ..layers.modules import MLP, Attention, DecoderLayer, Linear, RMSNorm, Step, causal_masks, run_layers
+from ..layers.moe import SparseMoE
 from ..layers.quant import QuantWeight
 from ..layers.rotary import RotaryTable
 from .config import ModelConfig, dense_config, must

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layers.modules import SparseMoE
+from ..layers.moe import SparseMoE
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -35,7 +35,8 @@ class ExpertPlan:
     arithmetic: list[str] = field(default_factory=list)  # how the budget was reached
     by: str = "static"  # which experts stay: PLACEMENTS
     quantized: bool = False  # the device's experts stay in their GGUF blocks (layers/quant.QuantExperts)
-    host_expert_bytes: int = 0  # one expert as host memory keeps it (quantized ones: dequantized)
+    host_expert_bytes: int = 0  # one expert as host memory keeps it
+    host_in_blocks: bool = False  # quantized experts stay in their blocks in host memory too (SparseMoE.host_in_blocks)
     moved: int | None = None  # "prefill": experts the first prefill's routing moved onto the device (None: not yet)
 
     @property
@@ -56,7 +57,7 @@ class ExpertPlan:
         host = self.total - self.on_device
         share = 100 * self.on_device / self.total if self.total else 100.0
         share = min(max(share, 1), 99) if 0 < self.on_device < self.total else share  # never 0% or 100% of a split
-        form = ", dequantized" if self.quantized else ""
+        form = ", in their GGUF blocks" if self.host_in_blocks else ", dequantized" if self.quantized else ""
         threads = torch.get_num_threads()
         lines.append(f"  on the device ({self.device}): {self.on_device} ({share:.0f}%, "
                      f"{size(self.on_device * self.expert_bytes)}); in host memory, run by the CPU with "
@@ -99,7 +100,7 @@ def plan_experts(model, device, cache_mib: int | None, max_len: int, drafter_byt
     share, extra = divmod(count, len(moes))
     resident = [min(moe.experts, share + (i < extra)) for i in range(len(moes))]
     return ExpertPlan(moe.experts, expert_bytes, resident, device.type, budget, arithmetic, by, moe.quantized,
-                      max(m.host_expert_bytes for m in moes))
+                      max(m.host_expert_bytes for m in moes), all(m.host_in_blocks for m in moes))
 
 
 def auto_budget(model, moes, device, max_len: int, drafter_bytes: int) -> tuple[int, list[str]]:
@@ -120,9 +121,10 @@ def auto_budget(model, moes, device, max_len: int, drafter_bytes: int) -> tuple[
 def place_experts(model, device, cache_mib: int | None, max_len: int, drafter_bytes: int = 0,
                   by: str = "static") -> None:
     """Plan the placement (plan_experts) and apply it: each sparse layer keeps its planned experts, the rest
-    go to host memory (pinned when a GPU will copy from it; quantized ones dequantized on the device on
-    their way); the plan stays as model.expert_plan. Placed by "prefill", the lowest-numbered experts stay
-    until place_by_routing moves them."""
+    go to host memory (pinned when a GPU will copy from it; quantized ones in their blocks, or dequantized
+    on the device on their way where the CPU's kernels lack their type); the plan stays as
+    model.expert_plan. Placed by "prefill", the lowest-numbered experts stay until place_by_routing moves
+    them."""
     plan = plan_experts(model, device, cache_mib, max_len, drafter_bytes, by)
     model.expert_plan = plan
     if plan is not None:

@@ -88,7 +88,7 @@ def dequantize_blocks(model, dtype) -> None:
     """Every quantized matrix of the model replaced by its values, dequantized by gguf's reference
     (gguf_file.reference_values), as parameters of dtype."""
     from ..gguf_file import reference_values
-    from ..layers.modules import SparseMoE
+    from ..layers.moe import SparseMoE
     from ..layers.quant import QuantWeight
 
     for module in model.modules():
@@ -113,7 +113,7 @@ def quantize_randomly(model, cfg, recipe: str, device, dtype, gen) -> None:
 
     if recipe not in RECIPES:
         raise StrataError(f"--quant: expected one of {', '.join(RECIPES)}, got {recipe!r}")
-    from ..layers.modules import SparseMoE
+    from ..layers.moe import SparseMoE
     from ..layers.quant import QuantExperts
 
     def check(name: str, cols: int) -> None:
