@@ -14,6 +14,7 @@ import torch
 from gguf import quants
 
 from strata.layers.kernels import KernelOptions, jit_common, jit_q4, x8  # jit_*: the test kernel's globals
+from strata.layers.kernels import host_blocks
 from strata.layers.kernels import quantized as qk
 from strata.layers.ops import silu_mul
 from strata.layers.quant import QuantExperts, QuantWeight, Segment, weight_bytes
@@ -491,8 +492,9 @@ def wide_blocks(monkeypatch) -> None:
 def test_quantized_experts_stay_in_their_blocks(q8_moe_file, monkeypatch):
     """A qwen3moe file's Q8_0 experts kept quantized (QuantExperts): an eager forward (each expert hit
     dequantized for its rows) chooses as the file dequantized at load does, and static decoding (one
-    quantized GEMV per assignment) gives its greedy tokens; under an expert cache the device's experts stay
-    in blocks and the host's are their values, and it still chooses alike, eagerly and in static shapes."""
+    quantized GEMV per assignment) gives its greedy tokens; under an expert cache the device's experts and
+    the host's stay in blocks (the host's run by the CPU's kernels), and it still chooses alike, eagerly and
+    in static shapes."""
     from strata.engine.decode import Engine
     from strata.layers.kernels import EAGER, Kernels
     from strata.layers.ops import experts_routed, route
@@ -534,7 +536,7 @@ def test_quantized_experts_stay_in_their_blocks(q8_moe_file, monkeypatch):
     want, logits = choices(plain)
     tokens = Engine(plain, max_len=64).generate(prompt.tolist(), 4).output_ids
     assert len(set(tokens)) > 1 and Engine(kept, max_len=64, backend="static").generate(prompt.tolist(), 4).output_ids == tokens
-    for mib, device in ((None, 8), (2, 8), (1, 5), (0, 0)):  # 8 experts of 0.2 MiB in Q8_0 (0.75 MiB as values)
+    for mib, device in ((None, 8), (2, 8), (1, 5), (0, 0)):  # 8 experts of 0.2 MiB in Q8_0
         target = kept if mib is None else load_target(path, quantized=True,
                                                       place=lambda m: place_experts(m, "cpu", mib, 64))
         moes = sparse_layers(target)
@@ -542,11 +544,13 @@ def test_quantized_experts_stay_in_their_blocks(q8_moe_file, monkeypatch):
         if mib is not None:
             report = target.expert_plan.report()
             assert target.expert_plan.on_device == device and "(in their GGUF blocks)" in report
-            assert f"{8 - device} ({(8 - device) * 0.75:.1f} MiB, dequantized)" in report
+            assert f"{8 - device} ({(8 - device) * 3 * 256 * 256 * 34 / 32 / 2 ** 20:.1f} MiB, in their GGUF blocks)" \
+                in report
         assert all(moe.gate_up_proj.takes_int8(1) == (moe.device_experts > 0) for moe in moes)  # Q8_0: int8 x
-        if mib == 1:  # layer 0 keeps experts 0-2 in blocks, its expert 3 is values in host memory
+        if mib == 1:  # layer 0 keeps experts 0-2 on the device, its expert 3 in host memory (blocks both)
             assert [moe.device_experts for moe in moes] == [3, 2]
-            assert torch.equal(moes[0].host_down[0], sparse_layers(plain)[0].down_proj[3])
+            host = host_blocks.dequantize(moes[0].host_down.data[0], T.Q8_0, 256)
+            assert torch.equal(host, sparse_layers(plain)[0].down_proj[3])
             assert Engine(target, max_len=64, backend="static").generate(prompt.tolist(), 2).output_ids == tokens[:2]
         if mib != 2:
             got, got_logits = choices(target)
@@ -554,9 +558,9 @@ def test_quantized_experts_stay_in_their_blocks(q8_moe_file, monkeypatch):
 
 
 def test_quantized_experts_move_by_prefill_and_a_mixed_layer_stays_values(q8_moe_file, monkeypatch):
-    """--expert-placement prefill over quantized experts: the first prefill moves blocks onto the device
-    and the leaving experts' values off (both equal the file's), the host's blocks are let go, and static
-    decoding keeps the tokens; a layer whose down experts the kernels cannot take keeps none in blocks."""
+    """--expert-placement prefill over quantized experts: the first prefill swaps blocks between the device
+    and host memory (both equal the file's), and static decoding keeps the tokens; a layer whose down
+    experts the kernels cannot take keeps none in blocks."""
     import strata.models.loader as loader
     from strata.engine.decode import Engine
     from strata.models.loader import load_target
@@ -568,11 +572,17 @@ def test_quantized_experts_move_by_prefill_and_a_mixed_layer_stays_values(q8_moe
     prompt = [5, 17, 200, 31, 7, 99]
     tokens = Engine(plain, max_len=64).generate(prompt, 2).output_ids
     target = load_target(path, quantized=True, place=lambda m: place_experts(m, "cpu", 1, 64, by="prefill"))
-    Engine(target, max_len=64).runner.prefill(prompt)  # blocks move on, the leaving experts' values off
+    Engine(target, max_len=64).runner.prefill(prompt)  # blocks move on, the leaving experts' blocks off
     assert target.expert_plan.moved > 0
     assert Engine(target, max_len=64, backend="static").generate(prompt, 2).output_ids == tokens
+    with monkeypatch.context() as m:  # without a C compiler the host keeps values and a copy of their blocks
+        m.setattr(host_blocks, "library", lambda: None)
+        values = load_target(path, quantized=True, place=lambda m: place_experts(m, "cpu", 1, 64, by="prefill"))
+        assert "MiB, dequantized)" in values.expert_plan.report()
+        Engine(values, max_len=64).runner.prefill(prompt)  # blocks move on, the leaving experts' values off
+        assert values.expert_plan.moved > 0 and all(moe.host_blocks is None for moe in sparse_layers(values))
+        assert Engine(values, max_len=64, backend="static").generate(prompt, 2).output_ids == tokens
     blocks = [(moe.gate_up_proj.data.clone(), moe.down_proj.data.clone()) for moe in sparse_layers(kept)]
-    assert all(moe.host_blocks is None for moe in sparse_layers(target))  # let go once the experts moved
     real = loader.experts_in_blocks  # down experts of a type the kernels lack (a Q3_K_M file's gate/up): none kept
     monkeypatch.setattr(loader, "experts_in_blocks", lambda src, *a: "down" not in src[0][0] and real(src, *a))
     built = []  # and none built only to be let go
@@ -585,8 +595,7 @@ def test_quantized_experts_move_by_prefill_and_a_mixed_layer_stays_values(q8_moe
             if s >= 0:
                 assert moe.gate_up_proj.data[s].equal(gate_up[e]) and moe.down_proj.data[s].equal(down[e])
             else:
-                assert moe.host_gate_up[:, -1 - s].equal(ref.gate_up_proj[:, e])
-                assert moe.host_down[-1 - s].equal(ref.down_proj[e])
+                assert moe.host_gate_up.data[-1 - s].equal(gate_up[e]) and moe.host_down.data[-1 - s].equal(down[e])
 
 
 def test_random_quantized_moe_targets_keep_their_experts_in_blocks():

@@ -120,6 +120,7 @@ class SparseMoE(nn.Module):
                                                  for q in (gate_up, down))
             self.gate_up_proj, self.down_proj = (QuantExperts(q.qtype, q.data[stay].contiguous(), q.cols, q.dtype)
                                                  for q in (gate_up, down))
+            self.host_blocks = None  # the host's stacks are the blocks
         elif self.quantized:
             _, hidden, inter = down.shape
             self.host_gate_up = torch.empty(2, len(away), inter, hidden, dtype=down.dtype, pin_memory=pin)
