@@ -237,9 +237,10 @@ def test_hf_refusals(tmp_path, extra, needle):
     _expect_refusal(src, needle, cli=needle == "DFlash2")
 
 
-def test_dflash2_architecture_refused(tmp_path):
+def test_dflash2_architecture_without_its_config_refused(tmp_path):
     src = write_hf_drafter(tmp_path / "hf", extra_config={"architectures": ["DFlash2DraftModel"]})
-    _expect_refusal(src, "DFlash2")
+    _expect_refusal(src, "architecture DFlash2DraftModel needs dflash_config's conv_kernel_size, conv_group_size, "
+                         "selector_rank, selector_top_k")
 
 
 def test_failed_conversion_leaves_nothing(tmp_path):

@@ -95,7 +95,7 @@ def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug:
         out = runner.prefill(prompt_ids)
         anchor, pos = int(out.logits[-1].argmax()), len(prompt_ids)
         runner.start_round(anchor, pos)
-        runner.draft(anchor, pos, w - 1, runner.kv_len(pos, w))
+        tokens = runner.draft(anchor, pos, w - 1, runner.kv_len(pos, w)).tokens.tolist()
     ranges = [drafter.context_range(layer.mixer.window, pos) for layer in drafter.model.layers]
     ck, cv = [], []
     for j, (b, e) in enumerate(ranges):
@@ -117,6 +117,11 @@ def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug:
         rows.append(row)
         if first is None and not row.ok:
             first = name
+    if (-1, "tokens") in ref:  # DFlash2: the selector's walk, token for token
+        want = ref[(-1, "tokens")].tolist()
+        rows.append(StageRow("selector_tokens", float("nan"), float("nan"), -1, tokens == want,
+                             "" if tokens == want else f"{tokens} vs reference {want}"))
+        first = first or (None if tokens == want else "selector_tokens")
     return rows, first
 
 

@@ -1,5 +1,6 @@
-"""An independent NumPy (float64) implementation of one DFlash proposal, written from the spec
-(docs/DFLASH.md) and sharing no code with the runtime. The parity tool compares the two stage by
+"""An independent NumPy (float64) implementation of one DFlash proposal (DFlash2's convolutions and
+selector walk too), written from the spec (docs/DFLASH.md, llama.cpp's dflash graph) and sharing no code
+with the runtime. The parity tool compares the two stage by
 stage. Attention is recomputed cell by cell from the context K/V that the runtime dumps, so a
 divergence in the context and one in the block pass are told apart."""
 
@@ -27,6 +28,34 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
+def _conv(x: np.ndarray, base: np.ndarray, dyn: np.ndarray, side: int, group: int) -> np.ndarray:
+    """DFlash2's convolution of one side over a block x [T, H]: tap k of row t reads row t - k (none before
+    the block), weighted by base[side, k] plus row t's dynamic kernel dyn [T, 2, K, G], one value a group."""
+    rows, hidden = x.shape
+    out = np.zeros_like(x)
+    for t in range(rows):
+        for k in range(min(base.shape[1], t + 1)):
+            w = base[side, k] + np.repeat(dyn[t, side, k], group)
+            out[t] += w * x[t - k]
+    return out
+
+
+def selector_walk(logits: np.ndarray, hidden: np.ndarray, weights: dict, anchor: int, top_k: int) -> list[int]:
+    """DFlash2's greedy walk over slots 1.. (logits and final-normed hidden rows of the block, slot 0 the
+    anchor's): at each slot the candidate among its top_k with the highest logit + successor . (predecessor
+    of the previous pick * gate), the first on ties."""
+    pred = weights["candidate_selector.predecessor_codebook"]
+    succ = weights["candidate_selector.successor_codebook"]
+    gates = hidden @ weights["candidate_selector.hidden_projection.weight"].T
+    prev, out = anchor, []
+    for t in range(1, logits.shape[0]):
+        cand = np.argsort(-logits[t], kind="stable")[:top_k]
+        scores = [logits[t, c] + np.sum(succ[c] * pred[prev] * gates[t]) for c in cand]
+        prev = int(cand[int(np.argmax(scores))])
+        out.append(prev)
+    return out
+
+
 def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarray, context_taps: np.ndarray,
                        context_k: list, context_v: list, context_ranges: list, anchor: int, pos: int, w: int):
     """Returns {(layer, stage): array}, layer -1 for stages outside the layers.
@@ -35,6 +64,7 @@ def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarra
     context_k/v[j]: the runtime's dumped cells [cells, kv_heads, d] of layer j for cells
     context_ranges[j] = (begin, end)."""
     eps, theta = cfg.rms_norm_eps, cfg.rope_theta
+    dflash2 = cfg.conv_kernel_size is not None
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     out = {}
     fused = _rms(context_taps @ weights["fc.weight"].T, weights["hidden_norm.weight"], eps)
@@ -55,6 +85,9 @@ def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarra
         out[(j, "context_v")] = (fused[begin:end] @ W("self_attn.v_proj.weight").T
                                  + bias("self_attn.v_proj.bias")).reshape(-1, nkv, d)
         h = _rms(x, W("input_layernorm.weight"), eps)
+        if dflash2:
+            dyn = (h @ W("attention_conv.kernel_projection.weight").T).reshape(w, 2, cfg.conv_kernel_size, -1)
+            h = _conv(h, W("attention_conv.base_kernel"), dyn, 0, cfg.conv_group_size)
         out[(j, "attn_in")] = h
         q = (h @ W("self_attn.q_proj.weight").T + bias("self_attn.q_proj.bias")).reshape(w, nh, d)
         out[(j, "q_raw")] = q
@@ -78,10 +111,16 @@ def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarra
                 attn[r, head] = prob @ values[:, g]
         attn = attn.reshape(w, nh * d)
         out[(j, "attn")] = attn
-        x = x + attn @ W("self_attn.o_proj.weight").T + bias("self_attn.o_proj.bias")
+        a = attn @ W("self_attn.o_proj.weight").T + bias("self_attn.o_proj.bias")
+        x = x + (_conv(a, W("attention_conv.base_kernel"), dyn, 1, cfg.conv_group_size) if dflash2 else a)
         out[(j, "o_residual")] = x
         m = _rms(x, W("post_attention_layernorm.weight"), eps)
+        if dflash2:
+            dyn = (m @ W("mlp_conv.kernel_projection.weight").T).reshape(w, 2, cfg.conv_kernel_size, -1)
+            m = _conv(m, W("mlp_conv.base_kernel"), dyn, 0, cfg.conv_group_size)
         m = (_silu(m @ W("mlp.gate_proj.weight").T) * (m @ W("mlp.up_proj.weight").T)) @ W("mlp.down_proj.weight").T
+        if dflash2:
+            m = _conv(m, W("mlp_conv.base_kernel"), dyn, 1, cfg.conv_group_size)
         out[(j, "mlp")] = m
         x = x + m
         out[(j, "out")] = x
@@ -93,4 +132,6 @@ def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarra
     if cfg.final_logit_softcapping is not None:
         logits = np.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
     out[(-1, "logits")] = logits
+    if dflash2:
+        out[(-1, "tokens")] = np.array(selector_walk(logits, h, weights, anchor, cfg.selector_top_k))
     return out

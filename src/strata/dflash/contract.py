@@ -30,6 +30,22 @@ GLOBAL_ROLES = {
     "hidden_norm": ("hidden_norm.weight", "enc.output_norm.weight"),
     "norm": ("norm.weight", "output_norm.weight"),
 }
+#: DFlash2's tensors (llama.cpp's converter renames them without transposing or reshaping; the base kernels have no
+#: `.weight` in either format, and the codebooks gain one in GGUF)
+CONV_ROLES = {
+    "attn_conv_base": ("attention_conv.base_kernel", "attn_conv_base"),
+    "attn_conv_proj": ("attention_conv.kernel_projection.weight", "attn_conv_proj.weight"),
+    "ffn_conv_base": ("mlp_conv.base_kernel", "ffn_conv_base"),
+    "ffn_conv_proj": ("mlp_conv.kernel_projection.weight", "ffn_conv_proj.weight"),
+}
+SELECTOR_ROLES = {
+    "predecessor": ("candidate_selector.predecessor_codebook", "selector_predecessor.weight"),
+    "successor": ("candidate_selector.successor_codebook", "selector_successor.weight"),
+    "hidden": ("candidate_selector.hidden_projection.weight", "selector_hidden.weight"),
+}
+#: a DFlash2 drafter's hyper-parameters (DFlashConfig fields; dflash_config keys and dflash.* GGUF keys of the
+#: same names)
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 @dataclass(frozen=True)
 class Key:
@@ -72,6 +88,7 @@ KEYS = [
         optional=True, legacy="strata.dflash.final_logit_softcapping"),
     Key("sliding_window", "dflash.attention.sliding_window", "uint32", "sliding_window", optional=True),
     Key("layer_types", "dflash.attention.sliding_window_pattern", "bool_array", "layer_types", optional=True),
+    *(Key(f, f"dflash.{f}", "uint32", f"dflash_config.{f}", optional=True) for f in DFLASH2_FIELDS),
 ]
 KEY = {k.gguf: k for k in KEYS}
 #: llama.cpp DFlash metadata that changes the computation in ways Strata does not implement: key ->
@@ -82,8 +99,6 @@ REFUSED_KEYS = {
     "dflash.hidden_act": ("silu", "an MLP activation other than SiLU"),
     "dflash.attention.causal": (False, "causal attention inside the block"),
     "dflash.hyper_connection_count": (None, "DeepSeek-V4 hyper-connections (DSpark)"),
-    "dflash.conv_kernel_size": (None, "DFlash2 (convolutional layers)"),
-    "dflash.selector_rank": (None, "DFlash2 (candidate selector)"),
 }
 K_TARGET_LAYERS = "dflash.target_layers"
 K_MASK = "tokenizer.ggml.mask_token_id"
@@ -94,16 +109,6 @@ K_VALUE_LEN = "dflash.attention.value_length"
 
 # Variants recognised and refused: (substring of a tensor name, what it means)
 REFUSED_VARIANTS = [
-    ("attention_conv", "DFlash2 (convolutional attention)"),
-    ("mlp_conv", "DFlash2 (convolutional MLP)"),
-    ("candidate_selector", "DFlash2 (candidate selector)"),
-    ("attn_conv_base", "DFlash2 (convolutional attention)"),
-    ("attn_conv_proj", "DFlash2 (convolutional attention)"),
-    ("ffn_conv_base", "DFlash2 (convolutional MLP)"),
-    ("ffn_conv_proj", "DFlash2 (convolutional MLP)"),
-    ("selector_hidden", "DFlash2 (candidate selector)"),
-    ("selector_predecessor", "DFlash2 (candidate selector)"),
-    ("selector_successor", "DFlash2 (candidate selector)"),
     ("markov_head", "DSpark (Markov head)"),
     ("markov_w1", "DSpark (Markov head)"),
     ("markov_w2", "DSpark (Markov head)"),
@@ -115,6 +120,10 @@ REFUSED_VARIANTS = [
     ("d2t", "a drafter with a draft-to-target vocabulary map (d2t/t2d)"),
     ("t2d", "a drafter with a draft-to-target vocabulary map (d2t/t2d)"),
 ]
+
+
+#: the Hugging Face architectures read (llama.cpp's converter takes both as its DFlash model)
+HF_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
 def default_target_layers(n: int, num_target_layers: int) -> list[int]:
@@ -150,11 +159,19 @@ class DFlashConfig:
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
+    conv_kernel_size: int | None = None  # DFlash2: the dynamic grouped causal convolutions' taps
+    conv_group_size: int | None = None  # channels sharing a dynamic kernel
+    selector_rank: int | None = None  # the candidate selector's codebooks' rank
+    selector_top_k: int | None = None  # candidates per slot the selector chooses among
     extra: dict = field(default_factory=dict)
 
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def variant(self) -> str:
+        return "dflash2" if self.conv_kernel_size is not None else "dflash"
 
     def validate(self, where: str) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -186,6 +203,25 @@ class DFlashConfig:
             if "sliding_attention" in self.layer_types and not (
                     isinstance(self.sliding_window, int) and self.sliding_window > 0):
                 raise ArtifactError(f"{where}: sliding_attention layers need a positive sliding_window")
+        self.validate_dflash2(where)
+
+    def validate_dflash2(self, where: str) -> None:
+        values = {f: getattr(self, f) for f in DFLASH2_FIELDS}
+        if all(v is None for v in values.values()):
+            return
+        for name, v in values.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ArtifactError(f"{where}: DFlash2 needs {name} as a positive integer, got {v!r}")
+        if self.hidden_size % self.conv_group_size:
+            raise ArtifactError(f"{where}: conv_group_size {self.conv_group_size} does not divide hidden_size "
+                                f"{self.hidden_size}")
+        k = self.selector_top_k
+        if self.hidden_size < k * (k + 1):  # llama.cpp packs a slot's candidates and k x k scores in a row
+            raise ArtifactError(f"{where}: selector_top_k {k} needs hidden_size >= {k * (k + 1)} (llama.cpp's "
+                                f"limit), got {self.hidden_size}")
+        if not isinstance(self.vocab_size, int) or self.vocab_size < k:
+            raise ArtifactError(f"{where}: DFlash2's codebooks need vocab_size (at least selector_top_k {k}), got "
+                                f"{self.vocab_size!r}")
 
 
 def expected_tensors(cfg: DFlashConfig, naming: str = "hf") -> dict[str, tuple]:
@@ -207,6 +243,17 @@ def expected_tensors(cfg: DFlashConfig, naming: str = "hf") -> dict[str, tuple]:
     globals_ = {"fc": (h, cfg.num_taps * cfg.target_hidden_size), "hidden_norm": (h,), "norm": (h,)}
     for role, names in GLOBAL_ROLES.items():
         out[names[col]] = globals_[role]
+    if cfg.variant == "dflash2":
+        k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
+        conv = {"base": (2, k, h), "proj": (2 * k * groups, h)}
+        for n in range(cfg.num_layers):
+            prefix = f"layers.{n}." if naming == "hf" else f"blk.{n}."
+            for role, names in CONV_ROLES.items():
+                out[prefix + names[col]] = conv[role.rsplit("_", 1)[1]]
+        codebook = (cfg.vocab_size, cfg.selector_rank)
+        selector = {"predecessor": codebook, "successor": codebook, "hidden": (cfg.selector_rank, h)}
+        for role, names in SELECTOR_ROLES.items():
+            out[names[col]] = selector[role]
     return out
 
 
@@ -215,11 +262,11 @@ def _rename(name: str, to_gguf: bool) -> str:
     prefixes = ("layers.", "blk.")
     if name.startswith(prefixes[src]):
         _, n, rest = name.split(".", 2)
-        for pair in list(LAYER_ROLES.values()) + list(BIAS_ROLES.values()):
+        for pair in [*LAYER_ROLES.values(), *BIAS_ROLES.values(), *CONV_ROLES.values()]:
             if rest == pair[src]:
                 return f"{prefixes[dst]}{n}.{pair[dst]}"
         return name
-    for pair in GLOBAL_ROLES.values():
+    for pair in [*GLOBAL_ROLES.values(), *SELECTOR_ROLES.values()]:
         if name == pair[src]:
             return pair[dst]
     return name
@@ -236,9 +283,9 @@ def hf_to_gguf_name(name: str) -> str:
 
 def refuse_variants(names, where: str, architectures=None) -> None:
     for arch in architectures or []:
-        if arch != "DFlashDraftModel":
-            kind = "DFlash2" if "DFlash2" in arch else f"architecture {arch!r}"
-            raise ArtifactError(f"{where}: {kind} drafters are not supported (expected DFlashDraftModel)")
+        if arch not in HF_ARCHITECTURES:
+            raise ArtifactError(f"{where}: architecture {arch!r} drafters are not supported (expected "
+                                f"{' or '.join(HF_ARCHITECTURES)})")
     for name in names:
         stem = name.split(".")
         for needle, what in REFUSED_VARIANTS:
@@ -247,6 +294,23 @@ def refuse_variants(names, where: str, architectures=None) -> None:
         if name in ("output.weight",):
             raise ArtifactError(f"{where}: tensor '{name}' belongs to a drafter with its own LM head, "
                                 "which is not supported")
+
+
+#: what DFlash2's tensors are, by a part of their names in either format
+DFLASH2_PARTS = {"attention_conv": "convolutional attention", "attn_conv": "convolutional attention",
+                 "mlp_conv": "convolutional MLP", "ffn_conv": "convolutional MLP",
+                 "candidate_selector": "candidate selector", "selector_": "candidate selector"}
+
+
+def refuse_stray_dflash2(names, cfg: DFlashConfig, where: str) -> None:
+    """DFlash2's tensors in a drafter whose config lacks DFlash2's hyper-parameters (they cannot be run)."""
+    if cfg.variant == "dflash2":
+        return
+    for name in names:
+        what = next((w for part, w in DFLASH2_PARTS.items() if part in name), None)
+        if what:
+            raise ArtifactError(f"{where}: tensor '{name}' belongs to DFlash2 ({what}), but the config has none of "
+                                f"DFlash2's {', '.join(DFLASH2_FIELDS)}")
 
 
 def check_tensor_set(names, expected: dict, where: str) -> None:

@@ -57,7 +57,7 @@ def convert_hf_to_gguf(src: str | Path, out: str | Path, target: str | Path | No
         raise StrataError(f"{src}: mask_token_id {cfg.mask_token_id} is outside the vocabulary of "
                           f"{len(vocab.tokens)} tokens")
     cfg.vocab_size = len(vocab.tokens)
-    expected = {name: stored(t) for name, t in art.tensors.items()}
+    expected = {name: stored(t, C.hf_to_gguf_name(name)) for name, t in art.tensors.items()}
     with replacing(out) as tmp:
         write_gguf(tmp, cfg, art.tensors, vocab, name=src.name, progress=progress)
         back = read_gguf(tmp)

@@ -41,8 +41,8 @@ class DFlashDrafter(Drafter):
         if target.device.type == "cuda" if quantized is None else quantized:
             quant = {param: quantized_weight([art.blocks[n] for n, _ in sources], sources[0][1][1], target.device,
                                              target.dtype)
-                     for param, sources in layout.items()
-                     if all(n in art.blocks and QuantWeight.fits(art.blocks[n][0], s) for n, s in sources)}
+                     for param, sources in layout.items() if "codebook" not in param  # codebooks: rows read
+                     and all(n in art.blocks and QuantWeight.fits(art.blocks[n][0], s) for n, s in sources)}
         with torch.device("meta"):
             model = DFlashModel(cfg)
         state = pack(art.tensors, {p: s for p, s in layout.items() if p not in quant}, target.dtype, art.source)
@@ -95,7 +95,11 @@ class DFlashDrafter(Drafter):
             logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
         if req.probe is not None:
             logits = req.probe(-1, "logits", logits)
-        return Proposal(logits[1:].argmax(-1), logits[1:])
+        if cfg.variant == "dflash2":  # the selector's walk among each slot's candidates
+            tokens = self.model.candidate_selector.walk(logits[1:], h[1:], req.anchor_t, req.kernels)
+        else:
+            tokens = logits[1:].argmax(-1)
+        return Proposal(tokens, logits[1:])
 
 
 def load_drafter(source: str | Path | Artifact, target, window_cells: int = 32768,

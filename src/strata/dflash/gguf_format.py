@@ -41,20 +41,23 @@ def metadata(cfg: C.DFlashConfig) -> list[tuple[str, str, object]]:
     return out
 
 
-def storage(t: torch.Tensor) -> tuple[np.ndarray, object]:
-    """A tensor as llama.cpp's converter stores it: 1-D in F32 (llama.cpp's CPU ops take no BF16 norm),
-    2-D in BF16 (rounded to nearest even). Returns (array, GGML type)."""
+def storage(t: torch.Tensor, name: str) -> tuple[np.ndarray, object]:
+    """A tensor as llama.cpp's converter stores it under its GGUF name: 1-D and those whose name does not end in
+    `.weight` (DFlash2's base kernels) in F32 (llama.cpp's CPU ops take no BF16 norm), the rest in BF16
+    (rounded to nearest even). Returns (array, GGML type)."""
     import gguf
 
-    if t.dim() == 1:
+    if t.dim() == 1 or not name.endswith(".weight"):
         return t.to(torch.float32).contiguous().numpy(), gguf.GGMLQuantizationType.F32
     bf16 = t if t.dtype == torch.bfloat16 else t.to(torch.float32).to(torch.bfloat16)
     return bf16.contiguous().view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
 
 
-def stored(t: torch.Tensor) -> torch.Tensor:
+def stored(t: torch.Tensor, name: str) -> torch.Tensor:
     """What storage() keeps of a tensor, as a tensor: the read-back a converter must find."""
-    return t.to(torch.float32) if t.dim() == 1 else (t if t.dtype == torch.bfloat16 else t.float().bfloat16())
+    if t.dim() == 1 or not name.endswith(".weight"):
+        return t.to(torch.float32)
+    return t if t.dtype == torch.bfloat16 else t.float().bfloat16()
 
 
 def write_gguf(path: Path, cfg: C.DFlashConfig, tensors: dict[str, torch.Tensor], vocab: Vocab, name: str,
@@ -77,8 +80,9 @@ def write_gguf(path: Path, cfg: C.DFlashConfig, tensors: dict[str, torch.Tensor]
     writer.add_quantization_version(QUANTIZATION_VERSION)
     vocab.write(writer)
     for hf_name in C.expected_tensors(cfg, "hf"):
-        arr, ggml_type = storage(tensors[hf_name])
-        writer.add_tensor(C.hf_to_gguf_name(hf_name), arr, raw_shape=arr.shape, raw_dtype=ggml_type)
+        name = C.hf_to_gguf_name(hf_name)
+        arr, ggml_type = storage(tensors[hf_name], name)
+        writer.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=progress)
@@ -175,6 +179,7 @@ def read_gguf(path: Path):
     by_name = {i.name: i for i in infos}
     fc = by_name.get(hf_names.get("fc.weight", ""))
     cfg = config_from_gguf(kv, where, fc.shape[0] if fc is not None and len(fc.shape) == 2 else None)
+    C.refuse_stray_dflash2(hf_names, cfg, where)
     expected = C.expected_tensors(cfg, "hf")
     C.check_tensor_set(hf_names, expected, where)
     tensors, types, blocks = {}, {}, {}

@@ -49,8 +49,11 @@ def config_from_hf(cfg: dict, where: str, fc_shape: tuple | None = None) -> C.DF
     target_hidden = cfg.get("target_hidden_size")
     if target_hidden is None:
         target_hidden = fc_shape[1] // max(len(taps), 1) if fc_shape else hidden
-    optional = {k.field: dcfg.get(k.hf, cfg.get(k.hf)) for k in C.KEYS
-                if k.optional and k.hf and k.field != "attention_bias"}
+    optional = {}
+    for k in C.KEYS:
+        if k.optional and k.hf and k.field != "attention_bias":
+            name = k.hf.removeprefix("dflash_config.")
+            optional[k.field] = dcfg.get(name, cfg.get(name))
     refused = {"attention_value_scale": "an attention value scale", "partial_rotary_factor": "partial RoPE",
                "use_swa": "dflash_config.use_swa (sliding-window attention for every layer)"}
     for key, what in refused.items():
@@ -76,6 +79,9 @@ def config_from_hf(cfg: dict, where: str, fc_shape: tuple | None = None) -> C.DF
         attention_bias=bool(cfg.get("attention_bias", False)),
         **optional,
     )
+    if "DFlash2DraftModel" in (cfg.get("architectures") or []) and out.variant != "dflash2":
+        raise ArtifactError(f"{where}: architecture DFlash2DraftModel needs dflash_config's "
+                            f"{', '.join(C.DFLASH2_FIELDS)}")
     if out.layer_types is not None and "sliding_attention" not in out.layer_types:
         out.layer_types, out.sliding_window = None, None  # all full attention: same semantics, one spelling
     for key in C.KEYS:
@@ -86,7 +92,8 @@ def config_from_hf(cfg: dict, where: str, fc_shape: tuple | None = None) -> C.DF
 
 
 def config_to_hf(cfg: C.DFlashConfig, dtype: str = "bfloat16") -> dict:
-    out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+    arch = "DFlash2DraftModel" if cfg.variant == "dflash2" else "DFlashDraftModel"
+    out = {"architectures": [arch], "model_type": "qwen3", "hidden_act": "silu",
            "tie_word_embeddings": False, "torch_dtype": dtype, "dflash_config": {}}
     for key in C.KEYS:
         value = getattr(cfg, key.field)
@@ -113,6 +120,7 @@ def read_hf(folder: Path):
     C.refuse_variants(tensors, where, raw.get("architectures"))
     fc = tensors.get("fc.weight")
     cfg = config_from_hf(raw, where, tuple(fc.shape) if fc is not None else None)
+    C.refuse_stray_dflash2(tensors, cfg, where)
     expected = C.expected_tensors(cfg, "hf")
     C.check_tensor_set(tensors, expected, where)
     for name, shape in expected.items():

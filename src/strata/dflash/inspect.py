@@ -35,7 +35,8 @@ def inspect_path(path: str | Path, model: str | Path | None = None) -> tuple[str
     lines = [
         f"{path}",
         f"  format: {'GGUF (llama.cpp layout)' if art.fmt == 'gguf' else 'Hugging Face (reference layout)'}",
-        "  architecture: dflash",
+        "  architecture: dflash" + (" (DFlash2: convolutions and a candidate selector)" if c.variant == "dflash2"
+                                    else ""),
         f"  layers: {c.num_layers}",
         f"  hidden: {c.hidden_size}, intermediate: {c.intermediate_size}",
         f"  heads: {c.num_heads}, kv heads: {c.num_kv_heads}, head dim: {c.head_dim}",
@@ -45,6 +46,8 @@ def inspect_path(path: str | Path, model: str | Path | None = None) -> tuple[str
         f"  target hidden: {c.target_hidden_size}" + (f", target layers: {c.num_target_layers}"
                                                       if c.num_target_layers else ""),
         f"  mask token id: {c.mask_token_id}",
+        *([f"  DFlash2: convolution taps {c.conv_kernel_size}, group {c.conv_group_size} channels; selector "
+           f"rank {c.selector_rank}, top-{c.selector_top_k} candidates a slot"] if c.variant == "dflash2" else []),
         f"  rope theta: {c.rope_theta:g}, rms eps: {c.rms_norm_eps:g}",
         f"  tensors: {len(art.tensors)} ({', '.join(f'{n} {t}' for t, n in sorted(types.items()))})",
         f"  parameters: {art.parameter_count:,}",

@@ -13,7 +13,8 @@ from ..cache import KVCache
 from ..layers.modules import MLP, Attention, DecoderLayer, Linear, RMSNorm, Step, run_layers
 from ..layers.rotary import RopeConfig, RotaryTable
 from ..models.decoder import layer_layout
-from .contract import DFlashConfig
+from .contract import CONV_ROLES, SELECTOR_ROLES, DFlashConfig, expected_tensors
+from .dflash2 import CandidateSelector, ConvolvedLayer
 
 
 class DFlashModel(nn.Module):
@@ -23,13 +24,17 @@ class DFlashModel(nn.Module):
         self.fc = Linear(cfg.num_taps * cfg.target_hidden_size, cfg.hidden_size)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         types = cfg.layer_types or ["full_attention"] * cfg.num_layers
+        layer = ConvolvedLayer if cfg.variant == "dflash2" else DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, j, Attention(j, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                           cfg.rms_norm_eps, cfg.attention_bias, qk_norm=True,
-                                           window=cfg.sliding_window if t == "sliding_attention" else None),
-                         MLP(cfg.hidden_size, cfg.intermediate_size))
+            layer(cfg, j, Attention(j, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    cfg.rms_norm_eps, cfg.attention_bias, qk_norm=True,
+                                    window=cfg.sliding_window if t == "sliding_attention" else None),
+                  MLP(cfg.hidden_size, cfg.intermediate_size))
             for j, t in enumerate(types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.variant == "dflash2":
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.selector_rank, cfg.hidden_size,
+                                                        cfg.selector_top_k)
         self.rotary: RotaryTable | None = None
 
     @property
@@ -75,4 +80,8 @@ def hf_layout(cfg: DFlashConfig) -> dict[str, list[tuple[str, tuple]]]:
     for n in range(cfg.num_layers):
         out.update(layer_layout(f"layers.{n}.", f"layers.{n}.", h, cfg.intermediate_size, cfg.num_heads,
                                 cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias, qk_norm=True))
+    if cfg.variant == "dflash2":  # the convolutions and the selector: parameters of the checkpoint's names
+        extra = {f"layers.{n}.{hf}" for n in range(cfg.num_layers) for hf, _ in CONV_ROLES.values()} | \
+            {hf for hf, _ in SELECTOR_ROLES.values()}
+        out.update({name: [(name, shape)] for name, shape in expected_tensors(cfg).items() if name in extra})
     return out

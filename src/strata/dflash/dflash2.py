@@ -1,0 +1,95 @@
+"""DFlash2's additions to the drafter, as llama.cpp's `dflash` graph runs them: a dynamic grouped causal
+convolution on each side of every attention and MLP (ConvolvedLayer), and a low-rank candidate selector that
+walks the block slot by slot among each slot's top-k candidates (CandidateSelector).
+
+The convolution mixes a token with the block's tokens before it (never the context): out[t, c] =
+sum_k (base[side, k, c] + dyn[t, side, k, c // group]) * x[t - k, c], taps reaching before the block start
+being zero, dyn a projection of the sublayer's normed input at t. Side 0 convolves that input, side 1 the
+sublayer's output, with the same kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.modules import DecoderLayer, Linear, Step
+
+
+class DynamicConv(nn.Module):
+    """A sublayer's pair of convolutions (base_kernel [2, taps, H], kernel_projection H -> 2 * taps * H / group),
+    named as the reference checkpoint names them."""
+
+    def __init__(self, hidden: int, taps: int, group: int):
+        super().__init__()
+        self.taps, self.group = taps, group
+        self.base_kernel = nn.Parameter(torch.empty(2, taps, hidden))
+        self.kernel_projection = Linear(hidden, 2 * taps * (hidden // group))
+
+    def kernels(self, h: torch.Tensor, kernels) -> torch.Tensor:
+        """Each row's kernels from its normed input h [..., T, H]: [..., T, 2, taps, H]."""
+        dyn = self.kernel_projection(h, kernels).unflatten(-1, (2, self.taps, -1))
+        return self.base_kernel + dyn.repeat_interleave(self.group, -1)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, side: int) -> torch.Tensor:
+        """x [..., T, H] (one block: T rows) convolved with kernels w (kernels()) of one side."""
+        rows = x.shape[-2]
+        out = w[..., side, 0, :] * x
+        for k in range(1, min(self.taps, rows)):
+            out = out + w[..., side, k, :] * F.pad(x, (0, 0, k, 0))[..., :rows, :]
+        return out
+
+
+class ConvolvedLayer(DecoderLayer):
+    """The drafter's decoder layer with DFlash2's convolutions around its attention and its MLP (the block's
+    rows only: the context's K/V come from the taps alone, Attention.store_context)."""
+
+    def __init__(self, cfg, index: int, mixer, mlp):
+        super().__init__(cfg, index, mixer, mlp)
+        self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, step: Step, state):
+        kernels, i = step.kernels, self.index
+        norm = self.input_layernorm
+        if pending is None:
+            h = kernels.rms_norm(x, norm.weight, norm.eps)
+        else:
+            x, h = kernels.add_rms_norm(x, pending, norm.weight, norm.eps)
+        w = self.attention_conv.kernels(h, kernels)
+        h = step.probed(i, "attn_in", self.attention_conv(h, w, 0))
+        mixed = self.attention_conv(self.mixer(h, step, state), w, 1)
+        norm = self.post_attention_layernorm
+        x, h = kernels.add_rms_norm(x, mixed, norm.weight, norm.eps)
+        x = step.probed(i, "o_residual", x)
+        w = self.mlp_conv.kernels(h, kernels)
+        out = self.mlp_conv(self.mlp(self.mlp_conv(h, w, 0), kernels), w, 1)
+        return x, step.probed(i, "mlp", out)
+
+
+class CandidateSelector(nn.Module):
+    """The low-rank edge scores between consecutive slots' candidates: slot t's candidate j after token p
+    scores logit[t, j] + sum_r successor[j, r] * predecessor[p, r] * gate[t, r], gate = hidden_projection of
+    slot t's final-normed hidden state."""
+
+    def __init__(self, vocab: int, rank: int, hidden: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.hidden_projection = Linear(hidden, rank)
+
+    def walk(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels) -> torch.Tensor:
+        """The greedy walk from the anchor [1] over slots with logits [n, V] and hidden states h [n, H]: at each
+        slot the best-scoring of its top-k candidates after the one before (the first best on ties, as
+        llama.cpp walks it). Device work only, no host read: [n] token ids."""
+        unary, cand = logits.float().topk(self.top_k, dim=-1)
+        gate = self.hidden_projection(h, kernels).float()
+        succ = self.successor_codebook[cand].float()  # [n, k, R]
+        pred = self.predecessor_codebook.float()
+        prev, out = anchor.view(1), []
+        for t in range(cand.shape[0]):
+            scores = unary[t] + (succ[t] * (pred[prev] * gate[t])).sum(-1)
+            prev = cand[t].gather(0, scores.argmax().view(1))
+            out.append(prev)
+        return torch.cat(out) if out else cand.new_empty(0)

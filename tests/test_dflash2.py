@@ -1,0 +1,109 @@
+"""DFlash2 drafters (dynamic grouped causal convolutions, a low-rank candidate selector): read from the reference
+Hugging Face folder and from llama.cpp's GGUF layout, converted both ways bit for bit, every stage of a proposal
+and the selector's walk against the independent NumPy reference, decoding identical to target-only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.checks.parity import run_parity
+from strata.dflash.artifact import load_artifact
+from strata.dflash.converter import convert_hf_to_gguf, export_gguf_to_hf
+from strata.dflash.drafter import load_drafter
+from strata.engine.decode import Engine
+from strata.errors import ArtifactError
+
+from conftest import write_hf_drafter, write_hf_model
+
+TAPS, GROUP, RANK, TOP_K, VOCAB, HIDDEN = 3, 16, 8, 4, 256, 64
+
+
+def write_dflash2(path, seed=4, layers=2, **config):
+    """A DFlash2 drafter for the tests' small qwen3 target, as the reference folder holds one (config keys in
+    dflash_config; the base kernels and codebooks as bare parameters)."""
+    gen = torch.Generator().manual_seed(seed + 100)
+    groups = HIDDEN // GROUP
+    tensors = {}
+    for n in range(layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            tensors[f"layers.{n}.{conv}.base_kernel"] = torch.randn(2, TAPS, HIDDEN, generator=gen) * 0.5
+            tensors[f"layers.{n}.{conv}.kernel_projection.weight"] = \
+                torch.randn(2 * TAPS * groups, HIDDEN, generator=gen) * 0.1
+    tensors["candidate_selector.predecessor_codebook"] = torch.randn(VOCAB, RANK, generator=gen) * 0.1
+    tensors["candidate_selector.successor_codebook"] = torch.randn(VOCAB, RANK, generator=gen) * 0.1
+    tensors["candidate_selector.hidden_projection.weight"] = torch.randn(RANK, HIDDEN, generator=gen) * 0.3
+    dcfg = {"mask_token_id": 255, "target_layer_ids": [0, 2], "conv_kernel_size": TAPS, "conv_group_size": GROUP,
+            "selector_rank": RANK, "selector_top_k": TOP_K, **config}
+    return write_hf_drafter(path, layers=layers, taps=(0, 2), block_size=8, seed=seed, scale=0.2,
+                            extra_config={"architectures": ["DFlash2DraftModel"], "dflash_config": dcfg},
+                            extra_tensors={k: v.to(torch.bfloat16) for k, v in tensors.items()})
+
+
+@pytest.fixture(scope="module")
+def pair2(tmp_path_factory):
+    from strata.models.loader import load_target
+
+    d = tmp_path_factory.mktemp("dflash2")
+    target_dir, _ = write_hf_model(d / "target", "qwen3", seed=21)
+    return target_dir, write_dflash2(d / "drafter"), load_target(target_dir), d
+
+
+def test_dflash2_formats_both_ways(pair2):
+    """The folder as llama.cpp's converter writes it (its names; the base kernels F32, having no `.weight`; the
+    rest BF16), read back bit for bit, and exported back to the folder it came from."""
+    import gguf
+
+    target_dir, drafter_dir, _, d = pair2
+    hf = load_artifact(drafter_dir)
+    assert hf.cfg.variant == "dflash2" and hf.cfg.selector_top_k == TOP_K and hf.cfg.vocab_size == VOCAB
+    art = convert_hf_to_gguf(drafter_dir, d / "d2.gguf")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(d / "d2.gguf")).tensors}
+    assert types["blk.1.attn_conv_base"] == types["blk.0.ffn_conv_base"] == "F32"
+    assert types["blk.0.attn_conv_proj.weight"] == types["selector_successor.weight"] == "BF16"
+    assert types["selector_hidden.weight"] == types["selector_predecessor.weight"] == "BF16"
+    reader = gguf.GGUFReader(str(d / "d2.gguf"))
+    keys = {k: reader.fields[k].contents() for k in ("dflash.conv_kernel_size", "dflash.conv_group_size",
+                                                      "dflash.selector_rank", "dflash.selector_top_k")}
+    assert keys == {"dflash.conv_kernel_size": TAPS, "dflash.conv_group_size": GROUP, "dflash.selector_rank": RANK,
+                    "dflash.selector_top_k": TOP_K}
+    assert art.cfg == load_artifact(d / "d2.gguf").cfg
+    from strata.dflash.inspect import inspect_path
+
+    text, ok = inspect_path(d / "d2.gguf")
+    assert ok and "architecture: dflash (DFlash2: convolutions and a candidate selector)" in text
+    assert f"DFlash2: convolution taps {TAPS}, group {GROUP} channels; selector rank {RANK}, top-{TOP_K}" in text
+    back = export_gguf_to_hf(d / "d2.gguf", d / "back")
+    assert back.cfg.variant == "dflash2"
+    for name, t in hf.tensors.items():
+        assert torch.equal(back.tensors[name].to(t.dtype), t), name
+
+
+def test_dflash2_proposals_match_the_reference_and_decode_as_target_only(pair2):
+    """Every stage of a proposal (the convolutions inside attn_in, o_residual and mlp) and the selector's walk
+    against the NumPy reference, from both formats; greedy decoding with it, eager and static, equals
+    target-only."""
+    target_dir, drafter_dir, target, d = pair2
+    prompt = [3, 99, 14, 250, 8, 8, 41]
+    base = Engine(target, max_len=128).generate(prompt, 40).output_ids
+    for source in (drafter_dir, d / "d2.gguf") if (d / "d2.gguf").exists() else (drafter_dir,):
+        drafter = load_drafter(source, target, max_len=128)
+        for w in (2, 8):
+            rows, first = run_parity(drafter, prompt, w)
+            assert first is None, [r for r in rows if not r.ok]
+            assert any(r.name == "selector_tokens" for r in rows)
+        for backend in ("eager", "static"):
+            res = Engine(target, load_drafter(source, target, max_len=128), max_len=128, backend=backend,
+                         window=8).generate(prompt, 40)
+            assert res.output_ids == base, (source, backend)
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({"selector_top_k": None}, "DFlash2 needs selector_top_k as a positive integer, got None"),
+    ({"conv_group_size": 24}, "conv_group_size 24 does not divide hidden_size 64"),
+    ({"selector_top_k": 8}, "selector_top_k 8 needs hidden_size >= 72 (llama.cpp's limit), got 64"),
+])
+def test_bad_dflash2_configs_are_one_line_errors(tmp_path, config, needle):
+    path = write_dflash2(tmp_path / "bad", **config)
+    with pytest.raises(ArtifactError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_artifact(path)
