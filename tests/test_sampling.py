@@ -185,3 +185,35 @@ def test_prompt_lookup_greedy_identity_and_tau(qwen3_dir):
     sampled = Engine(target, PromptLookupDrafter(3), window=4, max_len=512)
     runs = [sampled.generate(prompt, 32, params=SamplingParams(0.8, seed=1)).output_ids for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 32
+
+
+def test_dflash2_sampled_walk_matches_target_distribution(small, tmp_path):
+    """DFlash2's selector drawing each slot from the softmax of its candidates' scores after the token drawn
+    before it: the same chi-square test (half the runs: a second drafter, a lean suite)."""
+    import json
+
+    target, drafter_dir = small
+    d2 = tmp_path / "d2"
+    d2.mkdir()
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=3)
+    (d2 / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(drafter_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    for name, shape in (("layers.0.attention_conv.base_kernel", (2, 2, 64)),
+                        ("layers.0.attention_conv.kernel_projection.weight", (16, 64)),
+                        ("layers.0.mlp_conv.base_kernel", (2, 2, 64)),
+                        ("layers.0.mlp_conv.kernel_projection.weight", (16, 64)),
+                        ("candidate_selector.predecessor_codebook", (VOCAB, 4)),
+                        ("candidate_selector.successor_codebook", (VOCAB, 4)),
+                        ("candidate_selector.hidden_projection.weight", (4, 64))):
+        tensors[name] = (torch.randn(shape, generator=gen) * 0.5).to(torch.bfloat16)
+    save_file(tensors, str(d2 / "model.safetensors"))
+    dist = exact_first_three(target, PARAMS)
+    engine = Engine(target, load_drafter(d2, target, max_len=32), window=3, max_len=32)
+    runs = RUNS // 2
+    ok, stat, critical = chi_square_passes(sampled_counts(engine, PARAMS, runs), dist, runs)
+    assert ok, (stat, critical)

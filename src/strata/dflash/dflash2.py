@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..engine.sampling import sample
 from ..layers.modules import DecoderLayer, Linear, Step
 
 
@@ -79,13 +80,18 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
         self.hidden_projection = Linear(hidden, rank)
 
+    def edges(self, logits: torch.Tensor, h: torch.Tensor, kernels):
+        """Slots' top-k candidates [n, k], their logits [n, k], and the successor codes times the gate [n, k, R]
+        (a candidate's score after token p adds (that . predecessor[p]).sum())."""
+        unary, cand = logits.float().topk(self.top_k, dim=-1)
+        gate = self.hidden_projection(h, kernels).float()
+        return cand, unary, self.successor_codebook[cand].float(), gate
+
     def walk(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels) -> torch.Tensor:
         """The greedy walk from the anchor [1] over slots with logits [n, V] and hidden states h [n, H]: at each
         slot the best-scoring of its top-k candidates after the one before (the first best on ties, as
         llama.cpp walks it). Device work only, no host read: [n] token ids."""
-        unary, cand = logits.float().topk(self.top_k, dim=-1)
-        gate = self.hidden_projection(h, kernels).float()
-        succ = self.successor_codebook[cand].float()  # [n, k, R]
+        cand, unary, succ, gate = self.edges(logits, h, kernels)
         pred = self.predecessor_codebook.float()
         prev, out = anchor.view(1), []
         for t in range(cand.shape[0]):
@@ -93,3 +99,22 @@ class CandidateSelector(nn.Module):
             prev = cand[t].gather(0, scores.argmax().view(1))
             out.append(prev)
         return torch.cat(out) if out else cand.new_empty(0)
+
+    def draw(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels, probs, gen):
+        """The sampled walk: each slot's token drawn (an exponential race, no host read) from q = probs of its
+        candidates' scores after the token drawn before it (every other token -inf), so that rejection
+        sampling against the target stays lossless. Returns (tokens [n], q [n, V])."""
+        cand, unary, succ, gate = self.edges(logits, h, kernels)
+        pred = self.predecessor_codebook.float()
+        prev, tokens, qs = anchor.view(1), [], []
+        for t in range(cand.shape[0]):
+            scores = unary[t] + (succ[t] * (pred[prev] * gate[t])).sum(-1)
+            row = torch.full((1, logits.shape[-1]), float("-inf"), device=logits.device).scatter(1, cand[t][None],
+                                                                                                 scores[None])
+            q = probs(row)
+            prev = sample(q, gen)
+            tokens.append(prev)
+            qs.append(q)
+        if not tokens:
+            return cand.new_empty(0), logits.new_empty(0, logits.shape[-1])
+        return torch.cat(tokens), torch.cat(qs)

@@ -96,10 +96,10 @@ class DFlashDrafter(Drafter):
         if req.probe is not None:
             logits = req.probe(-1, "logits", logits)
         if cfg.variant == "dflash2":  # the selector's walk among each slot's candidates
-            tokens = self.model.candidate_selector.walk(logits[1:], h[1:], req.anchor_t, req.kernels)
-        else:
-            tokens = logits[1:].argmax(-1)
-        return Proposal(tokens, logits[1:])
+            selector, block = self.model.candidate_selector, (logits[1:], h[1:], req.anchor_t, req.kernels)
+            return Proposal(selector.walk(*block), logits[1:],
+                            draw=lambda probs, gen: selector.draw(*block, probs, gen))
+        return Proposal(logits[1:].argmax(-1), logits[1:])
 
 
 def load_drafter(source: str | Path | Artifact, target, window_cells: int = 32768,

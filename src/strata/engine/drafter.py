@@ -6,6 +6,7 @@ its rows (for drafters that want them)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,11 @@ class Commit:
 class Proposal:
     tokens: torch.Tensor  # [n] int64, on the target's device
     logits: torch.Tensor | None = None  # [n, vocab] float32: the drafter's raw logits, when it has them
+    #: sampling, for a drafter whose slots depend on the draws before them (DFlash2's selector):
+    #: draw(probs, gen) -> (tokens [n], q [n, vocab]), each slot drawn from its q, probs turning a slot's
+    #: logits [1, vocab] into the sampling distribution (temperature, top-k, top-p); None: each slot is drawn
+    #: from its own logits
+    draw: Callable[[Callable, torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class Drafter:
