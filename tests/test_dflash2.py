@@ -91,7 +91,7 @@ def test_dflash2_proposals_match_the_reference_and_decode_as_target_only(pair2):
         for w in (2, 8):
             rows, first = run_parity(drafter, prompt, w)
             assert first is None, [r for r in rows if not r.ok]
-            assert any(r.name == "selector_tokens" for r in rows)
+            assert any(r.name == "draft_tokens" for r in rows)
         for backend in ("eager", "static"):
             res = Engine(target, load_drafter(source, target, max_len=128), max_len=128, backend=backend,
                          window=8).generate(prompt, 40)
@@ -107,3 +107,47 @@ def test_bad_dflash2_configs_are_one_line_errors(tmp_path, config, needle):
     path = write_dflash2(tmp_path / "bad", **config)
     with pytest.raises(ArtifactError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load_artifact(path)
+
+
+def write_dspark(path, seed=5, anchor=True, confidence=True, rank=8):
+    """A DSpark drafter (DSparkDraftModel: a Markov head, a confidence head) for the small qwen3 target."""
+    gen = torch.Generator().manual_seed(seed + 200)
+    tensors = {"markov_head.markov_w1.weight": torch.randn(VOCAB, rank, generator=gen) * 0.5,
+               "markov_head.markov_w2.weight": torch.randn(VOCAB, rank, generator=gen) * 0.05}
+    if confidence:
+        tensors["confidence_head.proj.weight"] = torch.randn(1, HIDDEN + rank, generator=gen) * 0.1
+        tensors["confidence_head.proj.bias"] = torch.zeros(1)
+    return write_hf_drafter(path, layers=2, taps=(0, 2), block_size=8, seed=seed, scale=0.2,
+                            extra_config={"architectures": ["DSparkDraftModel"], "sample_from_anchor": anchor,
+                                          "markov_head_type": "vanilla"},
+                            extra_tensors={k: v.to(torch.bfloat16) for k, v in tensors.items()})
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+def test_dspark_drafts_as_the_reference_and_decodes_as_target_only(pair2, anchor):
+    """DSpark's Markov chain from the anchor's own slot (sample_from_anchor, W-1 rows for W-1 drafts) or after it:
+    both formats (the keys llama.cpp's converter writes), every stage and the chained tokens against the NumPy
+    reference, greedy decoding equal to target-only at the block size + 1 (anchor-first's largest window)."""
+    import gguf
+
+    _, _, target, d = pair2
+    folder = write_dspark(d / f"dspark-{anchor}", anchor=anchor)
+    art = convert_hf_to_gguf(folder, d / f"dspark-{anchor}.gguf")
+    assert art.cfg.variant == "dspark" and art.cfg.markov_rank == 8 and art.cfg.sample_from_anchor is anchor
+    reader = gguf.GGUFReader(str(d / f"dspark-{anchor}.gguf"))
+    assert reader.fields["dflash.sample_from_anchor"].contents() is anchor
+    assert reader.fields["dflash.has_confidence_head"].contents() is True
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["markov_w1.weight"] == types["conf_proj.weight"] == "BF16" and types["conf_proj.bias"] == "F32"
+    prompt = [3, 99, 14, 250, 8, 8, 41]
+    base = Engine(target, max_len=128).generate(prompt, 40).output_ids
+    for source in (folder, d / f"dspark-{anchor}.gguf"):
+        drafter = load_drafter(source, target, max_len=128)
+        assert drafter.max_window == (9 if anchor else 8)
+        for w in (2, drafter.max_window):
+            table, first = run_parity(drafter, prompt, w)
+            assert first is None and any(r.name == "draft_tokens" for r in table), [r for r in table if not r.ok]
+        for backend in ("eager", "static"):
+            res = Engine(target, load_drafter(source, target, max_len=128), max_len=128, backend=backend,
+                         window=drafter.max_window).generate(prompt, 40)
+            assert res.output_ids == base, (source, backend)

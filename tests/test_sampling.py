@@ -187,33 +187,51 @@ def test_prompt_lookup_greedy_identity_and_tau(qwen3_dir):
     assert runs[0] == runs[1] and len(runs[0]) == 32
 
 
+def variant_of(drafter_dir, out, arch: str, tensors: dict, **config):
+    """The small drafter as another variant: its config with `config` (DFlash2's keys go in dflash_config), its
+    tensors with random ones of these shapes."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    cfg["architectures"] = [arch]
+    cfg["dflash_config"].update(config.pop("dflash_config", {}))
+    cfg.update(config)
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(drafter_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    weights.update({name: (torch.randn(shape, generator=gen) * 0.5).to(torch.bfloat16) for name, shape in tensors.items()})
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
 def test_dflash2_sampled_walk_matches_target_distribution(small, tmp_path):
     """DFlash2's selector drawing each slot from the softmax of its candidates' scores after the token drawn
     before it: the same chi-square test (half the runs: a second drafter, a lean suite)."""
-    import json
-
     target, drafter_dir = small
-    d2 = tmp_path / "d2"
-    d2.mkdir()
-    cfg = json.loads((drafter_dir / "config.json").read_text())
-    cfg["architectures"] = ["DFlash2DraftModel"]
-    cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=3)
-    (d2 / "config.json").write_text(json.dumps(cfg))
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(drafter_dir / "model.safetensors")
-    gen = torch.Generator().manual_seed(3)
-    for name, shape in (("layers.0.attention_conv.base_kernel", (2, 2, 64)),
-                        ("layers.0.attention_conv.kernel_projection.weight", (16, 64)),
-                        ("layers.0.mlp_conv.base_kernel", (2, 2, 64)),
-                        ("layers.0.mlp_conv.kernel_projection.weight", (16, 64)),
-                        ("candidate_selector.predecessor_codebook", (VOCAB, 4)),
-                        ("candidate_selector.successor_codebook", (VOCAB, 4)),
-                        ("candidate_selector.hidden_projection.weight", (4, 64))):
-        tensors[name] = (torch.randn(shape, generator=gen) * 0.5).to(torch.bfloat16)
-    save_file(tensors, str(d2 / "model.safetensors"))
+    d2 = variant_of(drafter_dir, tmp_path / "d2", "DFlash2DraftModel", {
+        "layers.0.attention_conv.base_kernel": (2, 2, 64), "layers.0.attention_conv.kernel_projection.weight": (16, 64),
+        "layers.0.mlp_conv.base_kernel": (2, 2, 64), "layers.0.mlp_conv.kernel_projection.weight": (16, 64),
+        "candidate_selector.predecessor_codebook": (VOCAB, 4), "candidate_selector.successor_codebook": (VOCAB, 4),
+        "candidate_selector.hidden_projection.weight": (4, 64)},
+        dflash_config=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=3))
     dist = exact_first_three(target, PARAMS)
     engine = Engine(target, load_drafter(d2, target, max_len=32), window=3, max_len=32)
     runs = RUNS // 2
+    ok, stat, critical = chi_square_passes(sampled_counts(engine, PARAMS, runs), dist, runs)
+    assert ok, (stat, critical)
+
+
+def test_dspark_sampled_chain_matches_target_distribution(small, tmp_path):
+    """DSpark drawing each slot (from the anchor's own) from its logits biased by the token drawn before it: the
+    same chi-square test (a quarter of the runs)."""
+    target, drafter_dir = small
+    ds = variant_of(drafter_dir, tmp_path / "ds", "DSparkDraftModel", {
+        "markov_head.markov_w1.weight": (VOCAB, 4), "markov_head.markov_w2.weight": (VOCAB, 4)})
+    dist = exact_first_three(target, PARAMS)
+    engine = Engine(target, load_drafter(ds, target, max_len=32), window=3, max_len=32)
+    runs = RUNS // 4
     ok, stat, critical = chi_square_passes(sampled_counts(engine, PARAMS, runs), dist, runs)
     assert ok, (stat, critical)

@@ -104,25 +104,26 @@ def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug:
         cv.append(_numpy(kv.v[b:e]))
         recorded[(j, "context_k")], recorded[(j, "context_v")] = ck[-1], cv[-1]
     weights = {n: _numpy(p) for n, p in unpack(drafter.model.state_dict(), hf_layout(drafter.cfg)).items()}
+    rows = w - 1 if drafter.cfg.anchor_drafts else w  # DSpark: the anchor's slot drafts, W-1 rows
     ref = reference_proposal(weights, drafter.cfg, _numpy(target.embed_tokens.weight), _numpy(target.lm_head.weight),
-                             _numpy(out.taps), ck, cv, ranges, anchor, pos, w)
+                             _numpy(out.taps), ck, cv, ranges, anchor, pos, rows)
     tol = TOLERANCE[target.dtype]
-    rows, first = [], None
+    table, first = [], None
     for layer, stage in stage_order(drafter.cfg.num_layers):
         name = stage if layer < 0 else f"layer{layer}.{stage}"
         row = _compare(name, recorded[(layer, stage)], ref[(layer, stage)], tol)
         for j, (b, e) in enumerate(ranges):  # the spec's cell range: [pos - window, pos) inside 0..pos
             if layer == j and stage == "context_k" and not (0 <= b <= e == pos):
                 row.ok, row.note = False, f"out-of-range context cells {b}..{e} for a block at {pos}"
-        rows.append(row)
+        table.append(row)
         if first is None and not row.ok:
             first = name
-    if (-1, "tokens") in ref:  # DFlash2: the selector's walk, token for token
+    if (-1, "tokens") in ref:  # DFlash2's selector walk, DSpark's chain: token for token
         want = ref[(-1, "tokens")].tolist()
-        rows.append(StageRow("selector_tokens", float("nan"), float("nan"), -1, tokens == want,
-                             "" if tokens == want else f"{tokens} vs reference {want}"))
-        first = first or (None if tokens == want else "selector_tokens")
-    return rows, first
+        table.append(StageRow("draft_tokens", float("nan"), float("nan"), -1, tokens == want,
+                              "" if tokens == want else f"{tokens} vs reference {want}"))
+        first = first or (None if tokens == want else "draft_tokens")
+    return table, first
 
 
 def format_parity(rows: list[StageRow], first: str | None) -> str:

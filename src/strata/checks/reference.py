@@ -1,5 +1,5 @@
 """An independent NumPy (float64) implementation of one DFlash proposal (DFlash2's convolutions and
-selector walk too), written from the spec (docs/DFLASH.md, llama.cpp's dflash graph) and sharing no code
+selector walk, DSpark's Markov chain too), written from the spec (docs/DFLASH.md, llama.cpp's dflash graph) and sharing no code
 with the runtime. The parity tool compares the two stage by
 stage. Attention is recomputed cell by cell from the context K/V that the runtime dumps, so a
 divergence in the context and one in the block pass are told apart."""
@@ -52,6 +52,17 @@ def selector_walk(logits: np.ndarray, hidden: np.ndarray, weights: dict, anchor:
         cand = np.argsort(-logits[t], kind="stable")[:top_k]
         scores = [logits[t, c] + np.sum(succ[c] * pred[prev] * gates[t]) for c in cand]
         prev = int(cand[int(np.argmax(scores))])
+        out.append(prev)
+    return out
+
+
+def markov_walk(logits: np.ndarray, weights: dict, anchor: int) -> list[int]:
+    """DSpark's greedy chain over the draft slots' raw logits: each slot's logits plus markov_w2 . markov_w1[the
+    token before it] (the anchor before the first), its argmax the next token before."""
+    w1, w2 = weights["markov_head.markov_w1.weight"], weights["markov_head.markov_w2.weight"]
+    prev, out = anchor, []
+    for row in logits:
+        prev = int(np.argmax(row + w2 @ w1[prev]))
         out.append(prev)
     return out
 
@@ -127,11 +138,14 @@ def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarra
     h = _rms(x, weights["norm.weight"], eps)
     out[(-1, "final_norm")] = h
     logits = h @ lm_head.T
-    if cfg.output_multiplier is not None:
+    dspark = cfg.markov_rank is not None
+    if cfg.output_multiplier is not None and not dspark:  # DSpark's logits are raw
         logits = logits * cfg.output_multiplier
-    if cfg.final_logit_softcapping is not None:
+    if cfg.final_logit_softcapping is not None and not dspark:
         logits = np.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
     out[(-1, "logits")] = logits
     if dflash2:
         out[(-1, "tokens")] = np.array(selector_walk(logits, h, weights, anchor, cfg.selector_top_k))
+    if dspark:  # the anchor's slot drafts too unless sample_from_anchor is false
+        out[(-1, "tokens")] = np.array(markov_walk(logits[0 if cfg.sample_from_anchor else 1:], weights, anchor))
     return out

@@ -43,6 +43,12 @@ SELECTOR_ROLES = {
     "successor": ("candidate_selector.successor_codebook", "selector_successor.weight"),
     "hidden": ("candidate_selector.hidden_projection.weight", "selector_hidden.weight"),
 }
+#: DSpark's tensors: a low-rank Markov head (the previous slot's token biases each slot's logits) and an optional
+#: confidence head; full-vocabulary drafters only (no d2t)
+MARKOV_ROLES = {"w1": ("markov_head.markov_w1.weight", "markov_w1.weight"),
+                "w2": ("markov_head.markov_w2.weight", "markov_w2.weight")}
+CONFIDENCE_ROLES = {"weight": ("confidence_head.proj.weight", "conf_proj.weight"),
+                    "bias": ("confidence_head.proj.bias", "conf_proj.bias")}
 #: a DFlash2 drafter's hyper-parameters (DFlashConfig fields; dflash_config keys and dflash.* GGUF keys of the
 #: same names)
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -89,7 +95,11 @@ KEYS = [
     Key("sliding_window", "dflash.attention.sliding_window", "uint32", "sliding_window", optional=True),
     Key("layer_types", "dflash.attention.sliding_window_pattern", "bool_array", "layer_types", optional=True),
     *(Key(f, f"dflash.{f}", "uint32", f"dflash_config.{f}", optional=True) for f in DFLASH2_FIELDS),
+    Key("sample_from_anchor", "dflash.sample_from_anchor", "bool", "sample_from_anchor", optional=True),
+    Key("has_confidence_head", "dflash.has_confidence_head", "bool", None, optional=True),
 ]
+#: DSpark's booleans, written whenever set (llama.cpp takes an absent sample_from_anchor as true)
+WRITTEN_WHEN_FALSE = ("sample_from_anchor", "has_confidence_head")
 KEY = {k.gguf: k for k in KEYS}
 #: llama.cpp DFlash metadata that changes the computation in ways Strata does not implement: key ->
 #: (the value that means "as Strata computes", what the key is)
@@ -109,11 +119,6 @@ K_VALUE_LEN = "dflash.attention.value_length"
 
 # Variants recognised and refused: (substring of a tensor name, what it means)
 REFUSED_VARIANTS = [
-    ("markov_head", "DSpark (Markov head)"),
-    ("markov_w1", "DSpark (Markov head)"),
-    ("markov_w2", "DSpark (Markov head)"),
-    ("confidence_head", "a confidence head"),
-    ("conf_proj", "a confidence head"),
     ("embed_tokens", "a drafter with its own embedding"),
     ("token_embd", "a drafter with its own embedding"),
     ("lm_head", "a drafter with its own LM head"),
@@ -123,7 +128,7 @@ REFUSED_VARIANTS = [
 
 
 #: the Hugging Face architectures read (llama.cpp's converter takes both as its DFlash model)
-HF_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+HF_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "Qwen3DSparkModel")
 
 
 def default_target_layers(n: int, num_target_layers: int) -> list[int]:
@@ -163,6 +168,9 @@ class DFlashConfig:
     conv_group_size: int | None = None  # channels sharing a dynamic kernel
     selector_rank: int | None = None  # the candidate selector's codebooks' rank
     selector_top_k: int | None = None  # candidates per slot the selector chooses among
+    markov_rank: int | None = None  # DSpark: the Markov head's rank (from its tensors)
+    sample_from_anchor: bool | None = None  # DSpark: the anchor's own slot drafts the first token
+    has_confidence_head: bool | None = None  # DSpark: conf_proj is there
     extra: dict = field(default_factory=dict)
 
     @property
@@ -171,7 +179,28 @@ class DFlashConfig:
 
     @property
     def variant(self) -> str:
+        if self.markov_rank is not None:
+            return "dspark"
         return "dflash2" if self.conv_kernel_size is not None else "dflash"
+
+    @property
+    def anchor_drafts(self) -> bool:
+        """Whether the block's first slot (the anchor's) drafts the first candidate (DSpark's default)."""
+        return self.variant == "dspark" and self.sample_from_anchor is not False
+
+    def set_dspark(self, names, shapes: dict, where: str) -> None:
+        """A DSpark drafter's rank and heads, from its tensors (by Hugging Face name); none: not DSpark."""
+        w1 = MARKOV_ROLES["w1"][0]
+        if w1 not in names:
+            return
+        if len(shapes[w1]) != 2:
+            raise ArtifactError(f"{where}: tensor '{w1}' must be 2-D [vocab, rank], got {list(shapes[w1])}")
+        self.markov_rank = int(shapes[w1][1])
+        self.has_confidence_head = CONFIDENCE_ROLES["weight"][0] in names
+        if self.sample_from_anchor is None:
+            self.sample_from_anchor = True
+        if not isinstance(self.vocab_size, int):
+            raise ArtifactError(f"{where}: DSpark's Markov head needs vocab_size")
 
     def validate(self, where: str) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -254,6 +283,13 @@ def expected_tensors(cfg: DFlashConfig, naming: str = "hf") -> dict[str, tuple]:
         selector = {"predecessor": codebook, "successor": codebook, "hidden": (cfg.selector_rank, h)}
         for role, names in SELECTOR_ROLES.items():
             out[names[col]] = selector[role]
+    if cfg.variant == "dspark":
+        for names in MARKOV_ROLES.values():
+            out[names[col]] = (cfg.vocab_size, cfg.markov_rank)
+        if cfg.has_confidence_head:
+            conf = {"weight": (1, h + cfg.markov_rank), "bias": (1,)}
+            for role, names in CONFIDENCE_ROLES.items():
+                out[names[col]] = conf[role]
     return out
 
 
@@ -266,7 +302,8 @@ def _rename(name: str, to_gguf: bool) -> str:
             if rest == pair[src]:
                 return f"{prefixes[dst]}{n}.{pair[dst]}"
         return name
-    for pair in [*GLOBAL_ROLES.values(), *SELECTOR_ROLES.values()]:
+    for pair in [*GLOBAL_ROLES.values(), *SELECTOR_ROLES.values(), *MARKOV_ROLES.values(),
+                 *CONFIDENCE_ROLES.values()]:
         if name == pair[src]:
             return pair[dst]
     return name

@@ -6,6 +6,7 @@ captures them in CUDA graphs in the static layout and runs them as they are in t
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -17,6 +18,10 @@ from ..layers.quant import QuantWeight, replace_parameter
 from ..models.loader import pack, quantized_weight
 from .artifact import Artifact, check_against_target, load_artifact
 from .model import DFlashModel, hf_layout
+
+
+#: parameters read by rows or as plain matrices, never through the quantized kernels
+ROWS_READ = re.compile("codebook|markov_head|confidence_head")
 
 
 class DFlashDrafter(Drafter):
@@ -34,14 +39,14 @@ class DFlashDrafter(Drafter):
         check_against_target(cfg, target.cfg, str(art.source), art.vocab)
         self.cfg, self.target, self.source = cfg, target, art.source
         self.tap_layers = list(cfg.target_layer_ids)
-        self.max_window = cfg.block_size
+        self.max_window = cfg.block_size + (1 if cfg.anchor_drafts else 0)  # W-1 drafts from W-1 rows
         self.window_cells = window_cells
         layout = hf_layout(cfg)
         quant = {}
         if target.device.type == "cuda" if quantized is None else quantized:
             quant = {param: quantized_weight([art.blocks[n] for n, _ in sources], sources[0][1][1], target.device,
                                              target.dtype)
-                     for param, sources in layout.items() if "codebook" not in param  # codebooks: rows read
+                     for param, sources in layout.items() if not ROWS_READ.search(param)
                      and all(n in art.blocks and QuantWeight.fits(art.blocks[n][0], s) for n, s in sources)}
         with torch.device("meta"):
             model = DFlashModel(cfg)
@@ -78,28 +83,32 @@ class DFlashDrafter(Drafter):
         """The block's own K/V go into its cells pos..pos+n of the drafter's cache, which hold no context
         yet (the next observe rewrites every cell a later block reads), so each layer attends over one
         slice of the cache: the context cells before pos inside the layer's window, and the block."""
-        dev, n, pos = self.target.device, req.n, req.pos_t
+        dev, n, pos, cfg = self.target.device, req.n, req.pos_t, self.cfg
+        rows = n if cfg.anchor_drafts else n + 1  # DSpark's anchor slot drafts too
         kv_len = min(req.kv_len, self.cache.cells)
-        positions = pos + torch.arange(n + 1, device=dev)
+        positions = pos + torch.arange(rows, device=dev)
         cells = torch.arange(kv_len, device=dev)
-        own = (cells >= pos) & (cells <= pos + n)
-        masks = {w: (((cells < pos) & (cells >= pos - (w or self.window_cells))) | own).expand(n + 1, -1)
+        own = (cells >= pos) & (cells < pos + rows)
+        masks = {w: (((cells < pos) & (cells >= pos - (w or self.window_cells))) | own).expand(rows, -1)
                  for w in self.model.windows}
-        x = self.block_input(torch.cat([req.anchor_t, self.mask_token.expand(n)]))
+        x = self.block_input(torch.cat([req.anchor_t, self.mask_token.expand(rows - 1)]))
         h = self.model(x, Step(positions, kv_len, req.kernels, probe=req.probe, masks=masks), self.cache)
         logits = self.target.head(h, req.kernels)
-        cfg = self.cfg
-        if cfg.output_multiplier is not None:
+        if cfg.output_multiplier is not None and cfg.variant != "dspark":  # DSpark's logits are raw (llama.cpp's)
             logits = logits * cfg.output_multiplier
-        if cfg.final_logit_softcapping is not None:
+        if cfg.final_logit_softcapping is not None and cfg.variant != "dspark":
             logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
         if req.probe is not None:
             logits = req.probe(-1, "logits", logits)
+        logits, h = logits[rows - n:], h[rows - n:]  # the draft slots
         if cfg.variant == "dflash2":  # the selector's walk among each slot's candidates
-            selector, block = self.model.candidate_selector, (logits[1:], h[1:], req.anchor_t, req.kernels)
-            return Proposal(selector.walk(*block), logits[1:],
-                            draw=lambda probs, gen: selector.draw(*block, probs, gen))
-        return Proposal(logits[1:].argmax(-1), logits[1:])
+            selector, block = self.model.candidate_selector, (logits, h, req.anchor_t, req.kernels)
+            return Proposal(selector.walk(*block), logits, draw=lambda probs, gen: selector.draw(*block, probs, gen))
+        if cfg.variant == "dspark":  # the Markov head's chain from the anchor
+            head = self.model.markov_head
+            tokens, chained = head.walk(logits, req.anchor_t)
+            return Proposal(tokens, chained, draw=lambda probs, gen: head.draw(logits, req.anchor_t, probs, gen))
+        return Proposal(logits.argmax(-1), logits)
 
 
 def load_drafter(source: str | Path | Artifact, target, window_cells: int = 32768,

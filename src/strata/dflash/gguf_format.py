@@ -33,7 +33,7 @@ def metadata(cfg: C.DFlashConfig) -> list[tuple[str, str, object]]:
     out = []
     for key in C.KEYS:
         value = getattr(cfg, key.field)
-        if key.optional and (value is None or value is False):
+        if key.optional and (value is None or (value is False and key.field not in C.WRITTEN_WHEN_FALSE)):
             continue
         if key.field == "sliding_window" and cfg.layer_types is None:
             continue
@@ -179,6 +179,7 @@ def read_gguf(path: Path):
     by_name = {i.name: i for i in infos}
     fc = by_name.get(hf_names.get("fc.weight", ""))
     cfg = config_from_gguf(kv, where, fc.shape[0] if fc is not None and len(fc.shape) == 2 else None)
+    cfg.set_dspark(hf_names, {h: tuple(reversed(by_name[g].shape)) for h, g in hf_names.items()}, where)
     C.refuse_stray_dflash2(hf_names, cfg, where)
     expected = C.expected_tensors(cfg, "hf")
     C.check_tensor_set(hf_names, expected, where)

@@ -92,7 +92,7 @@ def config_from_hf(cfg: dict, where: str, fc_shape: tuple | None = None) -> C.DF
 
 
 def config_to_hf(cfg: C.DFlashConfig, dtype: str = "bfloat16") -> dict:
-    arch = "DFlash2DraftModel" if cfg.variant == "dflash2" else "DFlashDraftModel"
+    arch = {"dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}.get(cfg.variant, "DFlashDraftModel")
     out = {"architectures": [arch], "model_type": "qwen3", "hidden_act": "silu",
            "tie_word_embeddings": False, "torch_dtype": dtype, "dflash_config": {}}
     for key in C.KEYS:
@@ -120,6 +120,17 @@ def read_hf(folder: Path):
     C.refuse_variants(tensors, where, raw.get("architectures"))
     fc = tensors.get("fc.weight")
     cfg = config_from_hf(raw, where, tuple(fc.shape) if fc is not None else None)
+    cfg.set_dspark(tensors, {n: tuple(t.shape) for n, t in tensors.items()}, where)
+    if any("DSpark" in a for a in raw.get("architectures") or []) and cfg.variant != "dspark":
+        raise ArtifactError(f"{where}: a DSpark architecture without its Markov head "
+                            f"({C.MARKOV_ROLES['w1'][0]})")
+    if cfg.variant == "dspark":
+        if raw.get("markov_head_type", "vanilla") != "vanilla":
+            raise ArtifactError(f"{where}: field 'markov_head_type' is {raw['markov_head_type']!r}; only 'vanilla' "
+                                f"Markov heads are supported (llama.cpp's too)")
+        if raw.get("draft_vocab_size") not in (None, cfg.vocab_size):
+            raise ArtifactError(f"{where}: field 'draft_vocab_size' {raw['draft_vocab_size']} differs from vocab_size "
+                                f"{cfg.vocab_size}: a draft vocabulary (d2t) is not supported")
     C.refuse_stray_dflash2(tensors, cfg, where)
     expected = C.expected_tensors(cfg, "hf")
     C.check_tensor_set(tensors, expected, where)

@@ -13,8 +13,9 @@ from ..cache import KVCache
 from ..layers.modules import MLP, Attention, DecoderLayer, Linear, RMSNorm, Step, run_layers
 from ..layers.rotary import RopeConfig, RotaryTable
 from ..models.decoder import layer_layout
-from .contract import CONV_ROLES, SELECTOR_ROLES, DFlashConfig, expected_tensors
+from .contract import CONFIDENCE_ROLES, CONV_ROLES, MARKOV_ROLES, SELECTOR_ROLES, DFlashConfig, expected_tensors
 from .dflash2 import CandidateSelector, ConvolvedLayer
+from .dspark import MarkovHead
 
 
 class DFlashModel(nn.Module):
@@ -35,6 +36,11 @@ class DFlashModel(nn.Module):
         if cfg.variant == "dflash2":
             self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.selector_rank, cfg.hidden_size,
                                                         cfg.selector_top_k)
+        if cfg.variant == "dspark":
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+            if cfg.has_confidence_head:  # loaded, not yet used: llama.cpp reads it only for --spec-draft-p-min
+                self.confidence_head = nn.Module()
+                self.confidence_head.proj = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
         self.rotary: RotaryTable | None = None
 
     @property
@@ -80,8 +86,8 @@ def hf_layout(cfg: DFlashConfig) -> dict[str, list[tuple[str, tuple]]]:
     for n in range(cfg.num_layers):
         out.update(layer_layout(f"layers.{n}.", f"layers.{n}.", h, cfg.intermediate_size, cfg.num_heads,
                                 cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias, qk_norm=True))
-    if cfg.variant == "dflash2":  # the convolutions and the selector: parameters of the checkpoint's names
-        extra = {f"layers.{n}.{hf}" for n in range(cfg.num_layers) for hf, _ in CONV_ROLES.values()} | \
-            {hf for hf, _ in SELECTOR_ROLES.values()}
-        out.update({name: [(name, shape)] for name, shape in expected_tensors(cfg).items() if name in extra})
+    # DFlash2's convolutions and selector, DSpark's heads: parameters of the checkpoint's names
+    extra = {f"layers.{n}.{hf}" for n in range(cfg.num_layers) for hf, _ in CONV_ROLES.values()} | \
+        {hf for roles in (SELECTOR_ROLES, MARKOV_ROLES, CONFIDENCE_ROLES) for hf, _ in roles.values()}
+    out.update({name: [(name, shape)] for name, shape in expected_tensors(cfg).items() if name in extra})
     return out
