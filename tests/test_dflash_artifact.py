@@ -185,7 +185,7 @@ def _add(name, shape=(4, 64)):
     (_add("blk.0.ffn_conv_proj.weight"), "DFlash2"),
     (_add("selector_hidden.weight"), "DFlash2 (candidate selector)"),
     (_add("selector_predecessor.weight"), "DFlash2 (candidate selector)"),
-    (_add("markov_w1.weight"), "DSpark (Markov head)"),
+    (_add("markov_w1.weight"), "missing markov_head.markov_w2.weight"),
     (_add("markov_head.weight"), "DSpark (Markov head)"),
     (_add("confidence_head.weight"), "confidence head"),
     (_add("conf_proj.weight"), "confidence head"),

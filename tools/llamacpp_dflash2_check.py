@@ -52,53 +52,55 @@ def check(ok: bool, line: str) -> None:
         failed.append(line)
 
 
-def dflash2_folder(out: Path, strength: float) -> Path:
-    """The demo drafter as a DFlash2 folder: its tensors, near-identity convolutions, a selector of this scale."""
+def demo_folder(out: Path, arch: str, extra: dict, seed: int, tensors_of) -> Path:
+    """The demo drafter's folder as another architecture: its config with `extra` (DFlash2's keys into
+    dflash_config), its tensors plus tensors_of(config, generator)."""
     plain = out.parent / "demo-hf"
     if not plain.exists():
         export_gguf_to_hf(DEMO / "drafter.gguf", plain, progress=False)
     shutil.copytree(plain, out)
     cfg = json.loads((plain / "config.json").read_text())
-    hidden, vocab, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    cfg["architectures"] = ["DFlash2DraftModel"]
-    cfg["dflash_config"].update(conv_kernel_size=TAPS, conv_group_size=GROUP, selector_rank=RANK,
-                                selector_top_k=TOP_K)
+    cfg["architectures"] = [arch]
+    cfg["dflash_config"].update(extra.pop("dflash_config", {}))
+    cfg.update(extra)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     tensors = load_file(plain / "model.safetensors")
-    gen = torch.Generator().manual_seed(1)
-    for n in range(layers):
-        for conv in ("attention_conv", "mlp_conv"):
-            base = torch.randn(2, TAPS, hidden, generator=gen) * 0.05
-            base[:, 0] += 1.0
-            tensors[f"layers.{n}.{conv}.base_kernel"] = base.bfloat16()
-            tensors[f"layers.{n}.{conv}.kernel_projection.weight"] = \
-                (torch.randn(2 * TAPS * hidden // GROUP, hidden, generator=gen) * 0.01).bfloat16()
-    for book in ("predecessor", "successor"):
-        tensors[f"candidate_selector.{book}_codebook"] = \
-            (torch.randn(vocab, RANK, generator=gen) * strength).bfloat16()
-    tensors["candidate_selector.hidden_projection.weight"] = (torch.randn(RANK, hidden, generator=gen) * 0.1).bfloat16()
+    tensors.update(tensors_of(cfg, torch.Generator().manual_seed(seed)))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def dflash2_folder(out: Path, strength: float) -> Path:
+    """The demo drafter as a DFlash2 folder: near-identity convolutions, a selector of this scale."""
+    def tensors(cfg, gen):
+        hidden, vocab, new = cfg["hidden_size"], cfg["vocab_size"], {}
+        for n in range(cfg["num_hidden_layers"]):
+            for conv in ("attention_conv", "mlp_conv"):
+                base = torch.randn(2, TAPS, hidden, generator=gen) * 0.05
+                base[:, 0] += 1.0
+                new[f"layers.{n}.{conv}.base_kernel"] = base.bfloat16()
+                new[f"layers.{n}.{conv}.kernel_projection.weight"] = \
+                    (torch.randn(2 * TAPS * hidden // GROUP, hidden, generator=gen) * 0.01).bfloat16()
+        for book in ("predecessor", "successor"):
+            new[f"candidate_selector.{book}_codebook"] = (torch.randn(vocab, RANK, generator=gen) * strength).bfloat16()
+        new["candidate_selector.hidden_projection.weight"] = (torch.randn(RANK, hidden, generator=gen) * 0.1).bfloat16()
+        return new
+
+    keys = dict(conv_kernel_size=TAPS, conv_group_size=GROUP, selector_rank=RANK, selector_top_k=TOP_K)
+    return demo_folder(out, "DFlash2DraftModel", {"dflash_config": keys}, 1, tensors)
 
 
 def dspark_folder(out: Path, anchor: bool) -> Path:
-    """The demo drafter as a DSpark folder: its tensors, a random Markov head and confidence head."""
-    plain = out.parent / "demo-hf"
-    if not plain.exists():
-        export_gguf_to_hf(DEMO / "drafter.gguf", plain, progress=False)
-    shutil.copytree(plain, out)
-    cfg = json.loads((plain / "config.json").read_text())
-    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
-    cfg.update(architectures=["DSparkDraftModel"], sample_from_anchor=anchor, markov_head_type="vanilla")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tensors = load_file(plain / "model.safetensors")
-    gen = torch.Generator().manual_seed(2)
-    tensors["markov_head.markov_w1.weight"] = (torch.randn(vocab, RANK, generator=gen)).bfloat16()
-    tensors["markov_head.markov_w2.weight"] = (torch.randn(vocab, RANK, generator=gen) * 0.5).bfloat16()
-    tensors["confidence_head.proj.weight"] = (torch.randn(1, hidden + RANK, generator=gen) * 0.1).bfloat16()
-    tensors["confidence_head.proj.bias"] = torch.zeros(1)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    """The demo drafter as a DSpark folder: a random Markov head and confidence head."""
+    def tensors(cfg, gen):
+        hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+        return {"markov_head.markov_w1.weight": torch.randn(vocab, RANK, generator=gen).bfloat16(),
+                "markov_head.markov_w2.weight": (torch.randn(vocab, RANK, generator=gen) * 0.5).bfloat16(),
+                "confidence_head.proj.weight": (torch.randn(1, hidden + RANK, generator=gen) * 0.1).bfloat16(),
+                "confidence_head.proj.bias": torch.zeros(1)}
+
+    return demo_folder(out, "DSparkDraftModel", {"sample_from_anchor": anchor, "markov_head_type": "vanilla"}, 2,
+                       tensors)
 
 
 def lcpp_convert(tools: tuple, src: Path, out: Path, *flags: str) -> None:

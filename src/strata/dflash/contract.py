@@ -339,15 +339,22 @@ DFLASH2_PARTS = {"attention_conv": "convolutional attention", "attn_conv": "conv
                  "candidate_selector": "candidate selector", "selector_": "candidate selector"}
 
 
-def refuse_stray_dflash2(names, cfg: DFlashConfig, where: str) -> None:
-    """DFlash2's tensors in a drafter whose config lacks DFlash2's hyper-parameters (they cannot be run)."""
-    if cfg.variant == "dflash2":
-        return
+#: DSpark's, likewise
+DSPARK_PARTS = {"markov": "Markov head", "confidence_head": "confidence head", "conf_proj": "confidence head"}
+
+
+def refuse_stray_variants(names, cfg: DFlashConfig, where: str) -> None:
+    """DFlash2's tensors in a drafter whose config lacks DFlash2's hyper-parameters, DSpark's in one without its
+    Markov head's first matrix (they cannot be run)."""
     for name in names:
         what = next((w for part, w in DFLASH2_PARTS.items() if part in name), None)
-        if what:
+        if what and cfg.variant != "dflash2":
             raise ArtifactError(f"{where}: tensor '{name}' belongs to DFlash2 ({what}), but the config has none of "
                                 f"DFlash2's {', '.join(DFLASH2_FIELDS)}")
+        what = next((w for part, w in DSPARK_PARTS.items() if part in name), None)
+        if what and cfg.variant != "dspark":
+            raise ArtifactError(f"{where}: tensor '{name}' belongs to DSpark ({what}), but the drafter has no "
+                                f"{MARKOV_ROLES['w1'][0]}")
 
 
 def check_tensor_set(names, expected: dict, where: str) -> None:

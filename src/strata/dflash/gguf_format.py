@@ -180,7 +180,7 @@ def read_gguf(path: Path):
     fc = by_name.get(hf_names.get("fc.weight", ""))
     cfg = config_from_gguf(kv, where, fc.shape[0] if fc is not None and len(fc.shape) == 2 else None)
     cfg.set_dspark(hf_names, {h: tuple(reversed(by_name[g].shape)) for h, g in hf_names.items()}, where)
-    C.refuse_stray_dflash2(hf_names, cfg, where)
+    C.refuse_stray_variants(hf_names, cfg, where)
     expected = C.expected_tensors(cfg, "hf")
     C.check_tensor_set(hf_names, expected, where)
     tensors, types, blocks = {}, {}, {}

@@ -131,7 +131,7 @@ def read_hf(folder: Path):
         if raw.get("draft_vocab_size") not in (None, cfg.vocab_size):
             raise ArtifactError(f"{where}: field 'draft_vocab_size' {raw['draft_vocab_size']} differs from vocab_size "
                                 f"{cfg.vocab_size}: a draft vocabulary (d2t) is not supported")
-    C.refuse_stray_dflash2(tensors, cfg, where)
+    C.refuse_stray_variants(tensors, cfg, where)
     expected = C.expected_tensors(cfg, "hf")
     C.check_tensor_set(tensors, expected, where)
     for name, shape in expected.items():
