@@ -337,8 +337,6 @@ def refuse_variants(names, where: str, architectures=None) -> None:
 DFLASH2_PARTS = {"attention_conv": "convolutional attention", "attn_conv": "convolutional attention",
                  "mlp_conv": "convolutional MLP", "ffn_conv": "convolutional MLP",
                  "candidate_selector": "candidate selector", "selector_": "candidate selector"}
-
-
 #: DSpark's, likewise
 DSPARK_PARTS = {"markov": "Markov head", "confidence_head": "confidence head", "conf_proj": "confidence head"}
 

@@ -87,34 +87,38 @@ class CandidateSelector(nn.Module):
         gate = self.hidden_projection(h, kernels).float()
         return cand, unary, self.successor_codebook[cand].float(), gate
 
-    def walk(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels) -> torch.Tensor:
-        """The greedy walk from the anchor [1] over slots with logits [n, V] and hidden states h [n, H]: at each
-        slot the best-scoring of its top-k candidates after the one before (the first best on ties, as
-        llama.cpp walks it). Device work only, no host read: [n] token ids."""
+    def chain(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels, pick):
+        """Slot by slot from the anchor [1] over slots with logits [n, V] and hidden states h [n, H]: each slot's
+        candidate scores after the token picked before it, and pick(candidates [k], scores [k]) -> (token [1],
+        what to keep). Device work only, no host read: (the picks, what was kept), lists."""
         cand, unary, succ, gate = self.edges(logits, h, kernels)
         pred = self.predecessor_codebook.float()
-        prev, out = anchor.view(1), []
+        prev, tokens, kept = anchor.view(1), [], []
         for t in range(cand.shape[0]):
-            scores = unary[t] + (succ[t] * (pred[prev] * gate[t])).sum(-1)
-            prev = cand[t].gather(0, scores.argmax().view(1))
-            out.append(prev)
-        return torch.cat(out) if out else cand.new_empty(0)
+            prev, keep = pick(cand[t], unary[t] + (succ[t] * (pred[prev] * gate[t])).sum(-1))
+            tokens.append(prev)
+            kept.append(keep)
+        return tokens, kept
+
+    def walk(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels) -> torch.Tensor:
+        """The greedy walk: at each slot the best-scoring of its top-k candidates after the one before (the first
+        best on ties, as llama.cpp walks it): [n] token ids."""
+        def pick(cand, scores):
+            return cand.gather(0, scores.argmax().view(1)), None
+
+        tokens, _ = self.chain(logits, h, anchor, kernels, pick)
+        return torch.cat(tokens) if tokens else anchor.new_empty(0)
 
     def draw(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels, probs, gen):
         """The sampled walk: each slot's token drawn (an exponential race, no host read) from q = probs of its
         candidates' scores after the token drawn before it (every other token -inf), so that rejection
         sampling against the target stays lossless. Returns (tokens [n], q [n, V])."""
-        cand, unary, succ, gate = self.edges(logits, h, kernels)
-        pred = self.predecessor_codebook.float()
-        prev, tokens, qs = anchor.view(1), [], []
-        for t in range(cand.shape[0]):
-            scores = unary[t] + (succ[t] * (pred[prev] * gate[t])).sum(-1)
-            row = torch.full((1, logits.shape[-1]), float("-inf"), device=logits.device).scatter(1, cand[t][None],
-                                                                                                 scores[None])
-            q = probs(row)
-            prev = sample(q, gen)
-            tokens.append(prev)
-            qs.append(q)
+        def pick(cand, scores):
+            q = probs(torch.full((1, logits.shape[-1]), float("-inf"), device=logits.device)
+                      .scatter(1, cand[None], scores[None]))
+            return sample(q, gen), q
+
+        tokens, qs = self.chain(logits, h, anchor, kernels, pick)
         if not tokens:
-            return cand.new_empty(0), logits.new_empty(0, logits.shape[-1])
+            return anchor.new_empty(0), logits.new_empty(0, logits.shape[-1])
         return torch.cat(tokens), torch.cat(qs)

@@ -25,28 +25,29 @@ class MarkovHead(nn.Module):
         """The logits' bias after token prev [1]: [1, V] float32."""
         return self.markov_w1.weight[prev].float() @ self.markov_w2.weight.float().T
 
-    def walk(self, logits: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The greedy chain over the draft slots' logits [n, V] from the anchor [1]: (tokens [n], the chained
-        logits [n, V]). Device work only."""
-        prev, tokens, rows = anchor.view(1), [], []
+    def chain(self, logits: torch.Tensor, anchor: torch.Tensor, pick) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot by slot from the anchor [1] over the draft slots' logits [n, V]: each slot's logits biased by the
+        token picked before it, and pick(row [1, V]) -> (token [1], the row [1, V] to keep). Device work only:
+        (tokens [n], the kept rows [n, V])."""
+        prev, tokens, kept = anchor.view(1), [], []
         for i in range(logits.shape[0]):
-            row = logits[i:i + 1].float() + self.bias(prev)
-            prev = row.argmax(-1)
+            prev, row = pick(logits[i:i + 1].float() + self.bias(prev))
             tokens.append(prev)
-            rows.append(row)
+            kept.append(row)
         if not tokens:
-            return anchor.new_empty(0), logits.float()
-        return torch.cat(tokens), torch.cat(rows)
+            return anchor.new_empty(0), logits.new_empty(0, logits.shape[-1]).float()
+        return torch.cat(tokens), torch.cat(kept)
+
+    def walk(self, logits: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy chain, each slot's argmax the next slot's previous token: (tokens [n], the chained logits
+        [n, V])."""
+        return self.chain(logits, anchor, lambda row: (row.argmax(-1), row))
 
     def draw(self, logits: torch.Tensor, anchor: torch.Tensor, probs, gen) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled chain: each slot drawn (no host read) from q = probs of its logits biased by the token
         drawn before it, so that rejection sampling against the target stays lossless: (tokens [n], q [n, V])."""
-        prev, tokens, qs = anchor.view(1), [], []
-        for i in range(logits.shape[0]):
-            q = probs(logits[i:i + 1].float() + self.bias(prev))
-            prev = sample(q, gen)
-            tokens.append(prev)
-            qs.append(q)
-        if not tokens:
-            return anchor.new_empty(0), logits.new_empty(0, logits.shape[-1]).float()
-        return torch.cat(tokens), torch.cat(qs)
+        def pick(row):
+            q = probs(row)
+            return sample(q, gen), q
+
+        return self.chain(logits, anchor, pick)

@@ -41,13 +41,18 @@ def metadata(cfg: C.DFlashConfig) -> list[tuple[str, str, object]]:
     return out
 
 
+def kept_in_f32(t: torch.Tensor, name: str) -> bool:
+    """Whether llama.cpp's converter stores this tensor (under its GGUF name) in F32: 1-D ones (llama.cpp's CPU
+    ops take no BF16 norm) and those whose name does not end in `.weight` (DFlash2's base kernels)."""
+    return t.dim() == 1 or not name.endswith(".weight")
+
+
 def storage(t: torch.Tensor, name: str) -> tuple[np.ndarray, object]:
-    """A tensor as llama.cpp's converter stores it under its GGUF name: 1-D and those whose name does not end in
-    `.weight` (DFlash2's base kernels) in F32 (llama.cpp's CPU ops take no BF16 norm), the rest in BF16
-    (rounded to nearest even). Returns (array, GGML type)."""
+    """A tensor as llama.cpp's converter stores it under its GGUF name: F32 (kept_in_f32), else BF16 (rounded to
+    nearest even). Returns (array, GGML type)."""
     import gguf
 
-    if t.dim() == 1 or not name.endswith(".weight"):
+    if kept_in_f32(t, name):
         return t.to(torch.float32).contiguous().numpy(), gguf.GGMLQuantizationType.F32
     bf16 = t if t.dtype == torch.bfloat16 else t.to(torch.float32).to(torch.bfloat16)
     return bf16.contiguous().view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
@@ -55,7 +60,7 @@ def storage(t: torch.Tensor, name: str) -> tuple[np.ndarray, object]:
 
 def stored(t: torch.Tensor, name: str) -> torch.Tensor:
     """What storage() keeps of a tensor, as a tensor: the read-back a converter must find."""
-    if t.dim() == 1 or not name.endswith(".weight"):
+    if kept_in_f32(t, name):
         return t.to(torch.float32)
     return t if t.dtype == torch.bfloat16 else t.float().bfloat16()
 

@@ -126,11 +126,12 @@ class Engine:
         if n == 0:
             return torch.empty(0, dtype=torch.long, device=self.target.device), None
         proposal = self.runner.draft(anchor, pos, n, kv_len)
-        if not params.greedy and self.config.draft_sampling == "sample" and proposal.draw is not None:
-            return proposal.draw(lambda logits: process(logits, params), gen)
-        if not params.greedy and self.config.draft_sampling == "sample" and proposal.logits is not None:
-            q = process(proposal.logits, params)
-            return sample(q, gen), q
+        if not params.greedy and self.config.draft_sampling == "sample":
+            if proposal.draw is not None:
+                return proposal.draw(lambda logits: process(logits, params), gen)
+            if proposal.logits is not None:
+                q = process(proposal.logits, params)
+                return sample(q, gen), q
         return proposal.tokens, None
 
     def _launch(self, anchor: int | None, pos: int, params: SamplingParams, gen, accept) -> Launched:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -99,7 +100,7 @@ def expert_pairs(x: torch.Tensor, groups: list[tuple[int, list[int]]], gate_up, 
     lib = library()
     x = x.to(torch.float32).contiguous()
     experts = torch.tensor([e for e, _ in groups], dtype=torch.int64)
-    start = torch.tensor([0, *torch.tensor([len(r) for _, r in groups]).cumsum(0).tolist()], dtype=torch.int64)
+    start = torch.tensor([0, *itertools.accumulate(len(r) for _, r in groups)], dtype=torch.int64)
     rows = torch.tensor([r for _, rs in groups for r in rs], dtype=torch.int64)
     hidden, inter = x.shape[1], down.cols
     act = torch.empty(len(rows), 2 * inter, dtype=torch.float32)
