@@ -75,7 +75,7 @@ def test_runtime_matches_numpy_reference(pair):
     for w in (2, 8):
         rows, first = run_parity(drafter, prompts[60], w)
         assert first is None
-        assert len(rows) == 1 + 2 * len(LAYER_STAGES) + 2
+        assert len(rows) == 1 + 2 * len(LAYER_STAGES) + 3 and rows[-1].name == "draft_confidence"
         for row in rows:
             assert row.max_abs <= 1e-4, row
 

@@ -89,7 +89,7 @@ def test_biased_acceptance_rule_fails_the_same_test(small, monkeypatch):
     """Negative control: accept every candidate. The chi-square test must catch it."""
     target, drafter_dir = small
 
-    def accept_always(p, candidates, q, gen):
+    def accept_always(p, candidates, q, gen, limit=None):
         n = candidates.shape[0]
         return torch.cat([torch.tensor([n]), torch.multinomial(p[n], 1, generator=gen), candidates])
 
@@ -209,7 +209,8 @@ def variant_of(drafter_dir, out, arch: str, tensors: dict, **config):
 
 def test_dflash2_sampled_walk_matches_target_distribution(small, tmp_path):
     """DFlash2's selector drawing each slot from the softmax of its candidates' scores after the token drawn
-    before it: the same chi-square test (a quarter of the runs: another drafter, a lean suite)."""
+    before it, under --spec auto: the same chi-square test (a quarter of the runs: another drafter, a lean
+    suite)."""
     target, drafter_dir = small
     d2 = variant_of(drafter_dir, tmp_path / "d2", "DFlash2DraftModel", {
         "layers.0.attention_conv.base_kernel": (2, 2, 64), "layers.0.attention_conv.kernel_projection.weight": (16, 64),
@@ -218,20 +219,23 @@ def test_dflash2_sampled_walk_matches_target_distribution(small, tmp_path):
         "candidate_selector.hidden_projection.weight": (4, 64)},
         dflash_config=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=3))
     dist = exact_first_three(target, PARAMS)
-    engine = Engine(target, load_drafter(d2, target, max_len=32), window=3, max_len=32)
+    # the window chosen each round (--spec auto) from the greedy walk's ratings, which no draw changes
+    engine = Engine(target, load_drafter(d2, target, max_len=32), window=3, max_len=32, auto_window=True)
     runs = RUNS // 4
     ok, stat, critical = chi_square_passes(sampled_counts(engine, PARAMS, runs), dist, runs)
     assert ok, (stat, critical)
 
 
 def test_dspark_sampled_chain_matches_target_distribution(small, tmp_path):
-    """DSpark drawing each slot (from the anchor's own) from its logits biased by the token drawn before it: the
-    same chi-square test (a quarter of the runs)."""
+    """DSpark drawing each slot (from the anchor's own) from its logits biased by the token drawn before it, its
+    drafts cut by --draft-p-min: the same chi-square test (a quarter of the runs)."""
     target, drafter_dir = small
     ds = variant_of(drafter_dir, tmp_path / "ds", "DSparkDraftModel", {
-        "markov_head.markov_w1.weight": (VOCAB, 4), "markov_head.markov_w2.weight": (VOCAB, 4)})
+        "markov_head.markov_w1.weight": (VOCAB, 4), "markov_head.markov_w2.weight": (VOCAB, 4),
+        "confidence_head.proj.weight": (1, 68), "confidence_head.proj.bias": (1,)})
     dist = exact_first_three(target, PARAMS)
-    engine = Engine(target, load_drafter(ds, target, max_len=32), window=3, max_len=32)
+    # drafts cut where a draw's q is below 0.4 (--draft-p-min): a stopping rule, so still lossless
+    engine = Engine(target, load_drafter(ds, target, max_len=32), window=3, max_len=32, draft_p_min=0.4)
     runs = RUNS // 4
     ok, stat, critical = chi_square_passes(sampled_counts(engine, PARAMS, runs), dist, runs)
     assert ok, (stat, critical)

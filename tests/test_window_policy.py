@@ -56,3 +56,62 @@ def test_generate_takes_the_flag(capsys):
     adaptive = capsys.readouterr()
     assert main(["generate", "--prompt-ids", "3,99,14,250", "--max-new-tokens", "24", "--ids", "--no-dflash"]) == 0
     assert adaptive.out == capsys.readouterr().out and "adaptive window, now " in adaptive.err
+
+
+def test_auto_weighs_the_drafters_confidence_against_cost():
+    """--spec auto: the expected tokens of a window from this round's ratings (their running product), scaled by
+    how often each position's candidates were accepted against how confident the drafter was there."""
+    policy = WindowPolicy(8, cost=lambda w: 1.0 + 0.25 * w)
+    sure, doubtful = [0.99] * 7, [0.9, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]
+    assert policy.expected_from(sure, 2) == pytest.approx(1 + 0.99)
+    assert policy.choose(sure) == 8 and policy.choose(doubtful) == 2
+    for _ in range(40):  # a drafter twice as confident as it should be at every position
+        policy.record(8, 0, 0.0, [0.8] * 7)
+        policy.record(8, 7, 0.0, [0.8] * 7)
+    assert policy.expected_from([0.8] * 7, 2) == pytest.approx(1 + 0.8 * 41 / 65)  # (kept + 1) / (rated + 1)
+
+
+def test_auto_window_and_p_min_decode_as_target_only(qwen3_dir, tmp_path):
+    """Whatever window auto picks and wherever --draft-p-min cuts a draft, greedy output is target-only's; a cut
+    caps acceptance (p_min 1 cuts every draft: nothing is accepted), the settings that cannot go together are
+    refused by name."""
+    from strata.engine.prompt_lookup import PromptLookupDrafter
+
+    target = load_target(qwen3_dir)
+    drafter_dir = write_hf_drafter(tmp_path / "d", layers=1, taps=(0, 2), block_size=8, seed=3, scale=0.3)
+    prompt = [3, 99, 14, 250, 8, 8, 41, 3, 99, 14]
+    for backend in ("eager", "static"):
+        want = Engine(target, max_len=128, backend=backend).generate(prompt, 40).output_ids
+        for kw in (dict(auto_window=True), dict(draft_p_min=0.3), dict(auto_window=True, draft_p_min=0.3),
+                   dict(draft_p_min=1.0)):
+            engine = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, backend=backend,
+                            window=8, **kw)
+            res = engine.generate(prompt, 40)
+            assert res.output_ids == want, (backend, kw)
+            if kw.get("draft_p_min") == 1.0:
+                assert res.accept_lengths == [1] * len(res.accept_lengths)
+            if kw.get("auto_window"):
+                assert all(n >= PROBES for n in engine.policy.seen.values())
+    d = load_drafter(drafter_dir, target, max_len=128)
+    for kw, needle in ((dict(auto_window=True, adaptive_window=True), "auto_window and adaptive_window"),
+                       (dict(draft_p_min=0.5, tree=4), "draft_p_min and tree"),
+                       (dict(draft_p_min=1.5), "between 0 and 1")):
+        with pytest.raises(StrataError, match=needle):
+            Engine(target, d, max_len=128, **kw)
+    with pytest.raises(StrataError, match="auto_window reads the drafter's confidence"):
+        Engine(target, PromptLookupDrafter(3), max_len=128, auto_window=True)
+    with pytest.raises(StrataError, match="draft_p_min needs a DFlash drafter"):
+        Engine(target, max_len=128, draft_p_min=0.5)
+
+
+def test_generate_takes_spec_auto_and_p_min(capsys):
+    from strata.cli import main
+
+    assert main(["generate", "--prompt-ids", "3,99,14,250", "--max-new-tokens", "24", "--ids", "--spec", "auto",
+                 "--draft-p-min", "0.2"]) == 0
+    auto = capsys.readouterr()
+    assert main(["generate", "--prompt-ids", "3,99,14,250", "--max-new-tokens", "24", "--ids", "--no-dflash"]) == 0
+    assert auto.out == capsys.readouterr().out and "auto window, " in auto.err
+    with pytest.raises(SystemExit) as bad:
+        main(["generate", "--prompt-ids", "3", "--spec", "eight"])
+    assert bad.value.code == 2 and "expected a window (an integer) or auto" in capsys.readouterr().err

@@ -10,7 +10,9 @@ head and confidence head, drafting from the anchor's slot and after it (`--spec-
   and give the same text; Strata equals its target-only decoding;
 - llama.cpp decodes Strata's own GGUF exactly as the converter's;
 - how often the selector's pick differs from the slot's argmax (Strata's walk), so a check that passes is one the
-  selector took part in.
+  selector took part in;
+- with --spec-draft-p-min / --draft-p-min P_MIN (the DFlash2 drafter of strength 1, the DSpark one from the anchor,
+  the demo's DFlash drafter): the same accepted drafts in every round anchored alike, equal to target-only.
 Prints one line per check and exits 1 on any difference. Never from CI (llama.cpp is built by
 ../shared/tools/build_llamacpp.sh; its converter needs ../shared/tools/lcpp_convert.py for the demo's vocabulary).
 
@@ -43,6 +45,7 @@ from strata.pair import PairSpec, load_pair  # noqa: E402
 DEMO = root / "src" / "strata" / "demo"
 PROMPTS = ["def quicksort(arr):", "class Stack:\n    def push(self, item):"]
 TAPS, GROUP, RANK, TOP_K = 3, 32, 16, 8
+P_MIN = 0.5
 failed = []
 
 
@@ -57,7 +60,7 @@ def demo_folder(out: Path, arch: str, extra: dict, seed: int, tensors_of) -> Pat
     dflash_config), its tensors plus tensors_of(config, generator)."""
     plain = out.parent / "demo-hf"
     if not plain.exists():
-        export_gguf_to_hf(DEMO / "drafter.gguf", plain, progress=False)
+        export_gguf_to_hf(DEMO / "drafter-dflash.gguf", plain, progress=False)
     shutil.copytree(plain, out)
     cfg = json.loads((plain / "config.json").read_text())
     cfg["architectures"] = [arch]
@@ -125,13 +128,13 @@ def same_files(a: Path, b: Path) -> bool:
 
 
 def speculative_simple(bins: Path, target: Path, drafter: Path, prompt: str, n: int,
-                       kind: str = "draft-dflash") -> tuple[str, list[int]]:
+                       kind: str = "draft-dflash", p_min: float = 0.0) -> tuple[str, list[int]]:
     """llama.cpp's greedy speculative decoding: (its text, drafts accepted per round)."""
     done = subprocess.run([str(bins / "llama-speculative-simple"), "-m", str(target), "-md", str(drafter),
-                           "--spec-type", kind, "--spec-draft-n-max", "7", "-p", prompt, "-n", str(n),
-                           "--temp", "0", "--top-k", "1", "-c", "2048", "-t", "2", "-lv", "5"],
-                          capture_output=True, text=True, timeout=600)
-    accepted = [int(a) for a in re.findall(r"accepted (\d+)/7 draft tokens", done.stderr)]
+                           "--spec-type", kind, "--spec-draft-n-max", "7", "--spec-draft-p-min", str(p_min),
+                           "-p", prompt, "-n", str(n), "--temp", "0", "--top-k", "1", "-c", "2048", "-t", "2",
+                           "-lv", "5"], capture_output=True, text=True, timeout=600)
+    accepted = [int(a) for a in re.findall(r"accepted (\d+)/\d+ draft tokens", done.stderr)]
     return done.stdout, accepted
 
 
@@ -144,12 +147,52 @@ def anchors(start: int, accepted: list[int]) -> dict[int, int]:
     return out
 
 
+def compare(bins: Path, target: Path, pair, label: str, theirs: Path, ours: Path | None, kind: str, picks: dict,
+            p_min: float = 0.0) -> list[dict]:
+    """Both engines on each prompt with one drafter file: the same accepted drafts in every round anchored at the
+    same position, the same text, Strata equal to target-only; with ours, llama.cpp decodes it as theirs."""
+    rows = []
+    for prompt in PROMPTS:
+        text, accepted = speculative_simple(bins, target, theirs, prompt, 80, kind, p_min)
+        ids = pair.tokenizer.encode(prompt)
+        picks.clear()
+        res = Engine(pair.target, pair.drafter, max_len=2048, window=8, draft_p_min=p_min).generate(ids, 64)
+        base = Engine(pair.target, max_len=2048).generate(ids, 64).output_ids
+        mine = [a - 1 for a in res.accept_lengths]
+        # llama.cpp's first round anchors on the prompt's last token, Strata's on the first one generated:
+        # rounds at the same anchor position must accept alike (those before Strata's last, which the
+        # budget may cut; llama.cpp decodes 16 tokens further)
+        at_theirs, at_mine = anchors(len(ids) - 1, accepted), anchors(len(ids), mine[:-1])
+        common = sorted(set(at_theirs) & set(at_mine))
+        same = len(common) >= len(mine) // 2 and all(at_theirs[p] == at_mine[p] for p in common) and \
+            pair.tokenizer.decode(res.output_ids) in text
+        check(same and res.output_ids == base,
+              f"{label} {prompt[:20]!r}: {len(common)} rounds at the same anchor accept alike "
+              f"(llama.cpp {accepted}, Strata {mine}; the selector moved {picks.get('moved', 0)} of "
+              f"{picks.get('slots', 0)} picks off the argmax)")
+        row = {"prompt": prompt, "llamacpp_accepted": accepted, "strata_accepted": mine,
+               "rounds_at_common_anchors": len(common), "identical_to_target_only": res.output_ids == base,
+               "selector_moved": picks.get("moved", 0), "slots": picks.get("slots", 0)}
+        if ours is not None:
+            again = speculative_simple(bins, target, ours, prompt, 80, kind, p_min)
+            note = ""
+            if again != (text, accepted):  # llama.cpp once in a while differs from itself: run both again
+                note = (f" (after a second run of both; the first differed: text {again[0] == text}, rounds "
+                        f"{again[1]} vs {accepted})")
+                again, first = (speculative_simple(bins, target, f, prompt, 80, kind, p_min) for f in (ours, theirs))
+                text, accepted = first if first != (text, accepted) else (text, accepted)
+            check(again == (text, accepted), f"{label} {prompt[:20]!r}: llama.cpp decodes "
+                                             f"Strata's GGUF as the converter's{note}")
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     if len(sys.argv) not in (4, 5):
         sys.exit(__doc__)
     tools = tuple(sys.argv[1:4])
     bins = Path(sys.argv[2])
-    report = {"prompts": PROMPTS, "new_tokens": 64, "window": 8, "drafters": {}}
+    report = {"prompts": PROMPTS, "new_tokens": 64, "window": 8, "drafters": {}, "p_min": {}}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         target = d / "target.gguf"
@@ -157,10 +200,10 @@ def main() -> None:
         picks = {}
 
         def walk(self, logits, h, anchor, kernels):  # counts the slots whose pick is not the argmax
-            tokens = real_walk(self, logits, h, anchor, kernels)
+            tokens, conf = real_walk(self, logits, h, anchor, kernels)
             picks["slots"] = picks.get("slots", 0) + tokens.numel()
             picks["moved"] = picks.get("moved", 0) + int((tokens != logits.argmax(-1)).sum())
-            return tokens
+            return tokens, conf
 
         real_walk = dflash2.CandidateSelector.walk
         dflash2.CandidateSelector.walk = walk
@@ -176,39 +219,14 @@ def main() -> None:
             check(same_files(theirs, ours), f"{label}: llama.cpp's converter and Strata's write the "
                                             f"same tensors, types and keys")
             pair = load_pair(PairSpec(model=str(target), dflash=str(theirs)))
-            rows = []
-            for prompt in PROMPTS:
-                text, accepted = speculative_simple(bins, target, theirs, prompt, 80, kind)
-                ids = pair.tokenizer.encode(prompt)
-                picks.clear()
-                res = Engine(pair.target, pair.drafter, max_len=2048, window=8).generate(ids, 64)
-                base = Engine(pair.target, max_len=2048).generate(ids, 64).output_ids
-                mine = [a - 1 for a in res.accept_lengths]
-                # llama.cpp's first round anchors on the prompt's last token, Strata's on the first one generated:
-                # rounds at the same anchor position must accept alike (those before Strata's last, which the
-                # budget may cut; llama.cpp decodes 16 tokens further)
-                at_theirs, at_mine = anchors(len(ids) - 1, accepted), anchors(len(ids), mine[:-1])
-                common = sorted(set(at_theirs) & set(at_mine))
-                same = len(common) >= len(mine) // 2 and all(at_theirs[p] == at_mine[p] for p in common) and \
-                    pair.tokenizer.decode(res.output_ids) in text
-                check(same and res.output_ids == base,
-                      f"{label} {prompt[:20]!r}: {len(common)} rounds at the same anchor accept alike "
-                      f"(llama.cpp {accepted}, Strata {mine}; the selector moved {picks.get('moved', 0)} of "
-                      f"{picks.get('slots', 0)} picks off the argmax)")
-                again = speculative_simple(bins, target, ours, prompt, 80, kind)
-                note = ""
-                if again != (text, accepted):  # llama.cpp once in a while differs from itself: run both again
-                    note = (f" (after a second run of both; the first differed: text {again[0] == text}, rounds "
-                            f"{again[1]} vs {accepted})")
-                    again, first = (speculative_simple(bins, target, f, prompt, 80, kind) for f in (ours, theirs))
-                    text, accepted = first if first != (text, accepted) else (text, accepted)
-                check(again == (text, accepted), f"{label} {prompt[:20]!r}: llama.cpp decodes "
-                                                 f"Strata's GGUF as the converter's{note}")
-                rows.append({"prompt": prompt, "llamacpp_accepted": accepted, "strata_accepted": mine,
-                             "rounds_at_common_anchors": len(common),
-                             "identical_to_target_only": res.output_ids == base,
-                             "selector_moved": picks.get("moved", 0), "slots": picks.get("slots", 0)})
-            report["drafters"][label] = rows
+            report["drafters"][label] = compare(bins, target, pair, label, theirs, ours, kind, picks)
+            if strength in (1.0, "dspark"):  # --spec-draft-p-min: DFlash2's pair-score probability, DSpark's head
+                report["p_min"][label] = compare(bins, target, pair, f"{label}, p_min {P_MIN}", theirs, None, kind,
+                                                 picks, P_MIN)
+        pair = load_pair(PairSpec(model=str(target), dflash=str(DEMO / "drafter-dflash.gguf")))
+        label = f"DFlash (the demo's), p_min {P_MIN}"  # its top-10 probability
+        report["p_min"][label] = compare(bins, target, pair, label, DEMO / "drafter-dflash.gguf", None,
+                                         "draft-dflash", picks, P_MIN)
     if len(sys.argv) == 5:
         Path(sys.argv[4]).write_text(json.dumps(report, indent=1) + "\n")
     print(f"{'FAILED: ' + str(len(failed)) if failed else 'all checks passed'}")

@@ -277,6 +277,10 @@ def main():
     ap.add_argument("--drafter-batch", type=int, default=64)
     ap.add_argument("--drafter-lr", type=float, default=6e-4)
     ap.add_argument("--num-sequences", type=int, default=73728)
+    ap.add_argument("--variant", default="dflash", choices=["dflash", "dflash2", "dspark"], help="the drafter's kind")
+    ap.add_argument("--distill-cache", metavar="FILE", help="the self-distilled sequences: read if there, else saved")
+    ap.add_argument("--drafter-init", metavar="DRAFTER",
+                    help="start the drafter from this one's weights (its shape wins over --drafter-layers)")
     ap.add_argument("--renamed", action=argparse.BooleanOptionalAction, default=True,
                     help="also distil on the target's training files with the names they define renamed")
     ap.add_argument("--target", dest="reuse_target", metavar="DIR",
@@ -337,12 +341,19 @@ def main():
     tc = TrainConfig(layers=args.drafter_layers, block_size=8, taps=taps, steps=args.drafter_steps,
                      batch_size=args.drafter_batch, lr=args.drafter_lr, prompt_len=96, gen_len=160,
                      num_sequences=args.num_sequences,
-                     seed=args.seed, eval_every=max(1, args.drafter_steps // 10), save_every=10 ** 9)
+                     seed=args.seed, eval_every=max(1, args.drafter_steps // 10), save_every=10 ** 9,
+                     variant=args.variant, init_from=args.drafter_init)
     corpus = distill_ids.tolist()
     t1 = time.time()
     starts = def_prompts(tok, distill_texts, tc.prompt_len)
     random.Random(args.seed).shuffle(starts)
-    seqs = self_distill(target, corpus, tc, args.device, progress=False, prompts=starts[: tc.num_sequences // 2]).cpu()
+    if args.distill_cache and Path(args.distill_cache).is_file():
+        seqs = torch.load(args.distill_cache, weights_only=True)
+    else:
+        seqs = self_distill(target, corpus, tc, args.device, progress=False,
+                            prompts=starts[: tc.num_sequences // 2]).cpu()
+        if args.distill_cache:
+            torch.save(seqs, args.distill_cache)
     print(f"self-distillation: {len(seqs)} sequences ({min(len(starts), tc.num_sequences // 2)} from def lines) in "
           f"{time.time() - t1:.1f}s", flush=True)
     trainer = DrafterTrainer(target, tc, out / "drafter", args.device)

@@ -79,7 +79,8 @@ class KVCache:
         shape = (cells, kv_heads, head_dim) if batch is None else (batch, cells, kv_heads, head_dim)
         #: every layer's K and V in one tensor [2 * layers, ..., cells, kv_heads, head_dim], so moving cells
         #: (a tree's accepted path) is one gather and one scatter for the whole model. The layers' views are
-        #: detached: each is its own autograd leaf, as training writes rows that carry gradients.
+        #: taken through .data: each is its own autograd leaf with its own version counter, as training
+        #: writes rows that carry gradients into each layer in turn (views of one tensor would share one).
         too_big = refuse_unless_fits(num_layers, shape, device, dtype)
         try:
             self.kv = torch.zeros(2 * num_layers, *shape, device=device, dtype=dtype)
@@ -87,7 +88,7 @@ class KVCache:
             if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(e):
                 raise
             raise too_big from None
-        self.layers = [LayerKV(self.kv[2 * i].detach(), self.kv[2 * i + 1].detach()) for i in range(num_layers)]
+        self.layers = [LayerKV(self.kv[2 * i].data, self.kv[2 * i + 1].data) for i in range(num_layers)]
         self.cells = cells
         self.length = 0
 

@@ -28,7 +28,7 @@ def pair_spec(args, model: str | None = None):
 FLAGS = {"max_len": "--max-model-len", "allow_long_context": "--allow-long-context", "window": "--spec",
          "tree": "--tree", "adaptive_window": "--adaptive-window", "draft_sampling": "--draft-sampling",
          "attention": "--attention", "backend": "--eager/--static/--no-graphs/--no-compile/--no-triton",
-         "verify_windows": "--verify-windows"}
+         "verify_windows": "--verify-windows", "auto_window": "--spec auto", "draft_p_min": "--draft-p-min"}
 
 
 def backend(args) -> str:
@@ -52,10 +52,12 @@ def engine_config(args, window: int | None = None):
     """The EngineConfig the options describe."""
     from .engine.config import EngineConfig
 
-    return EngineConfig(max_len=args.max_model_len, allow_long_context=args.allow_long_context, window=window,
-                        backend=backend(args), attention=args.attention,
-                        draft_sampling=getattr(args, "draft_sampling", "sample"),
+    auto = window == "auto"
+    return EngineConfig(max_len=args.max_model_len, allow_long_context=args.allow_long_context,
+                        window=None if auto else window, auto_window=auto, backend=backend(args),
+                        attention=args.attention, draft_sampling=getattr(args, "draft_sampling", "sample"),
                         adaptive_window=getattr(args, "adaptive_window", False),
+                        draft_p_min=getattr(args, "draft_p_min", 0.0),
                         tree=args.tree if isinstance(args.tree, int) else None)
 
 
@@ -153,8 +155,10 @@ def cmd_generate(args) -> int:
     if stats["rounds"] and engine.window > 1:
         line += f", tau {stats['tau']:.2f}, acceptance {stats['acceptance_rate']:.2f} (W={engine.window}"
         line += ")" if res.tree is None else f", tree of {res.tree} nodes)"
-        if engine.policy is not None:
+        if engine.policy is not None and not engine.config.auto_window:
             line += f"; adaptive window, now {engine.policy.best()}"
+        elif engine.policy is not None:
+            line += f"; auto window, {1 + stats['drafted'] / stats['rounds']:.2f} on average"
     if res.limit == "context":
         line += f"; stopped at the end of the context ({engine.max_len} tokens, --max-model-len)"
     print(line, file=sys.stderr)
@@ -328,11 +332,14 @@ def cmd_train_drafter(args) -> int:
                      taps=parse_ids(args.taps, "--taps") if args.taps else None, steps=args.steps,
                      batch_size=args.batch_size, lr=args.lr, prompt_len=args.prompt_len, gen_len=args.gen_len,
                      num_sequences=args.num_sequences, seed=args.seed, eval_every=args.eval_every,
-                     save_every=args.save_every, temperature=args.temperature)
+                     save_every=args.save_every, temperature=args.temperature, variant=args.variant,
+                     init_from=args.init_from)
     trainer = train(pair.target, pair.tokenizer, tc, Path(args.out), args.device, args.data, args.resume,
                     progress=not args.quiet)
     last = trainer.history[-1] if trainer.history else {}
-    print(f"wrote {args.out}: {tc.layers}-layer drafter, block {tc.block_size}, taps {trainer.cfg.target_layer_ids}; "
+    cfg = trainer.cfg
+    print(f"wrote {args.out}: {cfg.num_layers}-layer {cfg.variant} drafter, block {cfg.block_size}, taps "
+          f"{cfg.target_layer_ids}; "
           f"held-out loss {last.get('held_out_loss', float('nan')):.3f}, tau estimate "
           f"{last.get('tau_estimate', float('nan')):.2f}", file=sys.stderr)
     return 0
@@ -378,7 +385,7 @@ def cmd_bench(args) -> int:
     bench = BenchSpec(shape=args.shape, drafter_layers=args.drafter_layers, block_size=args.block_size,
                       prompt_len=args.prompt_len, prompt=args.prompt, new_tokens=args.new_tokens, runs=args.runs,
                       hf=args.hf, profile=args.profile, quant=args.quant, trees=tuple(args.tree or ()),
-                      prompts=args.prompts, windows=tuple(args.verify_windows or ()))
+                      prompts=args.prompts, windows=tuple(args.verify_windows or ()), window_sweep=args.window_sweep)
     out = None
     if args.out is not None:  # every file checked before any timing
         given = Path(args.out)

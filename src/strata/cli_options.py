@@ -40,6 +40,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "when routing is skewed, as a trained router's is)")
 
 
+def spec_window(text: str) -> int | str:
+    """--spec: a window W, or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a window (an integer) or auto, got {text!r}") from None
+
+
 def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool = True, tree: str | None = "one") -> None:
     """tree: "one" budget, "many" (bench's sweep) or None (commands that verify no tree)."""
     g = p.add_argument_group("drafter")
@@ -47,8 +57,14 @@ def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool
                                                        "(default with the demo target: the demo drafter)")
     g.add_argument("--no-dflash", action="store_true", help="target-only decoding, also for the demo pair")
     if spec:
-        g.add_argument("--spec", type=int, default=None, metavar="W",
-                       help="verify window W: the anchor + W-1 candidates (default: the drafter's block size)")
+        g.add_argument("--spec", type=spec_window, default=None, metavar="W|auto",
+                       help="verify window W: the anchor + W-1 candidates (default: the drafter's block size); "
+                            "auto: each round the window up to the block size that the drafter's confidence in its "
+                            "candidates and each window's measured cost predict pays best (DFlash drafters)")
+        g.add_argument("--draft-p-min", type=float, default=0.0, metavar="P",
+                       help="end a DFlash draft before its first candidate the drafter rates below P (llama.cpp's "
+                            "--spec-draft-p-min: DFlash's top-10 probability, DFlash2's among its candidates, "
+                            "DSpark's confidence head); default 0: off")
         g.add_argument("--adaptive-window", action="store_true",
                        help="verify each round the window up to W (powers of two, and W) with the most tokens per "
                             "second expected from the acceptance so far and each window's measured cost (for "
@@ -68,7 +84,7 @@ def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool
     else:
         p.set_defaults(tree=None)
     if not spec:
-        p.set_defaults(spec=None, adaptive_window=False)
+        p.set_defaults(spec=None, adaptive_window=False, draft_p_min=0.0)
     if not lookup:
         p.set_defaults(prompt_lookup=None)
 
@@ -187,10 +203,14 @@ def build_parser(commands) -> argparse.ArgumentParser:
     be.add_argument("--prompt-len", type=int, default=512, metavar="N", help="random prompt tokens (without --prompt)")
     be.add_argument("--prompt", help="a text prompt instead of random tokens (models with a tokenizer)")
     be.add_argument("--new-tokens", type=int, default=256, metavar="N", help="tokens generated per run (default 256)")
+    be.add_argument("--window-sweep", action="store_true",
+                    help="DFlash at each fixed window (powers of two up to W, and W) and under --spec auto on the "
+                         "prompt set (--prompts; default: the demo's held-out prompts): tok/s, tau, the best fixed "
+                         "window against auto (--spec auto turns it on)")
     be.add_argument("--verify-windows", type=int, nargs="+", metavar="W",
                     help="also measure the target's step over each of these windows (target-only padded to W rows: "
                          "what a verify of W tokens costs), plotted against W")
-    be.add_argument("--prompts", metavar="FILE", help="the --tree sweep's prompts: a JSON list of strings or one per "
+    be.add_argument("--prompts", metavar="FILE", help="the sweeps' prompts: a JSON list of strings or one per "
                                                       "line (default: the demo's held-out prompts, else the bench's)")
     be.add_argument("--runs", type=int, default=3, help="timed runs per method (median reported)")
     be.add_argument("--hf", default="eager", help="transformers generate modes: eager,static or none")
@@ -242,6 +262,10 @@ def build_parser(commands) -> argparse.ArgumentParser:
     tr.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
     tr.add_argument("--block-size", type=int, default=8, help="block size B: the largest verify window (default 8)")
     tr.add_argument("--taps", metavar="IDS", help="target layer ids (HF convention), comma-separated")
+    tr.add_argument("--variant", default="dflash", choices=["dflash", "dflash2", "dspark"],
+                    help="dflash2: convolutions and a candidate selector; dspark: Markov and confidence heads")
+    tr.add_argument("--init-from", metavar="DRAFTER", help="start from this drafter's weights (GGUF or folder; "
+                    "its layers, block size and taps replace --layers, --block-size and --taps)")
     tr.add_argument("--steps", type=int, default=2000, help="optimisation steps (default 2000)")
     tr.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
     tr.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")

@@ -16,6 +16,7 @@ from ..errors import StrataError
 from ..files import replacing, write_json_atomic
 from .plot import plot
 from .run import random_drafter, run_bench, sync, tree_sweep, verify_sweep
+from .window_sweep import sweep_lines, window_sweep
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class BenchSpec:
     trees: tuple[int, ...] = ()  # tree budgets swept against the chain (tree_sweep)
     prompts: str | None = None  # the sweep's prompt file (default: the demo's held-out prompts, or the bench's)
     windows: tuple[int, ...] = ()  # verify windows whose step cost is measured (verify_sweep)
+    window_sweep: bool = False  # DFlash at each fixed window and under --spec auto on the prompt set
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.new_tokens < 1:
@@ -41,8 +43,9 @@ class BenchSpec:
             raise StrataError(f"--runs must be >= 1, got {self.runs}")
         if self.quant is not None and self.shape is None:
             raise StrataError("--quant needs --shape (a GGUF model brings its own types: --model FILE.gguf)")
-        if self.prompts is not None and (self.shape is not None or not self.trees):
-            raise StrataError("--prompts: the --tree sweep's prompts need --tree and a model with a tokenizer")
+        if self.prompts is not None and (self.shape is not None or not (self.trees or self.window_sweep)):
+            raise StrataError("--prompts: the sweeps' prompts need --tree or --window-sweep and a model with a "
+                              "tokenizer")
         if any(n < 1 for n in self.trees):
             raise StrataError(f"--tree: budgets must be >= 1, got {min(self.trees)}")
         if any(w < 1 for w in self.windows):
@@ -64,6 +67,8 @@ def check_sizes(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, cfg) -> 
 
 
 def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command: str) -> dict:
+    if engine.auto_window:  # --spec auto: the runs at the drafter's block size, auto beside each fixed window
+        engine, bench = replace(engine, auto_window=False), replace(bench, window_sweep=True)
     from ..models.loader import load_model_config
     from ..models.random_init import random_target, shape_config
 
@@ -114,12 +119,15 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
                        profile=bench.profile, startup={"load_target_s": load_s, "load_drafter_s": drafter_s})
     if bench.windows:
         result["verify_sweep"] = verify_sweep(target, prompt, bench.new_tokens, bench.windows, engine)
-    if bench.trees:
+    if bench.trees or bench.window_sweep:
         from ..prompts import prompt_set
 
         prompts = prompt_set(loaded, None, bench.prompts) if loaded is not None and bench.prompt is None else [prompt]
+    if bench.trees:
         result["tree_sweep"] = tree_sweep(target, drafter, prompts, bench.new_tokens, window, bench.trees, engine,
                                           profile=bench.profile)
+    if bench.window_sweep:
+        result["window_sweep"] = window_sweep(target, drafter, prompts, bench.new_tokens, window, engine)
     result["model"] = label
     result["drafter"] = dflash or (f"random {bench.drafter_layers}-layer" if bench.drafter_layers else None)
     result["command"] = command
@@ -213,6 +221,8 @@ def summary(result: dict) -> list[str]:
         lines.append(f"DFlash W={window}: {d['tok_s']:.1f} tok/s, tau {d['tau']:.2f}, "
                      f"x{result['ratios']['dflash_vs_target_only']:.2f}; round: draft {d['split']['draft_ms']:.2f} ms, "
                      f"verify {d['split']['verify_ms']:.2f} ms")
+    if result.get("window_sweep"):
+        lines += sweep_lines(result["window_sweep"])
     sweep = result.get("tree_sweep")
     if sweep:
         c = sweep["chain"]

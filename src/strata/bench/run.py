@@ -316,8 +316,8 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         result["target_only_padded"] = padded
         reference = padded
         engines["target_only_padded"] = padded_engine
-    oracle_engine = Engine(target, OracleDrafter(prompt + reference["output_ids"], window, device), config=opts,
-                           window=window)
+    oracle_engine = Engine(target, OracleDrafter(prompt + reference["output_ids"], window, device),
+                           config=replace(opts, draft_p_min=0.0), window=window)  # an oracle rates nothing
     result["dflash_oracle"] = timed_runs(oracle_engine, prompt, new_tokens, runs)
     result["dflash_oracle"]["split"] = round_split(oracle_engine, prompt, new_tokens)
     if drafter is not None:

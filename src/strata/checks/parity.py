@@ -95,7 +95,8 @@ def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug:
         out = runner.prefill(prompt_ids)
         anchor, pos = int(out.logits[-1].argmax()), len(prompt_ids)
         runner.start_round(anchor, pos)
-        tokens = runner.draft(anchor, pos, w - 1, runner.kv_len(pos, w)).tokens.tolist()
+        proposal = runner.draft(anchor, pos, w - 1, runner.kv_len(pos, w))
+        tokens, confidence = proposal.tokens.tolist(), _numpy(proposal.confidence)
     ranges = [drafter.context_range(layer.mixer.window, pos) for layer in drafter.model.layers]
     ck, cv = [], []
     for j, (b, e) in enumerate(ranges):
@@ -123,7 +124,9 @@ def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug:
         table.append(StageRow("draft_tokens", float("nan"), float("nan"), -1, tokens == want,
                               "" if tokens == want else f"{tokens} vs reference {want}"))
         first = first or (None if tokens == want else "draft_tokens")
-    return table, first
+    row = _compare("draft_confidence", confidence[:, None], ref[(-1, "confidence")][:, None], tol)
+    table.append(row)  # what --draft-p-min and --spec auto read: DFlash's, DFlash2's and DSpark's own formulas
+    return table, first or (None if row.ok else "draft_confidence")
 
 
 def format_parity(rows: list[StageRow], first: str | None) -> str:

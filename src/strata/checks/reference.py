@@ -40,31 +40,42 @@ def _conv(x: np.ndarray, base: np.ndarray, dyn: np.ndarray, side: int, group: in
     return out
 
 
-def selector_walk(logits: np.ndarray, hidden: np.ndarray, weights: dict, anchor: int, top_k: int) -> list[int]:
+def selector_walk(logits: np.ndarray, hidden: np.ndarray, weights: dict, anchor: int, top_k: int):
     """DFlash2's greedy walk over slots 1.. (logits and final-normed hidden rows of the block, slot 0 the
     anchor's): at each slot the candidate among its top_k with the highest logit + successor . (predecessor
-    of the previous pick * gate), the first on ties."""
+    of the previous pick * gate), the first on ties. Returns the picks and each pick's softmax probability
+    among its slot's scores (llama.cpp's p_min quantity)."""
     pred = weights["candidate_selector.predecessor_codebook"]
     succ = weights["candidate_selector.successor_codebook"]
     gates = hidden @ weights["candidate_selector.hidden_projection.weight"].T
-    prev, out = anchor, []
+    prev, out, conf = anchor, [], []
     for t in range(1, logits.shape[0]):
         cand = np.argsort(-logits[t], kind="stable")[:top_k]
-        scores = [logits[t, c] + np.sum(succ[c] * pred[prev] * gates[t]) for c in cand]
+        scores = np.array([logits[t, c] + np.sum(succ[c] * pred[prev] * gates[t]) for c in cand])
         prev = int(cand[int(np.argmax(scores))])
         out.append(prev)
-    return out
+        conf.append(1.0 / np.exp(scores - scores.max()).sum())
+    return out, conf
 
 
-def markov_walk(logits: np.ndarray, weights: dict, anchor: int) -> list[int]:
+def markov_walk(logits: np.ndarray, hidden: np.ndarray, weights: dict, anchor: int):
     """DSpark's greedy chain over the draft slots' raw logits: each slot's logits plus markov_w2 . markov_w1[the
-    token before it] (the anchor before the first), its argmax the next token before."""
+    token before it] (the anchor before the first), its argmax the next token before. Returns the picks and each
+    slot's confidence: sigmoid(conf_proj . [hidden; markov_w1[the token before]] + bias), or without that head
+    the chained logits' top softmax probability."""
     w1, w2 = weights["markov_head.markov_w1.weight"], weights["markov_head.markov_w2.weight"]
-    prev, out = anchor, []
-    for row in logits:
-        prev = int(np.argmax(row + w2 @ w1[prev]))
+    head = weights.get("confidence_head.proj.weight")
+    prev, out, conf = anchor, [], []
+    for row, h in zip(logits, hidden):
+        chained = row + w2 @ w1[prev]
+        if head is not None:
+            z = head[0] @ np.concatenate([h, w1[prev]]) + weights["confidence_head.proj.bias"][0]
+            conf.append(1.0 / (1.0 + np.exp(-z)))
+        else:
+            conf.append(1.0 / np.exp(chained - chained.max()).sum())
+        prev = int(np.argmax(chained))
         out.append(prev)
-    return out
+    return out, conf
 
 
 def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarray, context_taps: np.ndarray,
@@ -137,7 +148,7 @@ def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarra
         out[(j, "out")] = x
     h = _rms(x, weights["norm.weight"], eps)
     out[(-1, "final_norm")] = h
-    logits = h @ lm_head.T
+    logits = raw = h @ lm_head.T
     dspark = cfg.markov_rank is not None
     if cfg.output_multiplier is not None and not dspark:  # DSpark's logits are raw
         logits = logits * cfg.output_multiplier
@@ -145,7 +156,14 @@ def reference_proposal(weights: dict, cfg, embed: np.ndarray, lm_head: np.ndarra
         logits = np.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
     out[(-1, "logits")] = logits
     if dflash2:
-        out[(-1, "tokens")] = np.array(selector_walk(logits, h, weights, anchor, cfg.selector_top_k))
-    if dspark:  # the anchor's slot drafts too unless sample_from_anchor is false
-        out[(-1, "tokens")] = np.array(markov_walk(logits[0 if cfg.sample_from_anchor else 1:], weights, anchor))
+        tokens, conf = selector_walk(logits, h, weights, anchor, cfg.selector_top_k)
+        out[(-1, "tokens")] = np.array(tokens)
+    elif dspark:  # the anchor's slot drafts too unless sample_from_anchor is false
+        first = 0 if cfg.sample_from_anchor else 1
+        tokens, conf = markov_walk(logits[first:], h[first:], weights, anchor)
+        out[(-1, "tokens")] = np.array(tokens)
+    else:  # DFlash: the softmax of the raw logits' top 10 at the first
+        top = -np.sort(-raw[1:], axis=-1)[:, :10]
+        conf = 1.0 / np.exp(top - top[:, :1]).sum(-1)
+    out[(-1, "confidence")] = np.array(conf)
     return out

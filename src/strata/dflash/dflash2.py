@@ -32,13 +32,24 @@ class DynamicConv(nn.Module):
         dyn = self.kernel_projection(h, kernels).unflatten(-1, (2, self.taps, -1))
         return self.base_kernel + dyn.repeat_interleave(self.group, -1)
 
-    def forward(self, x: torch.Tensor, w: torch.Tensor, side: int) -> torch.Tensor:
-        """x [..., T, H] (one block: T rows) convolved with kernels w (kernels()) of one side."""
+    def forward(self, x: torch.Tensor, w: torch.Tensor, side: int, block: int | None = None) -> torch.Tensor:
+        """x [..., T, H] convolved with kernels w (kernels()) of one side, within blocks of `block` rows (None:
+        the T rows are one block)."""
+        if block is not None and block != x.shape[-2]:
+            return self(x.unflatten(-2, (-1, block)), w.unflatten(-4, (-1, block)), side).flatten(-3, -2)
         rows = x.shape[-2]
         out = w[..., side, 0, :] * x
         for k in range(1, min(self.taps, rows)):
             out = out + w[..., side, k, :] * F.pad(x, (0, 0, k, 0))[..., :rows, :]
         return out
+
+    @torch.no_grad()
+    def reset_identity(self) -> None:
+        """The published initialisation: the identity (tap 0 one, the rest and the projection zero), so that a
+        fresh DFlash2 layer computes what its DFlash layer does."""
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1
+        self.kernel_projection.weight.zero_()
 
 
 class ConvolvedLayer(DecoderLayer):
@@ -57,14 +68,16 @@ class ConvolvedLayer(DecoderLayer):
             h = kernels.rms_norm(x, norm.weight, norm.eps)
         else:
             x, h = kernels.add_rms_norm(x, pending, norm.weight, norm.eps)
-        w = self.attention_conv.kernels(h, kernels)
-        h = step.probed(i, "attn_in", self.attention_conv(h, w, 0))
-        mixed = self.attention_conv(self.mixer(h, step, state), w, 1)
+        conv, block = self.attention_conv, step.block
+        w = conv.kernels(h, kernels)
+        h = step.probed(i, "attn_in", conv(h, w, 0, block))
+        mixed = conv(self.mixer(h, step, state), w, 1, block)
         norm = self.post_attention_layernorm
         x, h = kernels.add_rms_norm(x, mixed, norm.weight, norm.eps)
         x = step.probed(i, "o_residual", x)
-        w = self.mlp_conv.kernels(h, kernels)
-        out = self.mlp_conv(self.mlp(self.mlp_conv(h, w, 0), kernels), w, 1)
+        conv = self.mlp_conv
+        w = conv.kernels(h, kernels)
+        out = conv(self.mlp(conv(h, w, 0, block), kernels), w, 1, block)
         return x, step.probed(i, "mlp", out)
 
 
@@ -79,6 +92,11 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
         self.hidden_projection = Linear(hidden, rank)
+
+    @staticmethod
+    def scores(unary: torch.Tensor, succ: torch.Tensor, pred: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Candidates' scores after a predecessor: unary [..., k] plus succ [..., k, R] . (pred * gate) [..., R]."""
+        return unary + (succ * (pred * gate).unsqueeze(-2)).sum(-1)
 
     def edges(self, logits: torch.Tensor, h: torch.Tensor, kernels):
         """Slots' top-k candidates [n, k], their logits [n, k], and the successor codes times the gate [n, k, R]
@@ -95,19 +113,22 @@ class CandidateSelector(nn.Module):
         pred = self.predecessor_codebook.float()
         prev, tokens, kept = anchor.view(1), [], []
         for t in range(cand.shape[0]):
-            prev, keep = pick(cand[t], unary[t] + (succ[t] * (pred[prev] * gate[t])).sum(-1))
+            prev, keep = pick(cand[t], self.scores(unary[t], succ[t], pred[prev].view(-1), gate[t]))
             tokens.append(prev)
             kept.append(keep)
         return tokens, kept
 
     def walk(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels) -> torch.Tensor:
         """The greedy walk: at each slot the best-scoring of its top-k candidates after the one before (the first
-        best on ties, as llama.cpp walks it): [n] token ids."""
+        best on ties, as llama.cpp walks it): [n] token ids, and each pick's probability among the slot's k
+        scores (llama.cpp's p_min quantity) [n]."""
         def pick(cand, scores):
-            return cand.gather(0, scores.argmax().view(1)), None
+            return cand.gather(0, scores.argmax().view(1)), torch.softmax(scores, -1).max().view(1)
 
-        tokens, _ = self.chain(logits, h, anchor, kernels, pick)
-        return torch.cat(tokens) if tokens else anchor.new_empty(0)
+        tokens, probs = self.chain(logits, h, anchor, kernels, pick)
+        if not tokens:
+            return anchor.new_empty(0), logits.new_empty(0).float()
+        return torch.cat(tokens), torch.cat(probs)
 
     def draw(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels, probs, gen):
         """The sampled walk: each slot's token drawn (an exponential race, no host read) from q = probs of its
@@ -122,3 +143,17 @@ class CandidateSelector(nn.Module):
         if not tokens:
             return anchor.new_empty(0), logits.new_empty(0, logits.shape[-1])
         return torch.cat(tokens), torch.cat(qs)
+
+    def loss(self, logits: torch.Tensor, h: torch.Tensor, prev: torch.Tensor, labels: torch.Tensor, kernels):
+        """Training by the published recipe (a K-way cross-entropy over the top-k): each slot's true token scored
+        among its candidates after the true token before it (prev [N]; teacher forcing, so a run of right
+        picks is the greedy walk's), the true token standing in for the k-th candidate where the top-k misses
+        it. logits [N, V], h [N, H], labels [N] -> (cross-entropy [N], whether the walk picks the true token [N])."""
+        cand = logits.detach().topk(self.top_k, dim=-1).indices
+        present = (cand == labels[:, None]).any(-1)
+        cand = torch.where(present[:, None], cand, torch.cat([cand[:, :-1], labels[:, None]], -1))
+        gate = self.hidden_projection(h, kernels).float()
+        scores = self.scores(logits.float().gather(-1, cand), self.successor_codebook[cand].float(),
+                             self.predecessor_codebook[prev].float(), gate)
+        target = (cand == labels[:, None]).int().argmax(-1)
+        return F.cross_entropy(scores, target, reduction="none"), present & (scores.argmax(-1) == target)

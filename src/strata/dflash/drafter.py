@@ -17,7 +17,8 @@ from ..layers.modules import Step
 from ..layers.quant import QuantWeight, replace_parameter
 from ..models.loader import pack, quantized_weight
 from .artifact import Artifact, check_against_target, load_artifact
-from .model import DFlashModel, hf_layout
+from .dspark import confidence
+from .model import DFlashModel, hf_layout, scaled_logits
 
 
 #: parameters read by rows or as plain matrices, never through the quantized kernels
@@ -29,6 +30,7 @@ class DFlashDrafter(Drafter):
     limit = "block size"
     on_device = True
     gives_logits = True
+    rates_drafts = True
 
     def __init__(self, art: Artifact, target, window_cells: int = 32768, max_len: int | None = None,
                  quantized: bool | None = None):
@@ -93,22 +95,24 @@ class DFlashDrafter(Drafter):
                  for w in self.model.windows}
         x = self.block_input(torch.cat([req.anchor_t, self.mask_token.expand(rows - 1)]))
         h = self.model(x, Step(positions, kv_len, req.kernels, probe=req.probe, masks=masks), self.cache)
-        logits = self.target.head(h, req.kernels)
-        if cfg.output_multiplier is not None and cfg.variant != "dspark":  # DSpark's logits are raw (llama.cpp's)
-            logits = logits * cfg.output_multiplier
-        if cfg.final_logit_softcapping is not None and cfg.variant != "dspark":
-            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        raw = self.target.head(h, req.kernels)
+        logits = scaled_logits(cfg, raw)
         if req.probe is not None:
             logits = req.probe(-1, "logits", logits)
         logits, h = logits[rows - n:], h[rows - n:]  # the draft slots
         if cfg.variant == "dflash2":  # the selector's walk among each slot's candidates
             selector, block = self.model.candidate_selector, (logits, h, req.anchor_t, req.kernels)
-            return Proposal(selector.walk(*block), logits, draw=lambda probs, gen: selector.draw(*block, probs, gen))
+            tokens, conf = selector.walk(*block)
+            return Proposal(tokens, logits, draw=lambda probs, gen: selector.draw(*block, probs, gen),
+                            confidence=conf)
         if cfg.variant == "dspark":  # the Markov head's chain from the anchor
             head = self.model.markov_head
             tokens, chained = head.walk(logits, req.anchor_t)
-            return Proposal(tokens, chained, draw=lambda probs, gen: head.draw(logits, req.anchor_t, probs, gen))
-        return Proposal(logits.argmax(-1), logits)
+            conf = confidence(getattr(self.model, "confidence_head", None), head, h, chained, req.anchor_t, tokens)
+            return Proposal(tokens, chained, draw=lambda probs, gen: head.draw(logits, req.anchor_t, probs, gen),
+                            confidence=conf)
+        top = raw[rows - n:].float().topk(min(10, raw.shape[-1]), dim=-1).values  # llama.cpp's: raw logits' top 10
+        return Proposal(logits.argmax(-1), logits, confidence=torch.softmax(top, -1)[:, 0])
 
 
 def load_drafter(source: str | Path | Artifact, target, window_cells: int = 32768,

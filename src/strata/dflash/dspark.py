@@ -6,6 +6,7 @@ token of the first slot being the anchor. Its logits are the raw ones (no logit 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..engine.sampling import sample
@@ -51,3 +52,27 @@ class MarkovHead(nn.Module):
             return sample(q, gen), q
 
         return self.chain(logits, anchor, pick)
+
+    def loss(self, logits: torch.Tensor, prev: torch.Tensor, labels: torch.Tensor):
+        """Training, teacher-forced: each slot's logits [N, V] biased by its true previous token prev [N] ->
+        (cross-entropy [N], whether the chain picks the true token [N], biased logits [N, V])."""
+        biased = logits.float() + self.bias(prev)
+        return F.cross_entropy(biased, labels, reduction="none"), biased.argmax(-1) == labels, biased
+
+
+def confidence(head: nn.Module | None, markov: MarkovHead, h: torch.Tensor, chained: torch.Tensor,
+               anchor: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each slot's confidence [n]: the confidence head's sigmoid from the slot's hidden state and the token before
+    it (the anchor, then the chain's picks), or without a head the chained logits' top probability."""
+    if head is None:
+        return torch.softmax(chained.float(), -1).amax(-1)
+    prev = torch.cat([anchor.view(1), tokens[:-1]])
+    return torch.sigmoid(confidence_logit(head.proj, h, markov.markov_w1.weight[prev]))
+
+
+def confidence_logit(proj: nn.Linear, h: torch.Tensor, prev_code: torch.Tensor) -> torch.Tensor:
+    """The confidence head before its sigmoid: how likely a slot's draft is accepted once the drafts before it
+    were, from the slot's final-normed hidden state h [..., H] and markov_w1 of the token before it [..., R]
+    (llama.cpp's order: h first) -> [...]."""
+    x = torch.cat([h, prev_code.to(h.dtype)], -1)
+    return F.linear(x.float(), proj.weight.float(), proj.bias.float() if proj.bias is not None else None).squeeze(-1)

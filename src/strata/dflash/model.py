@@ -78,6 +78,18 @@ class DFlashModel(nn.Module):
         return step.probed(-1, "final_norm", h)
 
 
+def scaled_logits(cfg: DFlashConfig, logits: torch.Tensor) -> torch.Tensor:
+    """The drafter's logits from the head's: output_multiplier, then the softcap (DSpark's stay raw, as llama.cpp
+    runs them)."""
+    if cfg.variant == "dspark":
+        return logits
+    if cfg.output_multiplier is not None:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    return logits
+
+
 def hf_layout(cfg: DFlashConfig) -> dict[str, list[tuple[str, tuple]]]:
     """The reference checkpoint's tensors (Hugging Face names) packed into DFlashModel's parameters."""
     h = cfg.hidden_size

@@ -12,21 +12,25 @@ import json
 import math
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..errors import StrataError
 from ..files import umask_mode
+from ..layers.kernels import EAGER
 from ..layers.modules import Step, init_weights_
-from ..models.loader import unpack
-from .contract import DFlashConfig, default_target_layers
+from ..models.loader import pack, unpack
+from .artifact import check_against_target, load_artifact
+from .contract import Artifact, DFlashConfig, default_target_layers
+from .dspark import confidence_logit
 from .hf_format import config_to_hf
-from .model import DFlashModel, hf_layout
+from .model import DFlashModel, hf_layout, scaled_logits
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -52,6 +56,15 @@ class TrainConfig:
     eval_every: int = 200
     save_every: int = 500
     mask_token_id: int | None = None
+    variant: str = "dflash"  # dflash2: convolutions and selector; dspark: Markov and confidence heads
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 64
+    selector_top_k: int = 8
+    markov_rank: int = 64
+    init_from: str | None = None  # a DFlash drafter whose layers start the training (its shape wins)
+
+VARIANTS = ("dflash", "dflash2", "dspark")
 
 
 def gamma_for(block_size: int) -> float:
@@ -75,17 +88,52 @@ def drafter_config_for(target, tc: TrainConfig) -> DFlashConfig:
     if bad:
         raise StrataError(f"--taps: layer {bad[0]} outside the target's 0..{t.num_layers - 1}")
     mask = tc.mask_token_id if tc.mask_token_id is not None else t.vocab_size - 1
-    return DFlashConfig(
+    cfg = DFlashConfig(
         hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_layers=tc.layers,
         num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
         rope_theta=float(t.rope.theta), block_size=tc.block_size, mask_token_id=mask, target_layer_ids=list(taps),
         target_hidden_size=t.hidden_size, context_length=t.max_position_embeddings,
         num_target_layers=t.num_layers, vocab_size=t.vocab_size)
+    return with_variant(cfg, tc)
 
 
-def init_drafter(cfg: DFlashConfig, seed: int, device) -> DFlashModel:
+def with_variant(cfg: DFlashConfig, tc: TrainConfig) -> DFlashConfig:
+    """cfg made the variant tc asks for (DFlash2's or DSpark's sizes from tc), checked."""
+    if tc.variant not in VARIANTS:
+        raise StrataError(f"--variant must be one of {', '.join(VARIANTS)}, got {tc.variant!r}")
+    cfg = replace(cfg, conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None,
+                  markov_rank=None, sample_from_anchor=None, has_confidence_head=None)
+    if tc.variant == "dflash2":
+        cfg = replace(cfg, conv_kernel_size=tc.conv_kernel_size, conv_group_size=tc.conv_group_size,
+                      selector_rank=tc.selector_rank, selector_top_k=tc.selector_top_k)
+    elif tc.variant == "dspark":
+        cfg = replace(cfg, markov_rank=tc.markov_rank, sample_from_anchor=True, has_confidence_head=True)
+    cfg.validate(f"--variant {tc.variant}")
+    return cfg
+
+
+def init_drafter(cfg: DFlashConfig, seed: int, device, start: Artifact | None = None) -> DFlashModel:
+    """From scratch, or from a drafter's weights (start); either way the variant's additions start as the
+    published recipe starts them: the convolutions the identity, the Markov head's bias zero."""
     torch.manual_seed(seed)
-    return init_weights_(DFlashModel(cfg)).to(device)
+    model = init_weights_(DFlashModel(cfg))
+    if start is not None:
+        layout = {p: s for p, s in hf_layout(start.cfg).items()}
+        model.load_state_dict(pack(start.tensors, layout, torch.float32, start.source), strict=False)
+    for layer in model.layers:
+        for conv in (getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None)):
+            if conv is not None:
+                conv.reset_identity()
+    if cfg.variant == "dspark":
+        nn.init.zeros_(model.markov_head.markov_w2.weight)
+    return model.to(device)
+
+
+def start_from(path: str, target, tc: TrainConfig) -> tuple[DFlashConfig, Artifact]:
+    """--init-from: a drafter for this target; its shape (layers, block size, taps) replaces tc's."""
+    art = load_artifact(path)
+    check_against_target(art.cfg, target.cfg, str(art.source), art.vocab)
+    return with_variant(art.cfg, tc), art
 
 
 @torch.no_grad()
@@ -143,9 +191,12 @@ def block_forward(model: DFlashModel, target, cfg: DFlashConfig, tokens: torch.T
     """Training pass over K blocks per sequence, through the drafter's one forward: the context K/V in
     cells 0..T-1, the blocks' rows packed after them. tokens [B, T]; taps [B, T, n*H]; anchors [B, K].
 
-    Returns logits [B, K, bs-1, V] and labels [B, K, bs-1]."""
+    Returns, for the S draft slots of each block (bs-1, or bs where the anchor's slot drafts: DSpark), the
+    logits [B, K, S, V], the final-normed hidden states [B, K, S, H], the labels [B, K, S] and the true
+    tokens before them [B, K, S]."""
     b, t = tokens.shape
     k, bs = anchors.shape[1], cfg.block_size
+    first = 0 if cfg.anchor_drafts else 1
     rows = k * bs
     dev = tokens.device
     cache = model.make_cache(t + rows, batch=b)
@@ -162,10 +213,13 @@ def block_forward(model: DFlashModel, target, cfg: DFlashConfig, tokens: torch.T
     own_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)
     mask = torch.cat([ctx_visible, own_block], dim=-1)
     step = Step(pos.view(b, rows), t + rows, cells=t + torch.arange(rows, device=dev),
-                masks={w: mask for w in model.windows})
-    logits = target.head(model(x, step, cache)).view(b, k, bs, -1)[:, :, 1:]
-    labels = tokens.gather(1, pos[..., 1:].reshape(b, -1)).view(b, k, bs - 1)
-    return logits, labels
+                masks={w: mask for w in model.windows}, block=bs)
+    h = model(x, step, cache).view(b, k, bs, -1)[:, :, first:]
+    logits = scaled_logits(cfg, target.head(h))
+    wanted = (anchors[..., None] + torch.arange(1, bs + 1 - first, device=dev)).view(b, -1)
+    labels = tokens.gather(1, wanted).view(b, k, -1)
+    prev = tokens.gather(1, wanted - 1).view(b, k, -1)
+    return logits, h, labels, prev
 
 
 def sample_anchors(n_seq: int, k: int, lo: int, hi: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -175,15 +229,19 @@ def sample_anchors(n_seq: int, k: int, lo: int, hi: int, gen: torch.Generator, d
 class DrafterTrainer:
     def __init__(self, target, tc: TrainConfig, out_dir: Path, device):
         self.target, self.tc, self.out, self.device = target, tc, Path(out_dir), device
-        self.cfg = drafter_config_for(target, tc)
-        self.model = init_drafter(self.cfg, tc.seed, device)
+        start = None
+        if tc.init_from:
+            self.cfg, start = start_from(tc.init_from, target, tc)
+        else:
+            self.cfg = drafter_config_for(target, tc)
+        self.model = init_drafter(self.cfg, tc.seed, device, start)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, betas=(0.9, 0.95),
                                      weight_decay=tc.weight_decay)
         self.step = 0
         self.gen = torch.Generator().manual_seed(tc.seed + 1)
-        bs = tc.block_size
-        g = gamma_for(bs)
-        self.weights = torch.tensor([math.exp(-(r - 1) / g) for r in range(1, bs)], device=device)
+        g = gamma_for(self.cfg.block_size)
+        slots = self.cfg.block_size - (0 if self.cfg.anchor_drafts else 1)
+        self.weights = torch.tensor([math.exp(-(r - 1) / g) for r in range(1, slots + 1)], device=device)
         self.history: list[dict] = []
         self.cache_taps = str(device).startswith("cuda")
 
@@ -212,15 +270,33 @@ class DrafterTrainer:
         return taps.float()
 
     def loss_on(self, tokens, anchors, taps=None):
+        """The weighted loss, and per slot whether the drafter's pick is the true token [B, K, S]: its argmax,
+        DFlash2's walk or DSpark's chain (teacher-forced, so a run of right picks is what greedy drafting
+        gets accepted). DFlash2 adds its selector's cross-entropy, DSpark its confidence head's (the head
+        learns whether the chain's pick is right, on detached inputs)."""
+        model = self.model
         with _autocast(self.device):
-            logits, labels = block_forward(self.model, self.target, self.cfg, tokens,
-                                           self.taps_of(tokens) if taps is None else taps.float(), anchors)
-        ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+            logits, h, labels, prev = block_forward(model, self.target, self.cfg, tokens,
+                                                    self.taps_of(tokens) if taps is None else taps.float(), anchors)
+        flat = labels.flatten()
+        logits, h, prev = logits.float().flatten(0, 2), h.float().flatten(0, 2), prev.flatten()
+        if self.cfg.variant == "dspark":
+            ce, right, _ = model.markov_head.loss(logits, prev, flat)
+            code = model.markov_head.markov_w1(prev).detach()
+            ce = ce + F.binary_cross_entropy_with_logits(
+                confidence_logit(model.confidence_head.proj, h.detach(), code), right.float(), reduction="none")
+        else:
+            ce = F.cross_entropy(logits, flat, reduction="none")
+            right = logits.argmax(-1) == flat
+            if self.cfg.variant == "dflash2":
+                chosen, right = model.candidate_selector.loss(logits, h, prev, flat, EAGER)
+                ce = ce + chosen
+        ce, right = ce.view(labels.shape), right.view(labels.shape)
         loss = (ce * self.weights).sum() / (self.weights.sum() * labels.shape[0] * labels.shape[1])
-        return loss, logits, labels
+        return loss, right
 
     def anchor_range(self):
-        return self.tc.prompt_len - 1, self.train_seqs.shape[1] - self.tc.block_size
+        return self.tc.prompt_len - 1, self.train_seqs.shape[1] - self.cfg.block_size - int(self.cfg.anchor_drafts)
 
     # -- one optimisation step
     def train_step(self) -> float:
@@ -233,7 +309,7 @@ class DrafterTrainer:
             group["lr"] = lr_at(self.step, tc.steps, tc.lr, tc.warmup)
         self.model.train()
         taps = None if self.train_taps is None else self.train_taps[idx.to(self.device)]
-        loss, _, _ = self.loss_on(tokens, anchors, taps)
+        loss, _ = self.loss_on(tokens, anchors, taps)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip)
@@ -252,8 +328,8 @@ class DrafterTrainer:
         anchors = sample_anchors(len(tokens), self.tc.anchors_per_seq, lo, hi, gen, self.device)
         losses, runs, per_pos = [], [], []
         for i in range(0, len(tokens), self.tc.batch_size):
-            loss, logits, labels = self.loss_on(tokens[i:i + self.tc.batch_size], anchors[i:i + self.tc.batch_size])
-            ok = (logits.argmax(-1) == labels).float()
+            loss, right = self.loss_on(tokens[i:i + self.tc.batch_size], anchors[i:i + self.tc.batch_size])
+            ok = right.float()
             losses.append(float(loss))
             runs.append(ok.cumprod(-1).sum(-1).flatten())
             per_pos.append(ok.flatten(0, 1))

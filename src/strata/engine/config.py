@@ -42,6 +42,8 @@ class EngineConfig:
     pad_rows: int = 1  # target-only decoding in windows of this many rows (see ModelRunner)
     tree: int | None = None  # tree verification with this many nodes (engine/tree.py); None: the chain
     adaptive_window: bool = False  # each round's window chosen by measured cost and acceptance (window_policy.py)
+    auto_window: bool = False  # each round's window chosen by measured cost and the drafter's confidences
+    draft_p_min: float = 0.0  # a draft ends before its first candidate rated below this (llama.cpp's p_min)
     draft_sampling: str = "sample"  # sampled decoding: draw candidates from q, or take its argmax
     profile: bool = False  # time the draft and verify parts of each round (waits for the device)
     kernels: KernelOptions = KernelOptions()  # the kernels' switches (an A/B run sets its own)
@@ -60,6 +62,10 @@ class EngineConfig:
             raise SettingError(f"{{pad_rows}} must be >= 1, got {self.pad_rows}")
         if self.tree is not None and self.tree < 1:
             raise SettingError(f"{{tree}} must be >= 1, got {self.tree}")
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise SettingError(f"{{draft_p_min}} must be between 0 and 1, got {self.draft_p_min}")
+        if self.auto_window and self.adaptive_window:
+            raise SettingError("{auto_window} and {adaptive_window} both choose the window; choose one")
 
     @property
     def static(self) -> bool:
@@ -122,9 +128,10 @@ class EngineConfig:
         if self.tree is not None and target.recurrent:
             raise SettingError("{tree}: this target has linear-attention layers, whose recurrent state follows "
                                "one sequence, not a tree; use the chain (no {tree})")
-        if self.adaptive_window and target.recurrent:
-            raise SettingError("{adaptive_window}: this target has linear-attention layers, whose states are kept "
-                               "for a fixed window; drop {adaptive_window}")
+        for flag in ("adaptive_window", "auto_window"):
+            if getattr(self, flag) and target.recurrent:
+                raise SettingError(f"{{{flag}}}: this target has linear-attention layers, whose states are kept "
+                                   f"for a fixed window; drop {{{flag}}}")
         rows = self.tree + 1 if self.tree is not None else max(window, self.pad_rows) if self.static else window
         fixed = self.rows()
         what = fixed[1] if fixed is not None else f"the verify window {window}"
@@ -138,6 +145,8 @@ class EngineConfig:
                 raise SettingError("{window} needs a drafter (--dflash or --prompt-lookup)")
             if self.adaptive_window:
                 raise SettingError("{adaptive_window} needs a drafter (--dflash or --prompt-lookup)")
+            if self.auto_window or self.draft_p_min > 0:
+                raise SettingError(f"{{{'auto_window' if self.auto_window else 'draft_p_min'}}} needs a DFlash drafter")
             if self.tree is not None:
                 raise SettingError("{tree} needs a drafter (--dflash)")
             return 1
@@ -145,8 +154,13 @@ class EngineConfig:
         if not 2 <= w <= drafter.max_window:
             raise SettingError(f"{{window}} {w}: must be between 2 and the drafter's {drafter.limit} "
                                f"{drafter.max_window}")
-        if self.tree is not None and self.adaptive_window:
-            raise SettingError("{adaptive_window} and {tree}: a tree's depth is fixed; choose one")
+        if self.tree is not None and (self.adaptive_window or self.auto_window or self.draft_p_min > 0):
+            flag = "adaptive_window" if self.adaptive_window else "auto_window" if self.auto_window else "draft_p_min"
+            raise SettingError(f"{{{flag}}} and {{tree}}: a tree's depth is fixed; choose one")
+        if (self.auto_window or self.draft_p_min > 0) and not drafter.rates_drafts:
+            flag = "auto_window" if self.auto_window else "draft_p_min"
+            raise SettingError(f"{{{flag}}} reads the drafter's confidence in its candidates; the {drafter.name} "
+                               f"drafter gives none (use a DFlash drafter)")
         if self.tree is not None:
             from .tree import largest_budget
 

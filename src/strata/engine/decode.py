@@ -106,7 +106,8 @@ class Engine:
         plan = self.config.resolve(target, drafter)
         self.window, self.max_len = plan.window, plan.max_len
         self.runner = ModelRunner(target, self.drafter, self.config, plan)
-        self.policy = WindowPolicy(self.window) if self.config.adaptive_window else None
+        chooses = self.config.adaptive_window or self.config.auto_window
+        self.policy = WindowPolicy(self.window) if chooses and self.window > 1 else None
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         check_prompt(prompt_ids, self.max_len, self.target.cfg.vocab_size)
@@ -122,17 +123,23 @@ class Engine:
         return time.perf_counter()
 
     def _draft(self, anchor: int, pos: int, n: int, kv_len: int, params: SamplingParams, gen):
-        """Candidates [n] on the device, and q [n, V] when they were sampled from the drafter."""
+        """Candidates [n] on the device, q [n, V] when they were sampled from the drafter, the confidences a
+        draft may be cut by [n], and the confidences a window may be chosen by [n] (None where the drafter
+        rates nothing). Cutting at the first low slot (--draft-p-min) is a stopping rule: a sampled slot's
+        rating is its q's largest probability, which depends on the draws before it, not on its own. Choosing
+        the window (--spec auto) looks at every slot, so it reads the greedy draft's ratings, which no draw
+        changes. Either way rejection sampling stays lossless."""
         if n == 0:
-            return torch.empty(0, dtype=torch.long, device=self.target.device), None
+            return torch.empty(0, dtype=torch.long, device=self.target.device), None, None, None
         proposal = self.runner.draft(anchor, pos, n, kv_len)
         if not params.greedy and self.config.draft_sampling == "sample":
             if proposal.draw is not None:
-                return proposal.draw(lambda logits: process(logits, params), gen)
+                tokens, q = proposal.draw(lambda logits: process(logits, params), gen)
+                return tokens, q, q.amax(-1), proposal.confidence
             if proposal.logits is not None:
                 q = process(proposal.logits, params)
-                return sample(q, gen), q
-        return proposal.tokens, None
+                return sample(q, gen), q, q.amax(-1), proposal.confidence
+        return proposal.tokens, None, proposal.confidence, proposal.confidence
 
     def _launch(self, anchor: int | None, pos: int, params: SamplingParams, gen, accept) -> Launched:
         """A round at pos enqueued: propose, verify, and its outcome's copy to the host, nothing waited for.
@@ -141,7 +148,8 @@ class Engine:
         runner = self.runner
         started = time.perf_counter()
         w = runner.window_at(pos)
-        if self.policy is not None:
+        auto = self.policy is not None and self.config.auto_window
+        if self.policy is not None and not auto:
             w = min(w, self.policy.choose())
         kv_len = runner.kv_len(pos, w)
         if anchor is not None:
@@ -152,9 +160,19 @@ class Engine:
             marks.append(self._clock())
             out, positions, packed = runner.verify_tree(tree, kv_len)
         else:
-            cands, q = self._draft(anchor, pos, w - 1, kv_len, params, gen)
+            cands, q, stop, rated = self._draft(anchor, pos, w - 1, kv_len, params, gen)
+            p_min, limit, ratings = self.config.draft_p_min, None, None
+            if p_min > 0 and stop is not None:  # the draft ends at its first doubtful slot
+                limit = (stop >= p_min).to(torch.int64).cumprod(0).sum().view(1)
+            if auto and w > 2:  # the round's second host read: its candidates' ratings pick the window
+                ratings = rated.tolist()
+                cut = next((i for i, c in enumerate(ratings) if c < p_min), len(ratings))
+                ratings = ratings[:cut] + [0.0] * (len(ratings) - cut)  # nothing past a --draft-p-min cut
+                w = min(w, self.policy.choose(ratings))
+                kv_len, cands, q = runner.kv_len(pos, w), cands[:w - 1], None if q is None else q[:w - 1]
             marks.append(self._clock())
-            out, positions, packed = runner.verify(cands, w, kv_len, accept, q)
+            out, positions, packed = runner.verify(cands, w, kv_len, accept, q, limit)
+            return Launched(pos, w, kv_len, out, positions, HostCopy(packed), started, marks, ratings)
         return Launched(pos, w, kv_len, out, positions, HostCopy(packed), started, marks)
 
     def _finish(self, r: Launched, anchor: int) -> tuple[RoundOutcome, list[float]]:
@@ -170,7 +188,7 @@ class Engine:
         runner.observe(r.pos, [anchor] + outcome.candidates[:outcome.accepted], r.out.taps, r.positions, r.kv_len)
         marks.append(self._clock())
         if self.policy is not None:
-            self.policy.record(r.window, outcome.accepted, time.perf_counter() - r.started)
+            self.policy.record(r.window, outcome.accepted, time.perf_counter() - r.started, r.ratings)
         return outcome, marks
 
     @torch.inference_mode()
@@ -269,3 +287,4 @@ class Launched:
     outcome: HostCopy  # [a, next, c1..] (verify.py)
     started: float
     marks: list[float]
+    ratings: list[float] | None = None  # --spec auto: the drafter's confidence in each candidate

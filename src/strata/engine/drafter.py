@@ -46,6 +46,10 @@ class Proposal:
     #: logits [1, vocab] into the sampling distribution (temperature, top-k, top-p); None: each slot is drawn
     #: from its own logits
     draw: Callable[[Callable, torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: [n] float32: how likely each slot's candidate is accepted once the slots before it are, as the drafter
+    #: rates it (llama.cpp's p_min quantity: DFlash's top-10 probability, DFlash2's pair-score probability,
+    #: DSpark's confidence head); None: the drafter does not rate its candidates
+    confidence: torch.Tensor | None = None
 
 
 class Drafter:
@@ -61,6 +65,8 @@ class Drafter:
     tap_layers: list[int] | None = None
     #: whether proposals carry logits for every position (what tree verification branches on)
     gives_logits = False
+    #: whether proposals carry a confidence for each candidate (what --draft-p-min and --spec auto read)
+    rates_drafts = False
     #: The device contract. True: propose and observe read only the tensor fields of their argument
     #: (anchor_t, pos_t, taps, positions) and the fixed ones (n, kv_len, kernels), and only launch
     #: device work, so the model runner may capture them in CUDA graphs and replay them each round.

@@ -144,6 +144,7 @@ class ModelRunner:
         self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.candidates = torch.zeros(window - 1, dtype=torch.long, device=dev)
+        self.limit = torch.full((1,), max(window - 1, 0), dtype=torch.long, device=dev)  # candidates proposed
         self.padding = torch.zeros(max(0, self.rows - window), dtype=torch.long, device=dev)
         self.offsets = torch.arange(self.rows, device=dev)
         self.tree_inputs: Tree | None = None
@@ -216,25 +217,29 @@ class ModelRunner:
             return self.graphs.run(("draft", kv_len, n), lambda: self.drafter.propose(req))
         return self.drafter.propose(req)
 
-    def verify(self, candidates: torch.Tensor, w: int, kv_len: int, accept=GREEDY, q: torch.Tensor | None = None):
+    def verify(self, candidates: torch.Tensor, w: int, kv_len: int, accept=GREEDY, q: torch.Tensor | None = None,
+               limit: torch.Tensor | None = None):
         """The target over [anchor, candidates, padding] at pos..: (ForwardOut, the rows' positions, the
         round's outcome [a, next, c1..] as a device tensor, by the acceptor `accept`; q: the distributions the
-        candidates were sampled from). The step computes the greedy outcome, captured with it; another
-        acceptor runs on its logits after it."""
+        candidates were sampled from; limit [1]: how many of them the draft proposed, where it was cut on the
+        device). The step computes the greedy outcome, captured with it; another acceptor runs on its logits
+        after it."""
         rows = self.rows if self.static and w == self.window else w  # a shorter (adaptive) window: no padding
         cands = self.candidates[:w - 1]
         if w > 1:
             cands.copy_(candidates)
+        if limit is not None:
+            self.limit.copy_(limit)
         padding = self.padding[:rows - w]
 
         def step():
             tokens = torch.cat([self.anchor, cands, padding])
             positions = self.pos + self.offsets[:rows]
             out = self.target(tokens, Step(positions, kv_len, self.kernels), self.cache, self.drafter.tap_layers)
-            return out, positions, greedy_accept(out.logits[:w], cands)
+            return out, positions, greedy_accept(out.logits[:w], cands, self.limit)
 
         out, positions, greedy = self.graphs.run(("verify", kv_len, rows), step) if self.static else step()
-        return out, positions, greedy if accept is GREEDY else accept(out.logits[:w], cands, q)
+        return out, positions, greedy if accept is GREEDY else accept(out.logits[:w], cands, q, self.limit)
 
     def draft_tree(self, anchor: int, pos: int, n: int, kv_len: int):
         """The drafter's pass and the tree built from its logits [n, V], as one step (one graph with an

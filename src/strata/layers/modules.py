@@ -40,6 +40,7 @@ class Step:
     probe: Probe | None = None
     rope: Rope | None = None
     masks: dict | None = None  # a layer's attention window (None: unbounded) -> [..., T, kv_len] bool
+    block: int | None = None  # a drafter's rows per block where a step packs several (training); None: one
 
     def for_layers(self, rope: Rope, masks: dict | None = None) -> "Step":
         """This step with the model's RoPE rows (and masks, unless the caller set them)."""
