@@ -151,3 +151,54 @@ def test_dspark_drafts_as_the_reference_and_decodes_as_target_only(pair2, anchor
             res = Engine(target, load_drafter(source, target, max_len=128), max_len=128, backend=backend,
                          window=drafter.max_window).generate(prompt, 40)
             assert res.output_ids == base, (source, backend)
+
+
+def test_dflash2_tree_holds_the_best_prefixes_of_its_selector(pair2):
+    """A DFlash2 draft tree (tree verification) is the budget's best prefixes by summed log-probability, each step a
+    softmax among the slot's top-k candidates scored after the parent's own token (enumerated here path by path);
+    tree verification with it decodes as target-only, eager and static."""
+    import itertools
+
+    import numpy as np
+
+    from strata.dflash.dflash2 import CandidateSelector
+    from strata.layers.kernels import EAGER
+
+    torch.manual_seed(0)
+    sel = CandidateSelector(VOCAB, RANK, HIDDEN, 3)
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.normal_(0, 0.5)
+    depths, budget, anchor = 3, 10, torch.tensor([7])
+    logits, h = torch.randn(depths, VOCAB) * 3, torch.randn(depths, HIDDEN)
+    tree = sel.tree(logits, h, anchor, EAGER, budget)
+    pred, succ = sel.predecessor_codebook.detach().double().numpy(), sel.successor_codebook.detach().double().numpy()
+    gate = (h @ sel.hidden_projection.weight.T).detach().double().numpy()
+    cand = [np.argsort(-logits[d].numpy(), kind="stable")[:3] for d in range(depths)]
+    scored = {}
+    for n in range(1, depths + 1):
+        for path in itertools.product(range(3), repeat=n):
+            total, prev = 0.0, 7
+            for d, j in enumerate(path):
+                s = np.array([logits[d, c].item() + np.sum(succ[c] * pred[prev] * gate[d]) for c in cand[d]])
+                total += s[j] - s.max() - np.log(np.exp(s - s.max()).sum())
+                prev = int(cand[d][j])
+            scored[tuple(int(cand[d][j]) for d, j in enumerate(path))] = total
+    want = set(sorted(scored, key=lambda p: -scored[p])[:budget])
+    rows = tree.tokens.tolist()
+    parent = tree.parent.tolist()
+
+    def path_of(r):
+        return () if r == 0 else path_of(parent[r]) + (rows[r],)
+
+    assert {path_of(r) for r in range(1, budget + 1)} == want
+
+    target_dir, drafter_dir, target, d = pair2
+    prompt = [3, 99, 14, 250, 8, 8, 41]
+    base = Engine(target, max_len=128).generate(prompt, 40).output_ids
+    for backend in ("eager", "static"):
+        res = Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, backend=backend,
+                     window=4, tree=12).generate(prompt, 40)
+        assert res.output_ids == base, backend
+    with pytest.raises(Exception, match="holds at most 84 nodes"):  # 4 + 16 + 64 with the selector's top 4
+        Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, window=4, tree=85)

@@ -8,9 +8,8 @@ from dataclasses import replace
 
 from ..engine.config import EngineConfig
 from ..engine.decode import Engine
-from ..engine.stats import Acceptance
 from ..engine.window_policy import candidate_windows
-from .run import sync
+from .run import decode_set
 
 
 def window_sweep(target, drafter, prompts: list[list[int]], new_tokens: int, window: int,
@@ -25,14 +24,9 @@ def window_sweep(target, drafter, prompts: list[list[int]], new_tokens: int, win
                        pad_rows=1)
         engine = Engine(target, drafter, config=opts)
         engine.generate(prompts[0], new_tokens if target.device.type == "cuda" else 2)
-        acc, tokens, secs, outputs = Acceptance(), 0, 0.0, []
-        for p in prompts:
-            sync(target.device)
-            r = engine.generate(p, new_tokens)
-            acc, tokens, secs = acc.merge(r.acceptance), tokens + r.new_tokens, secs + r.decode_s
-            outputs.append(r.output_ids)
+        acc, tok_s, outputs = decode_set(engine, prompts, new_tokens)
         first = first or outputs
-        row = {"tok_s": tokens / secs if secs else 0.0, "tau": acc.tau, "rounds": acc.rounds,
+        row = {"tok_s": tok_s, "tau": acc.tau, "rounds": acc.rounds,
                "mean_window": 1 + sum(acc.drafted) / acc.rounds if acc.rounds else 1.0,
                "identical": outputs == first}
         if w == "auto":

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.sampling import sample
+from ..engine.tree import DEPTH_PENALTY, UNLIKELY, Tree, beam_tree
 from ..layers.modules import DecoderLayer, Linear, Step
 
 
@@ -129,6 +130,19 @@ class CandidateSelector(nn.Module):
         if not tokens:
             return anchor.new_empty(0), logits.new_empty(0).float()
         return torch.cat(tokens), torch.cat(probs)
+
+    def tree(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels, budget: int) -> Tree:
+        """A draft tree for tree verification (a beam over the edge scores, as SGLang's DFlash2 trees): the
+        budget's best prefixes by summed log-probability, a node's children its slot's k candidates, each
+        scored after the node's own token and log-softmaxed among the k. Device work only."""
+        cand, unary, succ, gate = self.edges(logits, h, kernels)
+        pred = self.predecessor_codebook.float()
+
+        def children(d, parents):
+            steps = torch.log_softmax(self.scores(unary[d], succ[d], pred[parents], gate[d]), -1) - DEPTH_PENALTY
+            return torch.nan_to_num(steps, nan=UNLIKELY, neginf=UNLIKELY), cand[d].expand(parents.shape[0], -1)
+
+        return beam_tree(anchor.view(1), cand.shape[0], cand.shape[1], budget, children)
 
     def draw(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels, probs, gen):
         """The sampled walk: each slot's token drawn (an exponential race, no host read) from q = probs of its

@@ -42,6 +42,8 @@ class DFlashDrafter(Drafter):
         self.cfg, self.target, self.source = cfg, target, art.source
         self.tap_layers = list(cfg.target_layer_ids)
         self.max_window = cfg.block_size + (1 if cfg.anchor_drafts else 0)  # W-1 drafts from W-1 rows
+        if cfg.variant == "dflash2":  # its trees branch over the selector's candidates
+            self.tree_top_k = cfg.selector_top_k
         self.window_cells = window_cells
         layout = hf_layout(cfg)
         quant = {}
@@ -104,7 +106,7 @@ class DFlashDrafter(Drafter):
             selector, block = self.model.candidate_selector, (logits, h, req.anchor_t, req.kernels)
             tokens, conf = selector.walk(*block)
             return Proposal(tokens, logits, draw=lambda probs, gen: selector.draw(*block, probs, gen),
-                            confidence=conf)
+                            confidence=conf, tree=lambda budget: selector.tree(*block, budget))
         if cfg.variant == "dspark":  # the Markov head's chain from the anchor
             head = self.model.markov_head
             tokens, chained = head.walk(logits, req.anchor_t)

@@ -167,7 +167,7 @@ class EngineConfig:
             if not drafter.gives_logits:
                 raise SettingError(f"{{tree}} needs a drafter that scores its candidates (DFlash); the "
                                    f"{drafter.name} drafter does not")
-            if self.tree > largest_budget(w - 1):
-                raise SettingError(f"{{tree}} {self.tree}: a tree of depth {w - 1} holds at most "
-                                   f"{largest_budget(w - 1)} nodes")
+            most = largest_budget(w - 1, drafter.tree_top_k)
+            if self.tree > most:
+                raise SettingError(f"{{tree}} {self.tree}: a tree of depth {w - 1} holds at most {most} nodes")
         return w

@@ -154,14 +154,14 @@ class Engine:
         kv_len = runner.kv_len(pos, w)
         if anchor is not None:
             runner.start_round(anchor, pos)
-        marks = [self._clock()]
+        marks, ratings = [self._clock()], None
         if runner.tree is not None:  # greedy only (generate refuses sampling)
             tree = runner.draft_tree(anchor, pos, w - 1, kv_len)
             marks.append(self._clock())
             out, positions, packed = runner.verify_tree(tree, kv_len)
         else:
             cands, q, stop, rated = self._draft(anchor, pos, w - 1, kv_len, params, gen)
-            p_min, limit, ratings = self.config.draft_p_min, None, None
+            p_min, limit = self.config.draft_p_min, None
             if p_min > 0 and stop is not None:  # the draft ends at its first doubtful slot
                 limit = (stop >= p_min).to(torch.int64).cumprod(0).sum().view(1)
             if auto and w > 2:  # the round's second host read: its candidates' ratings pick the window
@@ -172,8 +172,7 @@ class Engine:
                 kv_len, cands, q = runner.kv_len(pos, w), cands[:w - 1], None if q is None else q[:w - 1]
             marks.append(self._clock())
             out, positions, packed = runner.verify(cands, w, kv_len, accept, q, limit)
-            return Launched(pos, w, kv_len, out, positions, HostCopy(packed), started, marks, ratings)
-        return Launched(pos, w, kv_len, out, positions, HostCopy(packed), started, marks)
+        return Launched(pos, w, kv_len, out, positions, HostCopy(packed), started, marks, ratings)
 
     def _finish(self, r: Launched, anchor: int) -> tuple[RoundOutcome, list[float]]:
         """Wait for a launched round's outcome (the round's one host synchronisation), commit it and let the

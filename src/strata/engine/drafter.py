@@ -13,6 +13,7 @@ import torch
 
 from ..layers.kernels import EAGER, Kernels
 from ..layers.modules import Probe
+from .tree import TOP_K
 
 
 @dataclass
@@ -50,6 +51,9 @@ class Proposal:
     #: rates it (llama.cpp's p_min quantity: DFlash's top-10 probability, DFlash2's pair-score probability,
     #: DSpark's confidence head); None: the drafter does not rate its candidates
     confidence: torch.Tensor | None = None
+    #: tree(budget) -> Tree: the drafter's own draft tree (DFlash2's beam over its selector); None: the tree is
+    #: built from the logits (engine/tree.py)
+    tree: Callable[[int], object] | None = None
 
 
 class Drafter:
@@ -67,6 +71,8 @@ class Drafter:
     gives_logits = False
     #: whether proposals carry a confidence for each candidate (what --draft-p-min and --spec auto read)
     rates_drafts = False
+    #: the children a draft tree's node may have (bounds --tree's budget at a depth)
+    tree_top_k = TOP_K
     #: The device contract. True: propose and observe read only the tensor fields of their argument
     #: (anchor_t, pos_t, taps, positions) and the fixed ones (n, kv_len, kernels), and only launch
     #: device work, so the model runner may capture them in CUDA graphs and replay them each round.

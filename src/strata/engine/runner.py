@@ -246,7 +246,12 @@ class ModelRunner:
         on-device drafter): the tree is the drafting, its verify only the target's step."""
         req = DraftRequest(anchor, pos, n, self.anchor, self.pos, kv_len, self.kernels, self.probe)
         fused = isinstance(self.kernels, TritonKernels)
-        step = lambda: build(self.anchor, self.drafter.propose(req).logits[:n], self.tree, fused=fused)  # noqa: E731
+        def step():
+            proposal = self.drafter.propose(req)
+            if proposal.tree is not None:  # the drafter's own (DFlash2's selector)
+                return proposal.tree(self.tree)
+            return build(self.anchor, proposal.logits[:n], self.tree, fused=fused)
+
         if self.static and self.drafter.on_device:
             return self.graphs.run(("draft", kv_len, n, "tree"), step)
         tree = step()

@@ -10,6 +10,8 @@ graphs: the build with the drafter's pass, the verify and the walk as the target
   a beam of N per depth holds every prefix that can be among them, and a global top-N picks them. On a
   GPU the beams, the selection and the ancestor rows are one Triton launch (in torch they are ~60 small
   kernels, a third of a millisecond).
+- `beam_tree`: the same search where a node's children depend on its own token (DFlash2's selector scores a
+  slot's candidates after the token before them: dflash2.CandidateSelector.tree), in torch.
 - `walk`: the accepted path, following the target's argmax from the anchor through the children.
 Row 0 of a tree is the anchor (depth 0); rows 1..N are nodes in order of depth."""
 
@@ -60,17 +62,28 @@ def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = 
     if fused:
         return _build_fused(anchor, steps, idx, budget)
     depths, k = steps.shape
-    dev = logits.device
+    return beam_tree(anchor, depths, k, budget, lambda d, parents: (steps[d].expand(budget, k),
+                                                                     idx[d].expand(budget, k)))
+
+
+def beam_tree(anchor: torch.Tensor, depths: int, k: int, budget: int, children) -> Tree:
+    """The N best prefixes, depth by depth: children(d, beam's tokens [N]) -> (each beam entry's k children's
+    log-probabilities less the depth penalty [N, k], their tokens [N, k]) at depth d + 1; the anchor is the
+    only entry at depth 0. A child's step may depend on its parent's token (DFlash2's selector) or not."""
+    dev = anchor.device
     # depth 0: the anchor alone (no item assignment: a Python scalar written into a CUDA tensor is a host
     # copy, which CUDA-graph capture refuses)
     beam = torch.where(torch.arange(budget, device=dev) == 0, 0.0, float("-inf"))
-    scores, picks = [], []
+    last = anchor.expand(budget)
+    scores, picks, toks = [], [], []
     for d in range(depths):  # an unsorted top-N a depth; the tokens and parents are read off all picks after
-        beam, pick = torch.topk((beam[:, None] + steps[d][None, :]).reshape(-1), budget, sorted=False)
+        steps, tokens = children(d, last)
+        beam, pick = torch.topk((beam[:, None] + steps).reshape(-1), budget, sorted=False)
+        last = tokens.reshape(-1).gather(0, pick)
         scores.append(beam)
         picks.append(pick)
-    score, pick = torch.stack(scores), torch.stack(picks)  # [D, N] each
-    tokens = idx.gather(1, pick % k)
+        toks.append(last)
+    score, pick, tokens = torch.stack(scores), torch.stack(picks), torch.stack(toks)  # [D, N] each
     parents = pick // k  # the slot in the previous depth's beam
     chosen = torch.topk(score.reshape(-1), budget, sorted=False).indices
     chosen = chosen[torch.argsort(chosen)]  # by depth, then beam slot: parents come before children
