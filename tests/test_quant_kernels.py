@@ -703,3 +703,67 @@ def test_the_bench_checks_each_quantized_type_against_its_blocks_dequantized(mon
                         (1.5 if qtype == int(T.IQ4_XS) and x.shape[0] > 1 else 1.0))
     with pytest.raises(RuntimeError, match=r"IQ4_XS-3 rows: 5\.0\de-01"):
         run.product_check(model, (1, 3))
+
+
+def test_a_quantized_dflash2_drafter_keeps_its_matrices_in_blocks(tmp_path, monkeypatch):
+    """A Q8_0 DFlash2 drafter (what llama-quantize makes of one: its matrices in blocks, its convolutions' kernel
+    projections among them) kept in its blocks drafts what its dequantization does: the same walk, close logits
+    and confidences; the selector's codebooks, read by rows, are dequantized."""
+    from strata.dflash import gguf_format
+    from strata.dflash.artifact import load_artifact
+    from strata.dflash.drafter import DFlashDrafter
+    from strata.dflash.hf_format import read_hf
+    from strata.gguf_vocab import for_target
+    from strata.models.loader import load_target
+
+    from conftest import forward_at, observe, propose, write_hf_model
+    from test_gguf_target import qwen2_tokenizer
+
+    monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
+    monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
+    target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
+                                   head_dim=64, layers=2)
+    qwen2_tokenizer(target_dir, 320)
+    gen = torch.Generator().manual_seed(8)
+    extra = {"candidate_selector.predecessor_codebook": torch.randn(320, 32, generator=gen) * 0.2,
+             "candidate_selector.successor_codebook": torch.randn(320, 32, generator=gen) * 0.2,
+             "candidate_selector.hidden_projection.weight": torch.randn(32, 256, generator=gen) * 0.2}
+    for conv in ("attention_conv", "mlp_conv"):
+        base = torch.randn(2, 2, 256, generator=gen) * 0.1
+        base[:, 0] += 1
+        extra[f"layers.0.{conv}.base_kernel"] = base
+        extra[f"layers.0.{conv}.kernel_projection.weight"] = torch.randn(2 * 2 * 16, 256, generator=gen) * 0.05
+    dcfg = {"mask_token_id": 319, "target_layer_ids": [0, 1], "conv_kernel_size": 2, "conv_group_size": 16,
+            "selector_rank": 32, "selector_top_k": 4}
+    src = write_hf_drafter(tmp_path / "d", layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256,
+                           taps=(0, 1), num_target_layers=2, vocab=320, mask_token_id=319, tokenizer=False,
+                           extra_config={"architectures": ["DFlash2DraftModel"], "dflash_config": dcfg},
+                           extra_tensors={k: v.to(torch.bfloat16) for k, v in extra.items()})
+    plain_storage = gguf_format.storage
+
+    def q8_0(t, name):  # every matrix in Q8_0 blocks, as llama-quantize Q8_0 leaves a drafter
+        if t.dim() != 2 or t.shape[-1] % 32 or gguf_format.kept_in_f32(t, name):
+            return plain_storage(t, name)
+        return quants.quantize(t.float().numpy(), T.Q8_0), T.Q8_0
+
+    monkeypatch.setattr(gguf_format, "storage", q8_0)
+    art = read_hf(src)
+    path = tmp_path / "d2-q8_0.gguf"
+    gguf_format.write_gguf(path, art.cfg, art.tensors, for_target(target_dir, 320), "q8_0")
+    art = load_artifact(path)
+    assert {art.types[n] for n in ("layers.0.attention_conv.kernel_projection.weight",
+                                   "candidate_selector.successor_codebook")} == {"Q8_0"}
+    target = load_target(target_dir)
+    plain, kept = DFlashDrafter(art, target, max_len=64), DFlashDrafter(art, target, max_len=64, quantized=True)
+    assert isinstance(kept.model.layers[0].attention_conv.kernel_projection.weight, QuantWeight)
+    assert not isinstance(kept.model.candidate_selector.predecessor_codebook, QuantWeight)
+    ids = torch.tensor([5, 17, 200, 31, 7, 99, 3])
+    taps = forward_at(target, ids, 0, target.make_cache(64), [0, 1]).taps
+    for d in (plain, kept):
+        observe(d, ids.tolist(), 0, taps)
+    want, got = propose(plain, 12, 7, 4), propose(kept, 12, 7, 4)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    # x rounded to int8 per 32 values in every Q8_0 product, the convolutions' kernels among them (the DFlash
+    # test's drafter in Q8_0 measures 0.9e-2); a row or block out of place would be O(1)
+    assert 1e-6 < rel(got.logits, want.logits) <= 5e-2
+    assert (got.confidence - want.confidence).abs().max() <= 2e-2
