@@ -115,3 +115,24 @@ def test_generate_takes_spec_auto_and_p_min(capsys):
     with pytest.raises(SystemExit) as bad:
         main(["generate", "--prompt-ids", "3", "--spec", "eight"])
     assert bad.value.code == 2 and "expected a window (an integer) or auto" in capsys.readouterr().err
+
+
+def test_bench_window_sweep_holds_auto_against_each_fixed_window(tmp_path):
+    """`strata bench --spec auto` (its window sweep) on the demo pair: every fixed window of auto's and auto itself
+    on the prompt set, taking each prompt in turn, with identical outputs and the best fixed window named."""
+    import json
+
+    from conftest import run_cli
+
+    prompts = tmp_path / "p.json"
+    prompts.write_text('["def fibonacci(n):", "class Stack:"]')
+    out = tmp_path / "w.json"
+    r = run_cli("bench", "--spec", "auto", "--prompts", prompts, "--new-tokens", "24", "--runs", "1",
+                "--prompt-len", "16", "--hf", "none", "--out", out)
+    assert r.returncode == 0, r.stderr
+    sweep = json.loads(out.read_text())["window_sweep"]
+    assert sweep["prompts"] == 2 and set(sweep["fixed"]) == {"2", "4", "8"} and sweep["interleaved"]
+    assert all(row["identical"] for row in [*sweep["fixed"].values(), sweep["auto"]])
+    assert sweep["fixed"]["8"]["tau"] > sweep["fixed"]["2"]["tau"] and 1 < sweep["auto"]["mean_window"] <= 8
+    best = sweep["fixed"][str(sweep["best_fixed"])]["tok_s"]
+    assert sweep["auto_vs_best_fixed"] == sweep["auto"]["tok_s"] / best and "--spec auto" in r.stderr

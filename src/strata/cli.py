@@ -385,7 +385,8 @@ def cmd_bench(args) -> int:
     bench = BenchSpec(shape=args.shape, drafter_layers=args.drafter_layers, block_size=args.block_size,
                       prompt_len=args.prompt_len, prompt=args.prompt, new_tokens=args.new_tokens, runs=args.runs,
                       hf=args.hf, profile=args.profile, quant=args.quant, trees=tuple(args.tree or ()),
-                      prompts=args.prompts, windows=tuple(args.verify_windows or ()), window_sweep=args.window_sweep)
+                      prompts=args.prompts, windows=tuple(args.verify_windows or ()),
+                      window_sweep=args.window_sweep or args.spec == "auto")
     out = None
     if args.out is not None:  # every file checked before any timing
         given = Path(args.out)

@@ -67,7 +67,7 @@ def check_sizes(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, cfg) -> 
 
 
 def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command: str) -> dict:
-    if engine.auto_window:  # --spec auto: the runs at the drafter's block size, auto beside each fixed window
+    if engine.auto_window:  # --spec auto: the runs at the drafter's block size, auto in the window sweep
         engine, bench = replace(engine, auto_window=False), replace(bench, window_sweep=True)
     from ..models.loader import load_model_config
     from ..models.random_init import random_target, shape_config

@@ -453,15 +453,16 @@ def expert_split(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
     return {"ms_per_token": total, "routing_read_ms": read, "host_experts_ms": host, "rest_ms": total - read - host}
 
 
-def decode_set(engine, prompts: list[list[int]], new_tokens: int) -> tuple[Acceptance, float, list[list[int]]]:
-    """Every prompt decoded by one engine: the acceptance over all rounds, tokens/s over all decoding, outputs."""
+def decode_set(engine, prompts: list[list[int]], new_tokens: int) -> tuple[Acceptance, int, float, list[list[int]]]:
+    """Every prompt decoded by one engine: the acceptance over all rounds, the tokens and seconds of all decoding,
+    the outputs."""
     acc, tokens, secs, outputs = Acceptance(), 0, 0.0, []
     for p in prompts:
         sync(engine.target.device)
         r = engine.generate(p, new_tokens)
         acc, tokens, secs = acc.merge(r.acceptance), tokens + r.new_tokens, secs + r.decode_s
         outputs.append(r.output_ids)
-    return acc, tokens / secs if secs else 0.0, outputs
+    return acc, tokens, secs, outputs
 
 
 def tree_sweep(target, drafter, prompts: list[list[int]], new_tokens: int, window: int, budgets,
@@ -477,9 +478,9 @@ def tree_sweep(target, drafter, prompts: list[list[int]], new_tokens: int, windo
         engine = Engine(target, drafter, config=opts, tree=n)
         for p in (prompts if target.device.type == "cuda" else prompts[:1]):
             engine.generate(p, new_tokens if target.device.type == "cuda" else 2)
-        acc, tok_s, outputs = decode_set(engine, prompts, new_tokens)
+        acc, tokens, secs, outputs = decode_set(engine, prompts, new_tokens)
         row = {"nodes": n or window - 1, "verify_rows": (n or window - 1) + 1, "tau": acc.tau, "rounds": acc.rounds,
-               "tok_s": tok_s, "per_position_acceptance": acc.per_position,
+               "tok_s": tokens / secs if secs else 0.0, "per_position_acceptance": acc.per_position,
                **round_split(engine, prompts[0], new_tokens)}
         if profile and target.device.type == "cuda":
             row["profile"] = graph_profile(engine)
