@@ -290,14 +290,10 @@ def test_random_quantized_targets_follow_the_file_type_and_the_floor_counts_thei
     assert plain.forward_batch(torch.tensor([[5, 17, 200]])).logits.isfinite().all()
 
 
-def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization_does(tmp_path, monkeypatch):
-    from strata.dflash.artifact import load_artifact
-    from strata.dflash.drafter import DFlashDrafter
-    from strata.models.loader import load_target
-
-    from conftest import forward_at, observe, propose, write_hf_model
+def drafter_target(tmp_path, monkeypatch):
+    """A 256-wide qwen3 target (with a tokenizer) for the quantized drafters, and one kernel configuration each."""
+    from conftest import write_hf_model
     from test_gguf_target import qwen2_tokenizer
-    from test_interop import write_lcpp_gguf
 
     monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
     monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
@@ -306,20 +302,38 @@ def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization
     target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
                                    head_dim=64, layers=2)
     qwen2_tokenizer(target_dir, 320)
-    src = write_hf_drafter(tmp_path / "d", layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256,
-                           taps=(0, 1), num_target_layers=2, vocab=320, mask_token_id=319, tokenizer=False)
-    path = tmp_path / "d.gguf"
-    write_lcpp_gguf(path, src, target_dir, matrix_type=T.Q4_K)
+    return target_dir
+
+
+def proposals_plain_and_kept(art, target_dir):
+    """The drafter dequantized and kept in its blocks, each proposing after the same context: (both drafters,
+    the dequantized one's proposal, the kept one's)."""
+    from strata.dflash.drafter import DFlashDrafter
+    from strata.models.loader import load_target
+
+    from conftest import forward_at, observe, propose
+
     target = load_target(target_dir)
-    art = load_artifact(path)
     plain, kept = DFlashDrafter(art, target, max_len=64), DFlashDrafter(art, target, max_len=64, quantized=True)
-    assert isinstance(kept.model.layers[0].self_attn.qkv_proj.weight, QuantWeight)
-    assert isinstance(kept.model.fc.weight, QuantWeight) and not isinstance(plain.model.fc.weight, QuantWeight)
     ids = torch.tensor([5, 17, 200, 31, 7, 99, 3])
     taps = forward_at(target, ids, 0, target.make_cache(64), [0, 1]).taps
     for d in (plain, kept):
         observe(d, ids.tolist(), 0, taps)
-    want, got = propose(plain, 12, 7, 4), propose(kept, 12, 7, 4)
+    return (plain, kept), propose(plain, 12, 7, 4), propose(kept, 12, 7, 4)
+
+
+def test_a_quantized_drafter_kept_in_its_blocks_proposes_what_its_dequantization_does(tmp_path, monkeypatch):
+    from strata.dflash.artifact import load_artifact
+    from test_interop import write_lcpp_gguf
+
+    target_dir = drafter_target(tmp_path, monkeypatch)
+    src = write_hf_drafter(tmp_path / "d", layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256,
+                           taps=(0, 1), num_target_layers=2, vocab=320, mask_token_id=319, tokenizer=False)
+    path = tmp_path / "d.gguf"
+    write_lcpp_gguf(path, src, target_dir, matrix_type=T.Q4_K)
+    (plain, kept), want, got = proposals_plain_and_kept(load_artifact(path), target_dir)
+    assert isinstance(kept.model.layers[0].self_attn.qkv_proj.weight, QuantWeight)
+    assert isinstance(kept.model.fc.weight, QuantWeight) and not isinstance(plain.model.fc.weight, QuantWeight)
     assert got.tokens.tolist() == want.tokens.tolist()
     # its Q4_K products take x rounded to int8 per 32 values (quantize_x), as llama.cpp's do
     assert 1e-5 < rel(got.logits, want.logits) <= 2e-3
@@ -711,19 +725,10 @@ def test_a_quantized_dflash2_drafter_keeps_its_matrices_in_blocks(tmp_path, monk
     and confidences; the selector's codebooks, read by rows, are dequantized."""
     from strata.dflash import gguf_format
     from strata.dflash.artifact import load_artifact
-    from strata.dflash.drafter import DFlashDrafter
     from strata.dflash.hf_format import read_hf
     from strata.gguf_vocab import for_target
-    from strata.models.loader import load_target
 
-    from conftest import forward_at, observe, propose, write_hf_model
-    from test_gguf_target import qwen2_tokenizer
-
-    monkeypatch.setattr(qk, "GEMV_CONFIGS", [(128, 4, 4)])
-    monkeypatch.setattr(qk, "SKINNY_CONFIGS", [(128, 4, 4)])
-    target_dir, _ = write_hf_model(tmp_path / "t", "qwen3", seed=3, vocab=320, hidden_size=256, intermediate_size=256,
-                                   head_dim=64, layers=2)
-    qwen2_tokenizer(target_dir, 320)
+    target_dir = drafter_target(tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(8)
     extra = {"candidate_selector.predecessor_codebook": torch.randn(320, 32, generator=gen) * 0.2,
              "candidate_selector.successor_codebook": torch.randn(320, 32, generator=gen) * 0.2,
@@ -753,15 +758,9 @@ def test_a_quantized_dflash2_drafter_keeps_its_matrices_in_blocks(tmp_path, monk
     art = load_artifact(path)
     assert {art.types[n] for n in ("layers.0.attention_conv.kernel_projection.weight",
                                    "candidate_selector.successor_codebook")} == {"Q8_0"}
-    target = load_target(target_dir)
-    plain, kept = DFlashDrafter(art, target, max_len=64), DFlashDrafter(art, target, max_len=64, quantized=True)
+    (_, kept), want, got = proposals_plain_and_kept(art, target_dir)
     assert isinstance(kept.model.layers[0].attention_conv.kernel_projection.weight, QuantWeight)
     assert not isinstance(kept.model.candidate_selector.predecessor_codebook, QuantWeight)
-    ids = torch.tensor([5, 17, 200, 31, 7, 99, 3])
-    taps = forward_at(target, ids, 0, target.make_cache(64), [0, 1]).taps
-    for d in (plain, kept):
-        observe(d, ids.tolist(), 0, taps)
-    want, got = propose(plain, 12, 7, 4), propose(kept, 12, 7, 4)
     assert got.tokens.tolist() == want.tokens.tolist()
     # x rounded to int8 per 32 values in every Q8_0 product, the convolutions' kernels among them (the DFlash
     # test's drafter in Q8_0 measures 0.9e-2); a row or block out of place would be O(1)
