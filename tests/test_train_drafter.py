@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -223,3 +224,9 @@ def test_init_from_a_dflash_drafter_starts_where_it_was(tmp_path):
         moved = [k for k, v in tr.model.state_dict().items() if not torch.equal(v, before[k])]
         heads = ("candidate_selector", "attention_conv") if variant == "dflash2" else ("markov_head", "confidence_head")
         assert all(any(h in k for k in moved) for h in heads), moved
+        with torch.no_grad():  # a drafter of the kind asked for goes on as it is (its trained parts kept)
+            for p in tr.model.parameters():
+                p.copy_(p.bfloat16().float())
+        tr.export()
+        again = DrafterTrainer(target, replace(tc, init_from=str(tmp_path / variant)), tmp_path / "again", "cpu")
+        assert all(torch.equal(a, b) for a, b in zip(again.model.state_dict().values(), tr.model.state_dict().values()))

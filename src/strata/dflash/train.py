@@ -113,13 +113,15 @@ def with_variant(cfg: DFlashConfig, tc: TrainConfig) -> DFlashConfig:
 
 
 def init_drafter(cfg: DFlashConfig, seed: int, device, start: Artifact | None = None) -> DFlashModel:
-    """From scratch, or from a drafter's weights (start); either way the variant's additions start as the
-    published recipe starts them: the convolutions the identity, the Markov head's bias zero."""
+    """From scratch, or from a drafter's weights (start); the variant's additions that the start does not
+    carry start as the published recipe starts them: the convolutions the identity, the Markov head's bias
+    zero."""
     torch.manual_seed(seed)
     model = init_weights_(DFlashModel(cfg))
     if start is not None:
-        layout = {p: s for p, s in hf_layout(start.cfg).items()}
-        model.load_state_dict(pack(start.tensors, layout, torch.float32, start.source), strict=False)
+        model.load_state_dict(pack(start.tensors, hf_layout(start.cfg), torch.float32, start.source), strict=False)
+        if start.cfg.variant == cfg.variant:  # a drafter of this kind goes on training as it is
+            return model.to(device)
     for layer in model.layers:
         for conv in (getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None)):
             if conv is not None:
@@ -130,10 +132,11 @@ def init_drafter(cfg: DFlashConfig, seed: int, device, start: Artifact | None = 
 
 
 def start_from(path: str, target, tc: TrainConfig) -> tuple[DFlashConfig, Artifact]:
-    """--init-from: a drafter for this target; its shape (layers, block size, taps) replaces tc's."""
+    """--init-from: a drafter for this target; its shape (layers, block size, taps, and its own variant's sizes)
+    replaces tc's."""
     art = load_artifact(path)
     check_against_target(art.cfg, target.cfg, str(art.source), art.vocab)
-    return with_variant(art.cfg, tc), art
+    return (art.cfg if art.cfg.variant == tc.variant else with_variant(art.cfg, tc)), art
 
 
 @torch.no_grad()
