@@ -222,7 +222,8 @@ def test_init_from_a_dflash_drafter_starts_where_it_was(tmp_path):
         before = {k: v.clone() for k, v in tr.model.state_dict().items()}
         tr.train_step()
         moved = [k for k, v in tr.model.state_dict().items() if not torch.equal(v, before[k])]
-        heads = ("candidate_selector", "attention_conv") if variant == "dflash2" else ("markov_head", "confidence_head")
+        heads = ("candidate_selector", "attention_conv") if variant == "dflash2" else \
+            ("markov_head", "confidence_head")
         assert all(any(h in k for k in moved) for h in heads), moved
         with torch.no_grad():  # a drafter of the kind asked for goes on as it is (its trained parts kept)
             for p in tr.model.parameters():
