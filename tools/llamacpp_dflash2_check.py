@@ -11,8 +11,8 @@ head and confidence head, drafting from the anchor's slot and after it (`--spec-
 - llama.cpp decodes Strata's own GGUF exactly as the converter's;
 - how often the selector's pick differs from the slot's argmax (Strata's walk), so a check that passes is one the
   selector took part in;
-- with --spec-draft-p-min / --draft-p-min P_MIN (the DFlash2 drafter of strength 1, the DSpark one from the anchor,
-  the demo's DFlash drafter): the same accepted drafts in every round anchored alike, equal to target-only.
+- with --spec-draft-p-min / --draft-p-min P_MIN (the DFlash2 drafter of strength 1, the DSpark one after the
+  anchor, the demo's DFlash drafter): the same accepted drafts in every round anchored alike, equal to target-only.
 Prints one line per check and exits 1 on any difference. Never from CI (llama.cpp is built by
 ../shared/tools/build_llamacpp.sh; its converter needs ../shared/tools/lcpp_convert.py for the demo's vocabulary).
 
@@ -220,7 +220,8 @@ def main() -> None:
                                             f"same tensors, types and keys")
             pair = load_pair(PairSpec(model=str(target), dflash=str(theirs)))
             report["drafters"][label] = compare(bins, target, pair, label, theirs, ours, kind, picks)
-            if strength in (1.0, "dspark"):  # --spec-draft-p-min: DFlash2's pair-score probability, DSpark's head
+            if strength in (1.0, "dspark after the anchor"):  # --spec-draft-p-min: DFlash2's pair-score probability,
+                # DSpark's head (the drafter after the anchor: the demo's layers draft from there, so rounds accept)
                 report["p_min"][label] = compare(bins, target, pair, f"{label}, p_min {P_MIN}", theirs, None, kind,
                                                  picks, P_MIN)
         pair = load_pair(PairSpec(model=str(target), dflash=str(DEMO / "drafter-dflash.gguf")))
