@@ -202,3 +202,40 @@ def test_dflash2_tree_holds_the_best_prefixes_of_its_selector(pair2):
         assert res.output_ids == base, backend
     with pytest.raises(Exception, match="holds at most 84 nodes"):  # 4 + 16 + 64 with the selector's top 4
         Engine(target, load_drafter(drafter_dir, target, max_len=128), max_len=128, window=4, tree=85)
+
+
+def test_convert_dflash_writes_q8_0_as_llama_quantize_does(pair2, tmp_path):
+    """`convert-dflash --type Q8_0`: the matrices whose rows fill Q8_0's 32-value blocks in those blocks (quantized
+    from their BF16 values, as llama-quantize quantizes the BF16 file: tools/llamacpp_dflash2_check.py compares
+    them byte for byte), the others in F16 (its fallback), llama.cpp's file type 7; read back bit-exact and
+    decoding as target-only."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    from conftest import run_cli
+
+    target_dir, drafter_dir, target, d = pair2
+    bf16, q8 = tmp_path / "d2.gguf", tmp_path / "d2-q8_0.gguf"
+    assert run_cli("convert-dflash", drafter_dir, bf16, "--quiet").returncode == 0  # its own tokenizer.json
+    r = run_cli("convert-dflash", drafter_dir, q8, "--type", "Q8_0", "--quiet")
+    assert r.returncode == 0 and "Q8_0" in r.stderr, r.stderr
+    plain, blocks = gguf.GGUFReader(str(bf16)), gguf.GGUFReader(str(q8))
+    assert blocks.fields["general.file_type"].contents() == 7
+    by_name = {t.name: t for t in plain.tensors}
+    kinds = set()
+    for t in blocks.tensors:
+        src = by_name[t.name]
+        values = quants.dequantize(np.asarray(src.data), src.tensor_type)
+        if src.tensor_type.name == "BF16" and src.shape[0] % 32 == 0:  # ggml's shape: the row first
+            want = quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+            assert t.tensor_type.name == "Q8_0" and np.array_equal(np.asarray(t.data), want), t.name
+        elif src.tensor_type.name == "BF16":  # rows of 8 (the codebooks): llama-quantize's fallback, F16
+            assert t.tensor_type.name == "F16" and np.array_equal(np.asarray(t.data), values.astype(np.float16))
+        else:
+            assert t.tensor_type == src.tensor_type and np.array_equal(np.asarray(t.data), np.asarray(src.data))
+        kinds.add(t.tensor_type.name)
+    assert kinds == {"Q8_0", "F16", "F32"}
+    prompt = [3, 99, 14, 250, 8, 8, 41]
+    res = Engine(target, load_drafter(q8, target, max_len=128), max_len=128, window=8).generate(prompt, 40)
+    assert res.output_ids == Engine(target, max_len=128).generate(prompt, 40).output_ids

@@ -262,12 +262,12 @@ def test_readback_mismatch_aborts_and_cleans_up(tmp_path, monkeypatch):
 
     real = conv.write_gguf
 
-    def corrupting(path, cfg, tensors, vocab, name, progress=False):
+    def corrupting(path, cfg, tensors, vocab, name, progress=False, qtype="BF16"):
         tensors = dict(tensors)
         t = tensors["layers.0.mlp.up_proj.weight"].clone()
         t.view(torch.int16)[0, 0] ^= 1
         tensors["layers.0.mlp.up_proj.weight"] = t
-        real(path, cfg, tensors, vocab, name, progress)
+        real(path, cfg, tensors, vocab, name, progress, qtype)
 
     monkeypatch.setattr(conv, "write_gguf", corrupting)
     out = tmp_path / "d.gguf"

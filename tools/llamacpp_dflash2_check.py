@@ -8,7 +8,8 @@ head and confidence head, drafting from the anchor's slot and after it (`--spec-
   converter's file, and Strata with the same file, accept the same drafts in every round they anchor at the same
   position (llama.cpp's first round anchors on the prompt's last token, Strata's on the first token generated)
   and give the same text; Strata equals its target-only decoding;
-- llama.cpp decodes Strata's own GGUF exactly as the converter's;
+- llama.cpp decodes Strata's own GGUF exactly as the converter's; llama-quantize's Q8_0 of it and Strata's
+  `convert-dflash --type Q8_0` hold the same blocks;
 - how often the selector's pick differs from the slot's argmax (Strata's walk), so a check that passes is one the
   selector took part in;
 - with --spec-draft-p-min / --draft-p-min P_MIN (the DFlash2 drafter of strength 1, the DSpark one after the
@@ -120,7 +121,11 @@ def same_files(a: Path, b: Path) -> bool:
         return False
     for name, t in ta.items():
         u = tb[name]
-        if t.tensor_type != u.tensor_type or not np.array_equal(np.asarray(t.data), np.asarray(u.data)):
+        dims = [list(map(int, x.shape)) for x in (t, u)]
+        while any(len(d) > 1 and d[-1] == 1 for d in dims):  # llama-quantize writes a one-row matrix as 1-D
+            dims = [d[:-1] if len(d) > 1 and d[-1] == 1 else d for d in dims]
+        if t.tensor_type != u.tensor_type or dims[0] != dims[1] or \
+                not np.array_equal(np.asarray(t.data).ravel(), np.asarray(u.data).ravel()):
             return False
     keys = {k for k in ra.fields if k.startswith("dflash.") or k == "tokenizer.ggml.mask_token_id"}
     return keys == {k for k in rb.fields if k.startswith("dflash.") or k == "tokenizer.ggml.mask_token_id"} and \
@@ -218,6 +223,12 @@ def main() -> None:
             convert_hf_to_gguf(folder, ours, DEMO / "target")
             check(same_files(theirs, ours), f"{label}: llama.cpp's converter and Strata's write the "
                                             f"same tensors, types and keys")
+            quantized, strata_q8 = d / f"lq-{len(label)}.gguf", d / f"sq-{len(label)}.gguf"
+            subprocess.run([str(bins / "llama-quantize"), str(ours), str(quantized), "Q8_0"], check=True,
+                           capture_output=True)
+            convert_hf_to_gguf(folder, strata_q8, DEMO / "target", qtype="Q8_0")
+            check(same_files(quantized, strata_q8), f"{label}: llama-quantize's Q8_0 of Strata's GGUF and Strata's "
+                                                    f"own --type Q8_0 hold the same blocks, types and keys")
             pair = load_pair(PairSpec(model=str(target), dflash=str(theirs)))
             report["drafters"][label] = compare(bins, target, pair, label, theirs, ours, kind, picks)
             if strength in (1.0, "dspark after the anchor"):  # --spec-draft-p-min: DFlash2's pair-score probability,

@@ -216,7 +216,8 @@ def cmd_convert_dflash(args) -> int:
     from .dflash.converter import convert_hf_to_gguf
 
     t0 = time.perf_counter()
-    art = convert_hf_to_gguf(args.src, args.out, args.target, args.tokenizer_pre, progress=not args.quiet)
+    art = convert_hf_to_gguf(args.src, args.out, args.target, args.tokenizer_pre, progress=not args.quiet,
+                             qtype=args.qtype)
     types = sorted(set(art.types.values()))
     print(f"wrote {args.out}: {len(art.tensors)} tensors ({', '.join(types)}), {art.parameter_count:,} parameters, "
           f"vocabulary of {len(art.vocab.tokens)} tokens, read-back bit-exact ({time.perf_counter() - t0:.1f} s)",

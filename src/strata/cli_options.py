@@ -156,6 +156,9 @@ def build_parser(commands) -> argparse.ArgumentParser:
                                     "the drafter carries; needed when the drafter folder has no tokenizer.json")
     c.add_argument("--tokenizer-pre", metavar="NAME", help="llama.cpp's pre-tokenizer name, when it cannot be told "
                                                            "from tokenizer.json (gpt-2, qwen2, llama-bpe, ...)")
+    c.add_argument("--type", default="BF16", choices=["BF16", "Q8_0"], dest="qtype",
+                   help="the matrices' type: BF16 (llama.cpp's converter's), or Q8_0 (what llama-quantize makes of "
+                        "that, byte for byte; kept in its blocks on a GPU)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=commands.cmd_convert_dflash)
 

@@ -36,9 +36,10 @@ def verify_same(expected: dict[str, torch.Tensor], got: Artifact, progress: bool
 
 
 def convert_hf_to_gguf(src: str | Path, out: str | Path, target: str | Path | None = None,
-                       tokenizer_pre: str | None = None, progress: bool = True) -> Artifact:
+                       tokenizer_pre: str | None = None, progress: bool = True, qtype: str = "BF16") -> Artifact:
     """The drafter in llama.cpp's layout, carrying the target's vocabulary: from `target` (a model folder
-    with tokenizer.json, or a GGUF file), else from a tokenizer.json in the drafter's own folder."""
+    with tokenizer.json, or a GGUF file), else from a tokenizer.json in the drafter's own folder. qtype: BF16,
+    or Q8_0 (the blocks llama-quantize makes of the BF16 file)."""
     src = Path(src)
     if not src.is_dir():
         raise StrataError(f"{src}: not a folder (expected a Hugging Face DFlash drafter)")
@@ -57,9 +58,9 @@ def convert_hf_to_gguf(src: str | Path, out: str | Path, target: str | Path | No
         raise StrataError(f"{src}: mask_token_id {cfg.mask_token_id} is outside the vocabulary of "
                           f"{len(vocab.tokens)} tokens")
     cfg.vocab_size = len(vocab.tokens)
-    expected = {name: stored(t, C.hf_to_gguf_name(name)) for name, t in art.tensors.items()}
+    expected = {name: stored(t, C.hf_to_gguf_name(name), qtype) for name, t in art.tensors.items()}
     with replacing(out) as tmp:
-        write_gguf(tmp, cfg, art.tensors, vocab, name=src.name, progress=progress)
+        write_gguf(tmp, cfg, art.tensors, vocab, name=src.name, progress=progress, qtype=qtype)
         back = read_gguf(tmp)
         if back.cfg != cfg:
             raise ArtifactError(f"{out}: read-back metadata differs from the source config")

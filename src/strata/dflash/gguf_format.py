@@ -47,27 +47,61 @@ def kept_in_f32(t: torch.Tensor, name: str) -> bool:
     return t.dim() == 1 or not name.endswith(".weight")
 
 
-def storage(t: torch.Tensor, name: str) -> tuple[np.ndarray, object]:
+#: the block types a drafter may be written in, beside BF16 (llama-quantize's Q8_0 of a BF16 drafter, byte for byte)
+WRITE_TYPES = ("BF16", "Q8_0")
+FILE_TYPES = {"BF16": FILE_TYPE_BF16, "Q8_0": 7}  # llama_ftype MOSTLY_BF16, MOSTLY_Q8_0
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.bfloat16 else t.to(torch.float32).to(torch.bfloat16)
+
+
+def _requantized(t: torch.Tensor, name: str, qtype: str) -> bool:
+    """Whether llama-quantize retypes a tensor llama.cpp's converter leaves in BF16: one of several rows (a single
+    row, DSpark's conf_proj, stays BF16)."""
+    return qtype != "BF16" and not kept_in_f32(t, name) and t.numel() > t.shape[-1]
+
+
+def _in_blocks(t: torch.Tensor, name: str, qtype: str) -> bool:
+    """Whether a tensor is written in qtype's blocks: one llama-quantize retypes whose rows fill whole blocks
+    (Q8_0's hold 32 values)."""
+    return _requantized(t, name, qtype) and t.shape[-1] % 32 == 0
+
+
+def storage(t: torch.Tensor, name: str, qtype: str = "BF16") -> tuple[np.ndarray, object]:
     """A tensor as llama.cpp's converter stores it under its GGUF name: F32 (kept_in_f32), else BF16 (rounded to
-    nearest even). Returns (array, GGML type)."""
+    nearest even), or with qtype Q8_0 those BF16 values in Q8_0 blocks, or F16 where a row fills no block (as
+    llama-quantize makes them from the BF16 file). Returns (array, GGML type)."""
     import gguf
+    from gguf import quants
 
     if kept_in_f32(t, name):
         return t.to(torch.float32).contiguous().numpy(), gguf.GGMLQuantizationType.F32
-    bf16 = t if t.dtype == torch.bfloat16 else t.to(torch.float32).to(torch.bfloat16)
-    return bf16.contiguous().view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
+    bf16 = _bf16(t).contiguous()
+    if _in_blocks(t, name, qtype):
+        kind = gguf.GGMLQuantizationType[qtype]
+        return quants.quantize(bf16.float().numpy(), kind), kind
+    if _requantized(t, name, qtype):  # rows that fill no block: F16, llama-quantize's fallback
+        return bf16.float().numpy().astype(np.float16), gguf.GGMLQuantizationType.F16
+    return bf16.view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
 
 
-def stored(t: torch.Tensor, name: str) -> torch.Tensor:
-    """What storage() keeps of a tensor, as a tensor: the read-back a converter must find."""
+def stored(t: torch.Tensor, name: str, qtype: str = "BF16") -> torch.Tensor:
+    """What storage() keeps of a tensor, as a tensor: the read-back a converter must find (blocks as their
+    float32 dequantization, as the reader gives them)."""
+    from gguf import quants
+
     if kept_in_f32(t, name):
         return t.to(torch.float32)
-    return t if t.dtype == torch.bfloat16 else t.float().bfloat16()
+    if _in_blocks(t, name, qtype):
+        arr, kind = storage(t, name, qtype)
+        return torch.from_numpy(quants.dequantize(arr, kind).astype(np.float32)).reshape(t.shape)
+    return _bf16(t).half() if _requantized(t, name, qtype) else _bf16(t)
 
 
 def write_gguf(path: Path, cfg: C.DFlashConfig, tensors: dict[str, torch.Tensor], vocab: Vocab, name: str,
-               progress: bool = False) -> None:
-    """tensors: Hugging Face names; written under llama.cpp names in contract order."""
+               progress: bool = False, qtype: str = "BF16") -> None:
+    """tensors: Hugging Face names; written under llama.cpp names in contract order; qtype: WRITE_TYPES."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), C.ARCH)
@@ -81,12 +115,12 @@ def write_gguf(path: Path, cfg: C.DFlashConfig, tensors: dict[str, torch.Tensor]
             writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=arrays[kind])
         else:
             getattr(writer, f"add_{kind}")(key, value)
-    writer.add_file_type(FILE_TYPE_BF16)
+    writer.add_file_type(FILE_TYPES[qtype])
     writer.add_quantization_version(QUANTIZATION_VERSION)
     vocab.write(writer)
     for hf_name in C.expected_tensors(cfg, "hf"):
         name = C.hf_to_gguf_name(hf_name)
-        arr, ggml_type = storage(tensors[hf_name], name)
+        arr, ggml_type = storage(tensors[hf_name], name, qtype)
         writer.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
