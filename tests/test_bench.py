@@ -55,3 +55,15 @@ def test_plot_title_names_the_model_and_its_file_type():
     assert title(result) == "qwen3-8b-Q4_K_M, 36L h4096, NVIDIA H100 80GB HBM3, bfloat16, prompt 512, 256 new, W=16"
     del result["model"]
     assert title(result).startswith("36L h4096, NVIDIA H100")
+
+
+def test_bench_random_dflash2_and_dspark_drafters(tmp_path):
+    """--drafter-variant: a random DFlash2 or DSpark drafter of the shape (what the selector's and the Markov head's
+    costs are measured with); DFlash with it equals target-only."""
+    for variant in ("dflash2", "dspark"):
+        out = tmp_path / f"{variant}.json"
+        r = run_cli("bench", "--shape", "tiny", "--drafter-layers", "1", "--drafter-variant", variant, "--block-size",
+                    "4", "--prompt-len", "8", "--new-tokens", "9", "--runs", "1", "--hf", "none", "--out", out)
+        assert r.returncode == 0, r.stderr
+        data = json.loads(out.read_text())
+        assert data["drafter"] == f"random 1-layer {variant}" and data["dflash"]["identical_to_target_only"]

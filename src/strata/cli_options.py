@@ -203,6 +203,9 @@ def build_parser(commands) -> argparse.ArgumentParser:
                          "quantized on a GPU, dequantized on the CPU (as a GGUF file is)")
     be.add_argument("--drafter-layers", type=int, metavar="N", help="a random DFlash drafter of this many layers")
     be.add_argument("--block-size", type=int, default=16, help="block size of the random drafter (default 16)")
+    be.add_argument("--drafter-variant", default="dflash", choices=["dflash", "dflash2", "dspark"],
+                    help="the random drafter's kind (DFlash2: convolutions and selector; DSpark: Markov and "
+                         "confidence heads)")
     be.add_argument("--prompt-len", type=int, default=512, metavar="N", help="random prompt tokens (without --prompt)")
     be.add_argument("--prompt", help="a text prompt instead of random tokens (models with a tokenizer)")
     be.add_argument("--new-tokens", type=int, default=256, metavar="N", help="tokens generated per run (default 256)")

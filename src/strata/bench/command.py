@@ -23,6 +23,7 @@ from .window_sweep import sweep_lines, window_sweep
 class BenchSpec:
     shape: str | None = None  # random weights of a named shape instead of a model folder
     drafter_layers: int | None = None  # a random DFlash drafter of this many layers
+    drafter_variant: str = "dflash"  # ... of this kind: dflash, dflash2 or dspark
     block_size: int = 16
     prompt_len: int = 512
     prompt: str | None = None
@@ -96,7 +97,7 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     if dflash or pair.prompt_lookup is not None:
         drafter = load_drafter_for(pair, target, engine, dflash)
     elif bench.drafter_layers:
-        drafter = random_drafter(target, bench.drafter_layers, bench.block_size)
+        drafter = random_drafter(target, bench.drafter_layers, bench.block_size, variant=bench.drafter_variant)
     else:
         drafter = None
     sync(target.device)
@@ -129,7 +130,8 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     if bench.window_sweep:
         result["window_sweep"] = window_sweep(target, drafter, prompts, bench.new_tokens, window, engine)
     result["model"] = label
-    result["drafter"] = dflash or (f"random {bench.drafter_layers}-layer" if bench.drafter_layers else None)
+    variant = "" if bench.drafter_variant == "dflash" else f" {bench.drafter_variant}"
+    result["drafter"] = dflash or (f"random {bench.drafter_layers}-layer{variant}" if bench.drafter_layers else None)
     result["command"] = command
     result["commit"] = source_commit()
     result["quant"] = bench.quant

@@ -107,8 +107,12 @@ def product_check(model, rows: tuple[int, ...], sample_rows: int = 256, seed: in
     return errors
 
 
-def random_drafter(target, layers: int, block_size: int, seed: int = 0) -> DFlashDrafter:
-    cfg = drafter_config_for(target, TrainConfig(layers=layers, block_size=block_size))
+def random_drafter(target, layers: int, block_size: int, seed: int = 0, variant: str = "dflash") -> DFlashDrafter:
+    """Random weights of a drafter of this variant (DFlash2's and DSpark's additions as training starts them; the
+    selector's top-k as large as llama.cpp allows up to 8: k (k + 1) <= hidden)."""
+    top_k = max(k for k in range(1, 9) if k * (k + 1) <= target.cfg.hidden_size)
+    cfg = drafter_config_for(target, TrainConfig(layers=layers, block_size=block_size, variant=variant,
+                                                 selector_top_k=top_k))
     model = init_drafter(cfg, seed, "cpu")
     tensors = {k: v.detach() for k, v in unpack(model.state_dict(), hf_layout(cfg)).items()}
     art = Artifact(cfg, tensors, "<random drafter>", "random")
