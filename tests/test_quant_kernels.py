@@ -723,10 +723,8 @@ def test_a_quantized_dflash2_drafter_keeps_its_matrices_in_blocks(tmp_path, monk
     """A Q8_0 DFlash2 drafter (what llama-quantize makes of one: its matrices in blocks, its convolutions' kernel
     projections among them) kept in its blocks drafts what its dequantization does: the same walk, close logits
     and confidences; the selector's codebooks, read by rows, are dequantized."""
-    from strata.dflash import gguf_format
     from strata.dflash.artifact import load_artifact
-    from strata.dflash.hf_format import read_hf
-    from strata.gguf_vocab import for_target
+    from strata.dflash.converter import convert_hf_to_gguf
 
     target_dir = drafter_target(tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(8)
@@ -744,17 +742,8 @@ def test_a_quantized_dflash2_drafter_keeps_its_matrices_in_blocks(tmp_path, monk
                            taps=(0, 1), num_target_layers=2, vocab=320, mask_token_id=319, tokenizer=False,
                            extra_config={"architectures": ["DFlash2DraftModel"], "dflash_config": dcfg},
                            extra_tensors={k: v.to(torch.bfloat16) for k, v in extra.items()})
-    plain_storage = gguf_format.storage
-
-    def q8_0(t, name):  # every matrix in Q8_0 blocks, as llama-quantize Q8_0 leaves a drafter
-        if t.dim() != 2 or t.shape[-1] % 32 or gguf_format.kept_in_f32(t, name):
-            return plain_storage(t, name)
-        return quants.quantize(t.float().numpy(), T.Q8_0), T.Q8_0
-
-    monkeypatch.setattr(gguf_format, "storage", q8_0)
-    art = read_hf(src)
     path = tmp_path / "d2-q8_0.gguf"
-    gguf_format.write_gguf(path, art.cfg, art.tensors, for_target(target_dir, 320), "q8_0")
+    convert_hf_to_gguf(src, path, target_dir, qtype="Q8_0", progress=False)  # as llama-quantize Q8_0 leaves it
     art = load_artifact(path)
     assert {art.types[n] for n in ("layers.0.attention_conv.kernel_projection.weight",
                                    "candidate_selector.successor_codebook")} == {"Q8_0"}
