@@ -203,7 +203,7 @@ def propose(drafter, anchor: int, pos: int, n: int, kv_len: int | None = None, k
     from strata.layers.kernels import EAGER
 
     return drafter.propose(DraftRequest(anchor, pos, n, torch.tensor([anchor]), torch.tensor([pos]),
-                                        kv_len or pos + n + 1, kernels or EAGER))
+                                        kv_len or pos + n + 1, kernels or EAGER, rate=True))
 
 
 def small_pair(d: Path):

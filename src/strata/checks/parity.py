@@ -72,6 +72,7 @@ class ProbedRunner(ModelRunner):
         config = replace(config, backend="static" if config.static else "eager")
         super().__init__(target, drafter, config, config.plan(target, window))
         self.probe = probe
+        self.rate = True  # the confidences are compared too
 
 
 def run_parity(drafter: DFlashDrafter, prompt_ids: list[int], w: int, plant_bug: tuple[int, str] | None = None,

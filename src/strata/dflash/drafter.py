@@ -110,11 +110,14 @@ class DFlashDrafter(Drafter):
         if cfg.variant == "dspark":  # the Markov head's chain from the anchor
             head = self.model.markov_head
             tokens, chained = head.walk(logits, req.anchor_t)
-            conf = confidence(getattr(self.model, "confidence_head", None), head, h, chained, req.anchor_t, tokens)
+            conf = confidence(getattr(self.model, "confidence_head", None), head, h, chained, req.anchor_t,
+                              tokens) if req.rate else None
             return Proposal(tokens, chained, draw=lambda probs, gen: head.draw(logits, req.anchor_t, probs, gen),
                             confidence=conf)
-        top = raw[rows - n:].float().topk(min(10, raw.shape[-1]), dim=-1).values  # llama.cpp's: raw logits' top 10
-        return Proposal(logits.argmax(-1), logits, confidence=torch.softmax(top, -1)[:, 0])
+        conf = None
+        if req.rate:  # llama.cpp's: the softmax of the raw logits' top 10, at the first
+            conf = torch.softmax(raw[rows - n:].float().topk(min(10, raw.shape[-1]), dim=-1).values, -1)[:, 0]
+        return Proposal(logits.argmax(-1), logits, confidence=conf)
 
 
 def load_drafter(source: str | Path | Artifact, target, window_cells: int = 32768,

@@ -68,6 +68,11 @@ class EngineConfig:
             raise SettingError("{auto_window} and {adaptive_window} both choose the window; choose one")
 
     @property
+    def reads_confidence(self) -> str | None:
+        """The setting that reads a drafter's confidence in its candidates, where one is on."""
+        return "auto_window" if self.auto_window else "draft_p_min" if self.draft_p_min > 0 else None
+
+    @property
     def static(self) -> bool:
         """Fixed-shape steps (every backend but eager)."""
         return self.backend != "eager"
@@ -145,8 +150,8 @@ class EngineConfig:
                 raise SettingError("{window} needs a drafter (--dflash or --prompt-lookup)")
             if self.adaptive_window:
                 raise SettingError("{adaptive_window} needs a drafter (--dflash or --prompt-lookup)")
-            if self.auto_window or self.draft_p_min > 0:
-                raise SettingError(f"{{{'auto_window' if self.auto_window else 'draft_p_min'}}} needs a DFlash drafter")
+            if self.reads_confidence:
+                raise SettingError(f"{{{self.reads_confidence}}} needs a DFlash drafter")
             if self.tree is not None:
                 raise SettingError("{tree} needs a drafter (--dflash)")
             return 1
@@ -154,13 +159,12 @@ class EngineConfig:
         if not 2 <= w <= drafter.max_window:
             raise SettingError(f"{{window}} {w}: must be between 2 and the drafter's {drafter.limit} "
                                f"{drafter.max_window}")
-        if self.tree is not None and (self.adaptive_window or self.auto_window or self.draft_p_min > 0):
-            flag = "adaptive_window" if self.adaptive_window else "auto_window" if self.auto_window else "draft_p_min"
-            raise SettingError(f"{{{flag}}} and {{tree}}: a tree's depth is fixed; choose one")
-        if (self.auto_window or self.draft_p_min > 0) and not drafter.rates_drafts:
-            flag = "auto_window" if self.auto_window else "draft_p_min"
-            raise SettingError(f"{{{flag}}} reads the drafter's confidence in its candidates; the {drafter.name} "
-                               f"drafter gives none (use a DFlash drafter)")
+        chooser = "adaptive_window" if self.adaptive_window else self.reads_confidence
+        if self.tree is not None and chooser:
+            raise SettingError(f"{{{chooser}}} and {{tree}}: a tree's depth is fixed; choose one")
+        if self.reads_confidence and not drafter.rates_drafts:
+            raise SettingError(f"{{{self.reads_confidence}}} reads the drafter's confidence in its candidates; the "
+                               f"{drafter.name} drafter gives none (use a DFlash drafter)")
         if self.tree is not None:
             from .tree import largest_budget
 

@@ -132,14 +132,16 @@ class Engine:
         if n == 0:
             return torch.empty(0, dtype=torch.long, device=self.target.device), None, None, None
         proposal = self.runner.draft(anchor, pos, n, kv_len)
-        if not params.greedy and self.config.draft_sampling == "sample":
-            if proposal.draw is not None:
-                tokens, q = proposal.draw(lambda logits: process(logits, params), gen)
-                return tokens, q, q.amax(-1), proposal.confidence
-            if proposal.logits is not None:
-                q = process(proposal.logits, params)
-                return sample(q, gen), q, q.amax(-1), proposal.confidence
-        return proposal.tokens, None, proposal.confidence, proposal.confidence
+        rated = proposal.confidence
+        sampled = not params.greedy and self.config.draft_sampling == "sample"
+        if not sampled or (proposal.draw is None and proposal.logits is None):
+            return proposal.tokens, None, rated, rated
+        if proposal.draw is not None:
+            tokens, q = proposal.draw(lambda logits: process(logits, params), gen)
+        else:
+            q = process(proposal.logits, params)
+            tokens = sample(q, gen)
+        return tokens, q, q.amax(-1) if self.config.draft_p_min > 0 else None, rated
 
     def _launch(self, anchor: int | None, pos: int, params: SamplingParams, gen, accept) -> Launched:
         """A round at pos enqueued: propose, verify, and its outcome's copy to the host, nothing waited for.

@@ -26,6 +26,7 @@ class DraftRequest:
     kv_len: int  # cells a step may read: at least pos + n + 1
     kernels: Kernels = EAGER
     probe: Probe | None = None
+    rate: bool = False  # whether the proposal carries its confidences (something reads them: Proposal.confidence)
 
 
 @dataclass

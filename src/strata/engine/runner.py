@@ -148,6 +148,7 @@ class ModelRunner:
         self.padding = torch.zeros(max(0, self.rows - window), dtype=torch.long, device=dev)
         self.offsets = torch.arange(self.rows, device=dev)
         self.tree_inputs: Tree | None = None
+        self.rate = cfg.reads_confidence is not None  # proposals carry their confidences only where read
 
     def window_at(self, pos: int) -> int:
         """Tokens verified by the round at pos: fixed in the static layout (cells past the context are
@@ -212,7 +213,7 @@ class ModelRunner:
         self.pos.add_(outcome[:1] + 1)
 
     def draft(self, anchor: int, pos: int, n: int, kv_len: int) -> Proposal:
-        req = DraftRequest(anchor, pos, n, self.anchor, self.pos, kv_len, self.kernels, self.probe)
+        req = DraftRequest(anchor, pos, n, self.anchor, self.pos, kv_len, self.kernels, self.probe, self.rate)
         if self.static and self.drafter.on_device:
             return self.graphs.run(("draft", kv_len, n), lambda: self.drafter.propose(req))
         return self.drafter.propose(req)
