@@ -114,6 +114,14 @@ def lcpp_convert(tools: tuple, src: Path, out: Path, *flags: str) -> None:
                     str(out), *flags], check=True, capture_output=True, env=env)
 
 
+def trimmed(shape) -> list[int]:
+    """A ggml shape without its trailing ones (llama-quantize writes a one-row matrix as 1-D)."""
+    dims = [int(d) for d in shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return dims
+
+
 def same_files(a: Path, b: Path) -> bool:
     ra, rb = gguf.GGUFReader(str(a)), gguf.GGUFReader(str(b))
     ta, tb = {t.name: t for t in ra.tensors}, {t.name: t for t in rb.tensors}
@@ -121,10 +129,7 @@ def same_files(a: Path, b: Path) -> bool:
         return False
     for name, t in ta.items():
         u = tb[name]
-        dims = [list(map(int, x.shape)) for x in (t, u)]
-        while any(len(d) > 1 and d[-1] == 1 for d in dims):  # llama-quantize writes a one-row matrix as 1-D
-            dims = [d[:-1] if len(d) > 1 and d[-1] == 1 else d for d in dims]
-        if t.tensor_type != u.tensor_type or dims[0] != dims[1] or \
+        if t.tensor_type != u.tensor_type or trimmed(t.shape) != trimmed(u.shape) or \
                 not np.array_equal(np.asarray(t.data).ravel(), np.asarray(u.data).ravel()):
             return False
     keys = {k for k in ra.fields if k.startswith("dflash.") or k == "tokenizer.ggml.mask_token_id"}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.sampling import sample
-from ..engine.tree import DEPTH_PENALTY, UNLIKELY, Tree, beam_tree
+from ..engine.tree import Tree, beam_tree, search_steps
 from ..layers.modules import DecoderLayer, Linear, Step
 
 
@@ -119,7 +119,8 @@ class CandidateSelector(nn.Module):
             kept.append(keep)
         return tokens, kept
 
-    def walk(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, kernels) -> torch.Tensor:
+    def walk(self, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor,
+             kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """The greedy walk: at each slot the best-scoring of its top-k candidates after the one before (the first
         best on ties, as llama.cpp walks it): [n] token ids, and each pick's probability among the slot's k
         scores (llama.cpp's p_min quantity) [n]."""
@@ -139,8 +140,8 @@ class CandidateSelector(nn.Module):
         pred = self.predecessor_codebook.float()
 
         def children(d, parents):
-            steps = torch.log_softmax(self.scores(unary[d], succ[d], pred[parents], gate[d]), -1) - DEPTH_PENALTY
-            return torch.nan_to_num(steps, nan=UNLIKELY, neginf=UNLIKELY), cand[d].expand(parents.shape[0], -1)
+            steps = search_steps(torch.log_softmax(self.scores(unary[d], succ[d], pred[parents], gate[d]), -1))
+            return steps, cand[d].expand(parents.shape[0], -1)
 
         return beam_tree(anchor.view(1), cand.shape[0], cand.shape[1], budget, children)
 

@@ -38,7 +38,7 @@ class DFlashModel(nn.Module):
                                                         cfg.selector_top_k)
         if cfg.variant == "dspark":
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
-            if cfg.has_confidence_head:  # loaded, not yet used: llama.cpp reads it only for --spec-draft-p-min
+            if cfg.has_confidence_head:  # read by --draft-p-min and --spec auto (dspark.confidence)
                 self.confidence_head = nn.Module()
                 self.confidence_head.proj = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
         self.rotary: RotaryTable | None = None

@@ -45,20 +45,25 @@ def largest_budget(depths: int, top_k: int = TOP_K) -> int:
 
 
 def top_steps(logits: torch.Tensor, top_k: int = TOP_K) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each depth's top_k tokens [D, k] and their log-probabilities less the depth penalty (float32), from
-    the logits without writing the log-softmax out: the top of the logits, less their log-sum-exp."""
+    """Each depth's top_k tokens [D, k] and their log-probabilities (float32), from the logits without writing
+    the log-softmax out: the top of the logits, less their log-sum-exp."""
     logits = logits.float()
     vals, idx = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
-    return vals - torch.logsumexp(logits, dim=-1, keepdim=True) - DEPTH_PENALTY, idx
+    return vals - torch.logsumexp(logits, dim=-1, keepdim=True), idx
+
+
+def search_steps(logprobs: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities as the search's step scores: less the depth penalty, and a NaN (the target's weights)
+    or -inf lowest but finite, so that every node still scores below its parent and the chosen nodes keep
+    their ancestors."""
+    return torch.nan_to_num(logprobs - DEPTH_PENALTY, nan=UNLIKELY, neginf=UNLIKELY)
 
 
 def build(anchor: torch.Tensor, logits: torch.Tensor, budget: int, top_k: int = TOP_K, fused: bool = False) -> Tree:
     """anchor [1]; logits [D, V] the drafter's for depths 1..D; budget N nodes (at most largest_budget).
     fused: the Triton kernel (a CUDA device, or the interpreter)."""
-    steps, idx = top_steps(logits, top_k)
-    # a drafter's NaN (its target's weights) or -inf scores: lowest, but finite, so that every node still
-    # scores below its parent and the chosen nodes keep their ancestors
-    steps = torch.nan_to_num(steps, nan=UNLIKELY, neginf=UNLIKELY)
+    logprobs, idx = top_steps(logits, top_k)
+    steps = search_steps(logprobs)
     if fused:
         return _build_fused(anchor, steps, idx, budget)
     depths, k = steps.shape
