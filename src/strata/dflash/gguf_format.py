@@ -47,9 +47,9 @@ def kept_in_f32(t: torch.Tensor, name: str) -> bool:
     return t.dim() == 1 or not name.endswith(".weight")
 
 
-#: the block types a drafter may be written in, beside BF16 (llama-quantize's Q8_0 of a BF16 drafter, byte for byte)
-WRITE_TYPES = ("BF16", "Q8_0")
-FILE_TYPES = {"BF16": FILE_TYPE_BF16, "Q8_0": 7}  # llama_ftype MOSTLY_BF16, MOSTLY_Q8_0
+#: the types a drafter may be written in (Q8_0: llama-quantize's Q8_0 of the BF16 file, byte for byte) and their
+#: llama_ftype (MOSTLY_BF16, MOSTLY_Q8_0)
+FILE_TYPES = {"BF16": FILE_TYPE_BF16, "Q8_0": 7}
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -101,7 +101,7 @@ def stored(t: torch.Tensor, name: str, qtype: str = "BF16") -> torch.Tensor:
 
 def write_gguf(path: Path, cfg: C.DFlashConfig, tensors: dict[str, torch.Tensor], vocab: Vocab, name: str,
                progress: bool = False, qtype: str = "BF16") -> None:
-    """tensors: Hugging Face names; written under llama.cpp names in contract order; qtype: WRITE_TYPES."""
+    """tensors: Hugging Face names; written under llama.cpp names in contract order; qtype: FILE_TYPES."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), C.ARCH)
