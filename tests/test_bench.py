@@ -59,11 +59,14 @@ def test_plot_title_names_the_model_and_its_file_type():
 
 def test_bench_random_dflash2_and_dspark_drafters(tmp_path):
     """--drafter-variant: a random DFlash2 or DSpark drafter of the shape (what the selector's and the Markov head's
-    costs are measured with); DFlash with it equals target-only."""
-    for variant in ("dflash2", "dspark"):
+    costs are measured with), --drafter-type Q8_0 stored as convert-dflash --type Q8_0 stores it; DFlash with it
+    equals target-only."""
+    for variant, kind in (("dflash2", "BF16"), ("dspark", "Q8_0")):
         out = tmp_path / f"{variant}.json"
         r = run_cli("bench", "--shape", "tiny", "--drafter-layers", "1", "--drafter-variant", variant, "--block-size",
-                    "4", "--prompt-len", "8", "--new-tokens", "9", "--runs", "1", "--hf", "none", "--out", out)
+                    "4", "--prompt-len", "8", "--new-tokens", "9", "--runs", "1", "--hf", "none", "--out", out,
+                    "--drafter-type", kind)
         assert r.returncode == 0, r.stderr
         data = json.loads(out.read_text())
-        assert data["drafter"] == f"random 1-layer {variant}" and data["dflash"]["identical_to_target_only"]
+        name = f"random 1-layer {variant}" + (" Q8_0" if kind == "Q8_0" else "")
+        assert data["drafter"] == name and data["dflash"]["identical_to_target_only"]

@@ -214,6 +214,7 @@ def test_convert_dflash_writes_q8_0_as_llama_quantize_does(pair2, tmp_path):
     from gguf import quants
 
     from conftest import run_cli
+    from strata.dflash.random_init import as_stored
 
     target_dir, drafter_dir, target, d = pair2
     bf16, q8 = tmp_path / "d2.gguf", tmp_path / "d2-q8_0.gguf"
@@ -236,6 +237,11 @@ def test_convert_dflash_writes_q8_0_as_llama_quantize_does(pair2, tmp_path):
             assert t.tensor_type == src.tensor_type and np.array_equal(np.asarray(t.data), np.asarray(src.data))
         kinds.add(t.tensor_type.name)
     assert kinds == {"Q8_0", "F16", "F32"}
+    mine, theirs = as_stored(load_artifact(bf16), "Q8_0"), load_artifact(q8)  # what bench's random drafters use
+    assert mine.types == theirs.types and mine.blocks.keys() == theirs.blocks.keys()
+    assert all(torch.equal(mine.tensors[n], t) for n, t in theirs.tensors.items())
+    assert all(mine.blocks[n][0] == k and torch.equal(mine.blocks[n][1], rows)
+               for n, (k, rows) in theirs.blocks.items())
     prompt = [3, 99, 14, 250, 8, 8, 41]
     res = Engine(target, load_drafter(q8, target, max_len=128), max_len=128, window=8).generate(prompt, 40)
     assert res.output_ids == Engine(target, max_len=128).generate(prompt, 40).output_ids

@@ -384,7 +384,7 @@ def cmd_bench(args) -> int:
     from .bench.command import BenchSpec, run_command, summary, write
 
     bench = BenchSpec(shape=args.shape, drafter_layers=args.drafter_layers, drafter_variant=args.drafter_variant,
-                      block_size=args.block_size,
+                      drafter_type=args.drafter_type, block_size=args.block_size,
                       prompt_len=args.prompt_len, prompt=args.prompt, new_tokens=args.new_tokens, runs=args.runs,
                       hf=args.hf, profile=args.profile, quant=args.quant, trees=tuple(args.tree or ()),
                       prompts=args.prompts, windows=tuple(args.verify_windows or ()),

@@ -206,6 +206,9 @@ def build_parser(commands) -> argparse.ArgumentParser:
     be.add_argument("--drafter-variant", default="dflash", choices=["dflash", "dflash2", "dspark"],
                     help="the random drafter's kind (DFlash2: convolutions and selector; DSpark: Markov and "
                          "confidence heads)")
+    be.add_argument("--drafter-type", default="BF16", choices=["BF16", "Q8_0"],
+                    help="the random drafter's matrices as convert-dflash --type stores them (Q8_0: kept in "
+                         "its blocks on a GPU)")
     be.add_argument("--prompt-len", type=int, default=512, metavar="N", help="random prompt tokens (without --prompt)")
     be.add_argument("--prompt", help="a text prompt instead of random tokens (models with a tokenizer)")
     be.add_argument("--new-tokens", type=int, default=256, metavar="N", help="tokens generated per run (default 256)")

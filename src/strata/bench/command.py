@@ -12,10 +12,11 @@ import torch
 
 from ..engine.config import EngineConfig
 from ..pair import PairSpec, load_drafter_for, load_pair, resolve
+from ..dflash.random_init import random_drafter
 from ..errors import StrataError
 from ..files import replacing, write_json_atomic
 from .plot import plot
-from .run import random_drafter, run_bench, sync, tree_sweep, verify_sweep
+from .run import run_bench, sync, tree_sweep, verify_sweep
 from .window_sweep import sweep_lines, window_sweep
 
 
@@ -24,6 +25,7 @@ class BenchSpec:
     shape: str | None = None  # random weights of a named shape instead of a model folder
     drafter_layers: int | None = None  # a random DFlash drafter of this many layers
     drafter_variant: str = "dflash"  # ... of this kind: dflash, dflash2 or dspark
+    drafter_type: str = "BF16"  # ... stored as convert-dflash --type stores it (Q8_0: kept in its blocks on a GPU)
     block_size: int = 16
     prompt_len: int = 512
     prompt: str | None = None
@@ -97,7 +99,8 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     if dflash or pair.prompt_lookup is not None:
         drafter = load_drafter_for(pair, target, engine, dflash)
     elif bench.drafter_layers:
-        drafter = random_drafter(target, bench.drafter_layers, bench.block_size, variant=bench.drafter_variant)
+        drafter = random_drafter(target, bench.drafter_layers, bench.block_size, variant=bench.drafter_variant,
+                                 file_type=bench.drafter_type)
     else:
         drafter = None
     sync(target.device)
@@ -131,6 +134,7 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
         result["window_sweep"] = window_sweep(target, drafter, prompts, bench.new_tokens, window, engine)
     result["model"] = label
     variant = "" if bench.drafter_variant == "dflash" else f" {bench.drafter_variant}"
+    variant += "" if bench.drafter_type == "BF16" else f" {bench.drafter_type}"
     result["drafter"] = dflash or (f"random {bench.drafter_layers}-layer{variant}" if bench.drafter_layers else None)
     result["command"] = command
     result["commit"] = source_commit()

@@ -11,10 +11,6 @@ from dataclasses import replace
 
 import torch
 
-from ..dflash.artifact import Artifact
-from ..dflash.drafter import DFlashDrafter
-from ..dflash.model import hf_layout
-from ..dflash.train import TrainConfig, drafter_config_for, init_drafter
 from ..engine.config import EngineConfig
 from ..engine.decode import Engine
 from ..engine.drafter import OracleDrafter
@@ -105,18 +101,6 @@ def product_check(model, rows: tuple[int, ...], sample_rows: int = 256, seed: in
         raise RuntimeError(f"quantized products off their dequantized blocks (relative error, expected <= "
                            f"{PRODUCT_TOLERANCE}): {', '.join(wrong)}")
     return errors
-
-
-def random_drafter(target, layers: int, block_size: int, seed: int = 0, variant: str = "dflash") -> DFlashDrafter:
-    """Random weights of a drafter of this variant (DFlash2's and DSpark's additions as training starts them; the
-    selector's top-k as large as llama.cpp allows up to 8: k (k + 1) <= hidden)."""
-    top_k = max(k for k in range(1, 9) if k * (k + 1) <= target.cfg.hidden_size)
-    cfg = drafter_config_for(target, TrainConfig(layers=layers, block_size=block_size, variant=variant,
-                                                 selector_top_k=top_k))
-    model = init_drafter(cfg, seed, "cpu")
-    tensors = {k: v.detach() for k, v in unpack(model.state_dict(), hf_layout(cfg)).items()}
-    art = Artifact(cfg, tensors, "<random drafter>", "random")
-    return DFlashDrafter(art, target, max_len=target.cfg.max_position_embeddings)
 
 
 def timed_runs(engine: Engine, prompt: list[int], new_tokens: int, runs: int) -> dict:
