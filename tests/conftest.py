@@ -73,6 +73,34 @@ def write_hf_model(path: Path, family: str = "qwen3", seed: int = 0, max_shard_s
     return path, model
 
 
+def add_mtp_block(folder: Path, seed: int = 5, counted: bool = True, passthrough: float = 1.0) -> Path:
+    """An MTP block as Qwen3.5 / Qwen3-Next checkpoints carry it beside the decoder (mtp.*: a full-attention
+    layer, fc over [normed embedding, normed hidden state], three norms stored as w of 1 + w): the last
+    full-attention layer's weights, fc = passthrough x [I, 0] + noise (the embedding carried through: drafts the
+    target's repetitive text partly right), random norms. counted: config.json's mtp_num_hidden_layers
+    (Qwen3-Next's config has none)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    cfg = json.loads((folder / "config.json").read_text())
+    last = max(n for n, t in enumerate(cfg["layer_types"]) if t == "full_attention")
+    prefix, h = f"model.layers.{last}.", cfg["hidden_size"]
+    tensors.update({"mtp.layers.0." + k[len(prefix):]: t.clone() for k, t in tensors.items() if k.startswith(prefix)})
+    gen = torch.Generator().manual_seed(seed)
+    fc = torch.randn(h, 2 * h, generator=gen) * 0.05
+    fc[:, :h] += passthrough * torch.eye(h)
+    tensors["mtp.fc.weight"] = fc
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.randn(h, generator=gen) * 0.1
+    save_file(tensors, str(folder / "model.safetensors"))
+    if counted:
+        cfg["mtp_num_hidden_layers"] = 1
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
     path, _ = write_hf_model(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=1)

@@ -45,6 +45,9 @@ NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
 EXPERTS = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight", "down_proj": "ffn_down_exps.weight"}
+#: an MTP block's own tensors (mtp.*) and their nextn names under blk.L. (L: the decoder's layer count)
+NEXTN = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+         "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
 
 
 def heads_order(t: torch.Tensor, dim: int, outer: int, inner: int, size: int) -> torch.Tensor:
@@ -60,12 +63,16 @@ def to_gguf(hf: dict[str, torch.Tensor], cfg: dict, family: str) -> dict[str, to
     kh, vh, kd, vd = (cfg[f"linear_{k}"] for k in ("num_key_heads", "num_value_heads", "key_head_dim",
                                                    "value_head_dim"))
     rep, tiled = vh // kh, family != "qwen3_next" and kh != vh
-    out, stacks = {}, {}
+    out, stacks, layers = {}, {}, cfg["num_hidden_layers"]
     for name, t in hf.items():
         t = t.float()
         if name in TOP:
             out[TOP[name]] = t + 1 if name == "model.norm.weight" else t
             continue
+        if name in NEXTN:  # the MTP block's own parts (its norms stored as 1 + w as the decoder's are)
+            out[f"blk.{layers}.{NEXTN[name]}"] = t if name == "mtp.fc.weight" else t + 1
+            continue
+        name = re.sub(r"^mtp\.layers\.0\.", f"model.layers.{layers}.", name)  # its layer follows the decoder's
         n, rest = re.match(r"model\.layers\.(\d+)\.(.+)", name).groups()
         blk = f"blk.{n}."
         expert = re.match(r"mlp\.experts\.(\d+)\.(\w+)\.weight", rest)
@@ -112,7 +119,7 @@ def from_gguf(values: dict[str, torch.Tensor], cfg: dict, family: str) -> dict[s
     kh, vh, kd, vd = (cfg[f"linear_{k}"] for k in ("num_key_heads", "num_value_heads", "key_head_dim",
                                                    "value_head_dim"))
     rep, tiled = vh // kh, family != "qwen3_next" and kh != vh
-    back = {v: k for k, v in NAMES.items()}
+    back, layers = {v: k for k, v in NAMES.items()}, cfg["num_hidden_layers"]
     out = {}
     for name, t in values.items():
         t = t.float()
@@ -121,7 +128,11 @@ def from_gguf(values: dict[str, torch.Tensor], cfg: dict, family: str) -> dict[s
             out[top] = t - 1 if top == "model.norm.weight" else t
             continue
         n, rest = re.match(r"blk\.(\d+)\.(.+)", name).groups()
-        hf = f"model.layers.{n}."
+        own = next((k for k, v in NEXTN.items() if v == rest), None)
+        if own:
+            out[own] = t if own == "mtp.fc.weight" else t - 1
+            continue
+        hf = "mtp.layers.0." if int(n) == layers else f"model.layers.{n}."
         if rest in EXPERTS.values():
             part = next(p for p, g in EXPERTS.items() if g == rest)
             out.update({f"{hf}mlp.experts.{e}.{part}.weight": t[e] for e in range(t.shape[0])})
@@ -164,8 +175,9 @@ def write(path, hf_dir, family: str, qtype=T.F32, seed: int = 0, mtp: bool = Fal
           fuse: bool = False) -> dict[str, torch.Tensor]:
     """The checkpoint in llama.cpp's layout (and with qtype, its matrices quantized: gguf's quantizer for
     Q8_0, Q4_0 and Q5_0, valid random blocks for the others, Q6_K for attn_v and ffn_down as Q4_K_M has them; the shared
-    expert's router as the [n] vector a quantized file holds). mtp: a trailing MTP block (nextn tensors
-    Strata skips). fuse: the full-attention layers' q/k/v and the experts' gate/up as one tensor each (the
+    expert's router as the [n] vector a quantized file holds). mtp: a trailing MTP block: the checkpoint's
+    (mtp.*), or without one the last layer again with nextn parts (what Strata skips without --mtp). fuse: the
+    full-attention layers' q/k/v and the experts' gate/up as one tensor each (the
     converter's --fuse-qkv and --fuse-gate-up-exps; one type for the parts, as llama-quantize gives the fused
     tensor). Returns the values stored under the checkpoint's names (the reference's weights)."""
     from test_gguf_target import add_vocabulary
@@ -200,8 +212,9 @@ def write(path, hf_dir, family: str, qtype=T.F32, seed: int = 0, mtp: bool = Fal
     if family != "qwen3_next":
         w.add_array(f"{arch}.rope.dimension_sections", ROPE["mrope_section"] + [0])
     add_vocabulary(w, hf_dir, cfg["vocab_size"])
-    tensors = to_gguf(load_file(hf_dir / "model.safetensors"), cfg, family)
-    if mtp:  # the last layer again as the MTP block, with its nextn parts
+    checkpoint = load_file(hf_dir / "model.safetensors")
+    tensors = to_gguf(checkpoint, cfg, family)
+    if mtp and "mtp.fc.weight" not in checkpoint:  # no block of its own: the last layer again, with nextn parts
         last, h = f"blk.{layers - 1}.", cfg["hidden_size"]
         tensors.update({f"blk.{layers}." + k[len(last):]: t for k, t in list(tensors.items()) if k.startswith(last)})
         tensors.update({f"blk.{layers}.nextn.eh_proj.weight": torch.randn(h, 2 * h) * 0.02,
@@ -235,4 +248,5 @@ def write(path, hf_dir, family: str, qtype=T.F32, seed: int = 0, mtp: bool = Fal
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return from_gguf({k: v for k, v in stored.items() if not re.match(rf"blk\.{layers}\.", k)}, cfg, family)
+    keep = "mtp.fc.weight" in checkpoint  # the block's values too, where the checkpoint has it
+    return from_gguf({k: v for k, v in stored.items() if keep or not re.match(rf"blk\.{layers}\.", k)}, cfg, family)

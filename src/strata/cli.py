@@ -17,7 +17,8 @@ def pair_spec(args, model: str | None = None):
     from .pair import PairSpec
 
     return PairSpec(model=model or args.model, device=args.device, dtype=args.dtype, dflash=args.dflash,
-                    no_dflash=args.no_dflash, prompt_lookup=args.prompt_lookup, dflash_window=args.dflash_window,
+                    no_dflash=args.no_dflash, prompt_lookup=args.prompt_lookup, mtp=args.mtp,
+                    dflash_window=args.dflash_window,
                     expert_cache=getattr(args, "expert_cache", None),
                     expert_placement=getattr(args, "expert_placement", "static"),
                     check_tensors=getattr(args, "check_tensors", False),
@@ -242,10 +243,11 @@ def cmd_inspect(args) -> int:
     return 0 if ok else 2
 
 
-def dflash_pair(args, window: int | None = None):
+def dflash_pair(args, window: int | None = None, kinds: tuple[str, ...] = ("dflash",)):
+    """The pair and engine settings of a command that needs a drafter of these kinds."""
     pair, config = load(args, window=window)
-    if pair.drafter is None or pair.drafter.name != "dflash":
-        raise StrataError("--dflash: no drafter given")
+    if pair.drafter is None or pair.drafter.name not in kinds:
+        raise StrataError("--dflash: no drafter given" + (" (or --mtp)" if "mtp" in kinds else ""))
     return pair, config
 
 
@@ -298,8 +300,8 @@ def cmd_gate(args) -> int:
     from .prompts import prompt_set
 
     stats_json = args.stats_json and check_output(args.stats_json, what="--stats-json", inputs=inputs_of(args))
-    pair, config = dflash_pair(args)
-    windows = args.spec_list or [pair.drafter.max_window]
+    pair, config = dflash_pair(args, kinds=("dflash", "mtp"))
+    windows = args.spec_list or [pair.drafter.window]
     for w in windows:
         replace(config, window=w).window_for(pair.drafter)
     prompts = prompt_set(pair, args.prompt_ids, args.prompts)

@@ -50,7 +50,8 @@ def spec_window(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a window (an integer) or auto, got {text!r}") from None
 
 
-def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool = True, tree: str | None = "one") -> None:
+def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool = True, tree: str | None = "one",
+                     mtp: bool = True) -> None:
     """tree: "one" budget, "many" (bench's sweep) or None (commands that verify no tree)."""
     g = p.add_argument_group("drafter")
     g.add_argument("--dflash", metavar="DRAFTER", help="DFlash drafter: a GGUF file or a Hugging Face folder "
@@ -74,6 +75,13 @@ def add_drafter_args(p: argparse.ArgumentParser, spec: bool = True, lookup: bool
     if lookup:
         g.add_argument("--prompt-lookup", type=int, metavar="N",
                        help="prompt-lookup drafting with n-grams up to N (instead of a DFlash drafter)")
+    if mtp:
+        g.add_argument("--mtp", action="store_true",
+                       help="draft with the model's own MTP block (Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints and "
+                            "their GGUF files), as llama.cpp's --spec-type draft-mtp: --spec W drafts W-1 tokens a "
+                            "round, one after another (default W 4)")
+    else:
+        p.set_defaults(mtp=False)
     if tree == "one":
         g.add_argument("--tree", type=int, metavar="N",
                        help="tree verification: a draft tree of N nodes from each DFlash pass (greedy only; "
@@ -236,7 +244,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
     pa.add_argument("--plant-bug", metavar="LAYER:STAGE",
                     help="self-test: perturb LAYER:STAGE (e.g. 0:q_roped, :logits) in the runtime")
     add_model_args(pa)
-    add_drafter_args(pa, lookup=False, tree=None)
+    add_drafter_args(pa, lookup=False, tree=None, mtp=False)
     add_layout_args(pa)
     pa.set_defaults(func=commands.cmd_parity)
 
@@ -249,7 +257,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
                     help="tokens generated after the prompt and checked (default 32)")
     ta.add_argument("--min-cos", type=float, default=0.9999, help="lowest cosine that passes (default 0.9999)")
     add_model_args(ta)
-    add_drafter_args(ta, spec=False, lookup=False, tree=None)
+    add_drafter_args(ta, spec=False, lookup=False, tree=None, mtp=False)
     add_layout_args(ta)
     ta.set_defaults(func=commands.cmd_taps)
 

@@ -15,10 +15,12 @@ from .dflash.artifact import check_against_target, load_artifact
 from .dflash.drafter import load_drafter
 from .engine.config import EngineConfig
 from .engine.decode import check_prompt
+from .engine.mtp import MTPDrafter
 from .engine.prompt_lookup import PromptLookupDrafter
 from .errors import StrataError
 from .gguf_vocab import UnsupportedVocab
 from .models.config import read_json, token_ids
+from .models import mtp as mtp_block
 from .models.loader import check_tensors, load_model_config, load_target, parse_dtype
 from .models.placement import PLACEMENTS, place_experts
 from .tokenizer import Tokenizer
@@ -32,6 +34,7 @@ class PairSpec:
     dflash: str | None = None  # a drafter (GGUF or Hugging Face folder); the demo's by default with the demo
     no_dflash: bool = False
     prompt_lookup: int | None = None  # n-gram drafting with n-grams up to this
+    mtp: bool = False  # drafting with the target's own MTP block (engine/mtp.py)
     dflash_window: int = 32768  # the drafter's attention window in context cells
     expert_cache: int | None = None  # MiB of experts on the device (models/placement.py); None: auto
     expert_placement: str = "static"  # which experts the device keeps (models/placement.py's PLACEMENTS)
@@ -39,8 +42,12 @@ class PairSpec:
     stop_ids: tuple[int, ...] = ()  # stop ids beyond those the model declares
 
     def __post_init__(self):
-        if self.dflash and self.prompt_lookup is not None:
-            raise StrataError("--dflash and --prompt-lookup are mutually exclusive: choose one drafter")
+        chosen = [flag for flag, on in (("--dflash", self.dflash), ("--prompt-lookup", self.prompt_lookup is not None),
+                                        ("--mtp", self.mtp)) if on]
+        if len(chosen) > 1:
+            raise StrataError(f"{' and '.join(chosen)} are mutually exclusive: choose one drafter")
+        if self.mtp and self.no_dflash:
+            raise StrataError("--mtp and --no-dflash: --mtp drafts with the model's MTP block; drop one")
         if self.prompt_lookup is not None and self.prompt_lookup < 1:
             raise StrataError(f"--prompt-lookup must be >= 1, got {self.prompt_lookup}")
         if self.dflash_window < 1:
@@ -103,7 +110,7 @@ def resolve(spec: PairSpec) -> tuple[Path, str | None, bool]:
     if not demo.available():
         raise StrataError("--model: no target model given and the embedded demo pair is not installed")
     dflash = spec.dflash
-    if not dflash and not spec.no_dflash and spec.prompt_lookup is None:
+    if not dflash and not spec.no_dflash and spec.prompt_lookup is None and not spec.mtp:
         dflash = str(demo.DRAFTER)
     return demo.TARGET, None if spec.no_dflash else dflash, True
 
@@ -118,6 +125,8 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     model_config = load_model_config(model_dir)  # a bad context length or vocabulary is refused
     cfg = model_config[1]
     spec.check_for(cfg)
+    if spec.mtp:
+        mtp_block.check(cfg, model_dir)
     device = spec.torch_device()
     max_len = engine.check_before_load(cfg, device, spec.torch_dtype())
     artifact = None
@@ -131,7 +140,8 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
         check_prompt(prompt_ids, max_len, cfg.vocab_size)
 
     target = load_target(model_dir, device=device, dtype=spec.torch_dtype(), place=lambda model: place_experts(
-        model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement), model_config=model_config)
+        model, device, spec.expert_cache, max_len, footprint(dflash), spec.expert_placement), model_config=model_config,
+        mtp=spec.mtp)
     stops = declared_stop_ids(target, model_dir, tokenizer) | set(spec.stop_ids)
     pair = Pair(target, tokenizer, None, model_dir, using_demo, stops, no_tokenizer, prompt_ids)
     if drafter:
@@ -147,6 +157,8 @@ def load_drafter_for(spec: PairSpec, target, engine: EngineConfig, dflash):
     """The drafter the spec names for a loaded target; dflash: a DFlash drafter's path or artifact."""
     if spec.prompt_lookup is not None:
         return PromptLookupDrafter(spec.prompt_lookup, device=target.device)
+    if spec.mtp:
+        return MTPDrafter(target, max_len=engine.context(target.cfg))
     if dflash:
         return load_drafter(dflash, target, window_cells=spec.dflash_window, max_len=engine.context(target.cfg))
     return None

@@ -96,7 +96,7 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     sync(target.device)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if dflash or pair.prompt_lookup is not None:
+    if dflash or pair.prompt_lookup is not None or pair.mtp:
         drafter = load_drafter_for(pair, target, engine, dflash)
     elif bench.drafter_layers:
         drafter = random_drafter(target, bench.drafter_layers, bench.block_size, variant=bench.drafter_variant,

@@ -147,9 +147,9 @@ class EngineConfig:
         """The verify window with this drafter (1 without one), or a one-line error."""
         if drafter is None or drafter.max_window == 1:
             if self.window is not None:
-                raise SettingError("{window} needs a drafter (--dflash or --prompt-lookup)")
+                raise SettingError("{window} needs a drafter (--dflash, --mtp or --prompt-lookup)")
             if self.adaptive_window:
-                raise SettingError("{adaptive_window} needs a drafter (--dflash or --prompt-lookup)")
+                raise SettingError("{adaptive_window} needs a drafter (--dflash, --mtp or --prompt-lookup)")
             if self.reads_confidence:
                 raise SettingError(f"{{{self.reads_confidence}}} needs a DFlash drafter")
             if self.tree is not None:

@@ -37,6 +37,8 @@ class Commit:
     positions: torch.Tensor  # [rows] their positions, on the device
     kernels: Kernels = EAGER
     probe: Probe | None = None
+    row_tokens: torch.Tensor | None = None  # [rows] every row's token, on the device (what an MTP block reads)
+    kv_len: int = 0  # cells a step over the rows may read (at least the last row's position + 1)
 
 
 @dataclass

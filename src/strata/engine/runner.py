@@ -146,6 +146,7 @@ class ModelRunner:
         self.candidates = torch.zeros(window - 1, dtype=torch.long, device=dev)
         self.limit = torch.full((1,), max(window - 1, 0), dtype=torch.long, device=dev)  # candidates proposed
         self.padding = torch.zeros(max(0, self.rows - window), dtype=torch.long, device=dev)
+        self.row_tokens = torch.zeros(self.rows, dtype=torch.long, device=dev)  # a verify's, for observe
         self.offsets = torch.arange(self.rows, device=dev)
         self.tree_inputs: Tree | None = None
         self.rate = cfg.reads_confidence is not None  # proposals carry their confidences only where read
@@ -197,7 +198,7 @@ class ModelRunner:
             logits = out.logits
             taps.append(out.taps)
             self.drafter.observe(Commit(start, list(prompt_ids[start:end]), out.taps, positions[start:end],
-                                        probe=self.probe))
+                                        probe=self.probe, row_tokens=tokens[start:end], kv_len=end))
         self.cache.commit(n)
         place_by_routing(self.target)
         return ForwardOut(logits, torch.cat(taps) if taps[0] is not None else None)
@@ -235,6 +236,7 @@ class ModelRunner:
 
         def step():
             tokens = torch.cat([self.anchor, cands, padding])
+            self.row_tokens[:rows].copy_(tokens)
             positions = self.pos + self.offsets[:rows]
             out = self.target(tokens, Step(positions, kv_len, self.kernels), self.cache, self.drafter.tap_layers)
             return out, positions, greedy_accept(out.logits[:w], cands, self.limit)
@@ -295,7 +297,8 @@ class ModelRunner:
     def observe(self, start: int, tokens: list[int], taps, positions: torch.Tensor, kv_len: int) -> None:
         """The drafter hears the round's commit; a device-side drafter's observe is captured with the
         verify whose outputs it reads."""
-        commit = Commit(start, tokens, taps, positions, self.kernels, self.probe)
+        commit = Commit(start, tokens, taps, positions, self.kernels, self.probe,
+                        self.row_tokens[:positions.shape[0]], kv_len)
         if self.static and self.drafter.on_device:
             self.graphs.run(("observe", kv_len, positions.shape[0]), lambda: self.drafter.observe(commit))
         else:

@@ -59,6 +59,8 @@ class ModelConfig:
     linear: LinearAttentionConfig | None = None
     checkpoint_prefix: str = "model."  # where the decoder's tensors sit ("model.language_model." in a VLM)
     weight_block: tuple[int, int] | None = None  # a block-scaled FP8 checkpoint's block (models/loader.py)
+    mtp_layers: int = 0  # multi-token-prediction blocks the checkpoint holds beside the decoder (models/mtp.py)
+    load_mtp: bool = False  # whether the model is built and loaded with its MTP block (--mtp)
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -21,6 +21,10 @@ from ..layers.rotary import RotaryTable
 from .config import ModelConfig, dense_config, must
 
 
+#: the tap of the final norm's output, what the LM head reads (an MTP block's input), beside layer ids
+FINAL_NORM = -1
+
+
 @dataclass
 class ForwardOut:
     logits: torch.Tensor | None  # [..., T, vocab] float32 ([..., 1, vocab] for "last", None for "none")
@@ -36,6 +40,7 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary: RotaryTable | None = None
+        self.mtp: nn.Module | None = None  # the MTP block, where loaded (models/mtp.py)
         self.expert_plan = None  # a mixture-of-experts target's placement (models/placement.py)
         self.dequantized: dict[str, tuple[str, int]] = {}  # GGUF tensors the kernels do not take: name -> (type, bytes)
 
@@ -57,12 +62,16 @@ class DecoderLM(nn.Module):
         makes it (a recurrent mixer keeps the states of a forward's last `rows` positions: its verify window)."""
         cfg = self.cfg
         cache = KVCache(cfg.num_layers, cells, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype, batch)
-        if self.rotary is None:  # after the cache, the larger of the two: one that cannot fit is refused first
-            self.rotary = RotaryTable(cfg.head_dim, cfg.rope, self.device, self.dtype)
-        self.rotary.ensure(cells)
+        self.ensure_rope(cells)  # after the cache, the larger of the two: one that cannot fit is refused first
         for layer in self.layers:
             cache.layers[layer.index] = layer.mixer.new_state(cache, rows, batch)
         return cache
+
+    def ensure_rope(self, cells: int) -> None:
+        """The rotary table covers positions [0, cells) (an MTP block's cache may reach past the target's)."""
+        if self.rotary is None:
+            self.rotary = RotaryTable(self.cfg.head_dim, self.cfg.rope, self.device, self.dtype)
+        self.rotary.ensure(cells)
 
     @property
     def host_experts(self) -> int:
@@ -86,20 +95,32 @@ class DecoderLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, step: Step, cache: KVCache, taps=(), logits: str = "all") -> ForwardOut:
         """tokens [..., T] at step.positions: their K/V are written to the cache, every row attends over
-        the cells up to its position (or as step.masks says: a tree's rows see their ancestors), and `taps` (HF layer ids: feature l is the residual stream after
-        decoder layer l) come back concatenated. logits: "all" rows, the "last" row, or "none"."""
+        the cells up to its position (or as step.masks says: a tree's rows see their ancestors), and `taps` (HF
+        layer ids: feature l is the residual stream after decoder layer l; FINAL_NORM the final norm's output) come
+        back concatenated. logits: "all" rows, the "last" row, or "none"."""
         step = step.for_layers(self.rotary.at(step.positions), causal_masks(step) if step.masks is None else None)
-        wanted = {layer: slot for slot, layer in enumerate(taps or ())}
+        taps = list(taps or ())
+        wanted = {layer: slot for slot, layer in enumerate(t for t in taps if t != FINAL_NORM)}
         x, pending, tapped = run_layers(self.layers, self.embed(tokens), step, cache, wanted)
+        norm = self.norm
+        if FINAL_NORM in taps:
+            tapped.insert(taps.index(FINAL_NORM), step.kernels.rms_norm(x if pending is None else x + pending,
+                                                                        norm.weight, norm.eps))
         out = None
         if logits != "none":
-            norm = self.norm
             into = self.lm_head.weight if logits == "all" or x.shape[-2] == 1 else None  # the head reads them all
             h = step.kernels.rms_norm(x, norm.weight, norm.eps, into) if pending is None else \
                 step.kernels.add_rms_norm(x, pending, norm.weight, norm.eps, into)[1]
             last = logits == "last" and into is None  # with into, "last" is the one row there is
             out = self.head(h[..., -1:, :] if last else h, step.kernels)
         return ForwardOut(out, torch.cat(tapped, dim=-1) if tapped else None)
+
+    def forward_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        """The MTP block over tokens [T] at step.positions, each with the final normed hidden state of the
+        position before it [T, hidden] (the target's, or the block's own when chaining): its normed output, for
+        head(); its K/V written to `cache` (the block's own)."""
+        step = step.for_layers(self.rotary.at(step.positions), causal_masks(step) if step.masks is None else None)
+        return self.mtp(self.embed(tokens), hidden, step, cache)
 
     def forward_batch(self, tokens: torch.Tensor, taps=(), logits: bool = True) -> ForwardOut:
         """A causal pass over a batch [B, T] from position 0 (training, batched feature tables)."""

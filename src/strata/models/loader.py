@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import StrataError
+from . import mtp as mtp_block
 from .config import ModelConfig, read_json
 from .registry import Family, family_for
 
@@ -127,6 +129,8 @@ def load_model_config(folder: str | Path) -> tuple[Family, ModelConfig]:
     if held is not None and cfg.moe is not None and held[1] and cfg.moe.experts > held[1]:
         raise StrataError(f"{path}: num_experts is {cfg.moe.experts}, but the checkpoint holds {held[1]} experts a "
                           f"layer")
+    if held is not None and cfg.linear is not None and "mtp_num_hidden_layers" not in text:
+        cfg.mtp_layers = held[2]  # Qwen3-Next's config does not count its MTP blocks
     return fam, cfg
 
 
@@ -184,24 +188,25 @@ def dequantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int] | No
 
 
 def checkpoint_counts(folder: Path) -> tuple[int, int] | None:
-    """How many decoder layers, and experts a layer (0: none by index), a checkpoint's tensor names cover
-    (its safetensors headers only; None without weights)."""
+    """How many decoder layers, experts a layer (0: none by index) and MTP blocks (mtp.layers.N) a checkpoint's
+    tensor names cover (its safetensors headers only; None without weights)."""
     try:
         files = safetensors_files(folder)
     except StrataError:
         return None
-    layers, experts = set(), set()
+    layers, experts, mtp = set(), set(), set()
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    for found, pattern in ((layers, r"\.layers\.(\d+)\."), (experts, r"\.experts\.(\d+)\.")):
+                    for found, pattern in ((layers, r"^(?!mtp\.).*\.layers\.(\d+)\."),
+                                           (experts, r"\.experts\.(\d+)\."), (mtp, r"^mtp\.layers\.(\d+)\.")):
                         m = re.search(pattern, name)
                         if m:
                             found.add(int(m.group(1)))
         except (SafetensorError, OSError, RuntimeError) as e:
             raise StrataError(f"{path}: cannot read safetensors ({e})") from None
-    return len(layers), len(experts)
+    return len(layers), len(experts), len(mtp)
 
 
 def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], device,
@@ -237,18 +242,22 @@ def instantiate(fam: Family, cfg: ModelConfig, state: dict[str, torch.Tensor], d
 
 
 def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool | None = None,
-                place=None, model_config: tuple[Family, ModelConfig] | None = None):
+                place=None, model_config: tuple[Family, ModelConfig] | None = None, mtp: bool = False):
     """A Hugging Face folder, or a llama.cpp GGUF file. Its quantized matrices stay quantized on a GPU
     (or with quantized=True: the Triton kernels then run, in the interpreter on the CPU) and are
     dequantized at load on the CPU. place: see instantiate. model_config: a folder's load_model_config,
-    where the caller already read it (a GGUF file's metadata is read once in any case: gguf_file.read)."""
+    where the caller already read it (a GGUF file's metadata is read once in any case: gguf_file.read).
+    mtp: with the model's MTP block (models/mtp.py), refused where it has none."""
     path = Path(path)
     if path.is_file():
         return load_gguf_target(path, device, dtype, torch.device(device).type == "cuda" if quantized is None
-                                else quantized, place)
+                                else quantized, place, mtp)
     fam, cfg = model_config or load_model_config(path)
+    if mtp:
+        mtp_block.check(cfg, path)
+        cfg = replace(cfg, load_mtp=True)
     tensors = dequantize_fp8(read_safetensors(path), cfg.weight_block, path)
-    state = fam.finish(pack(tensors, fam.hf_layout(cfg), dtype, path), cfg)
+    state = fam.finish(pack(tensors, mtp_block.with_block(fam.hf_layout(cfg), cfg, gguf=False), dtype, path), cfg)
     return instantiate(fam, cfg, state, device, place=place)
 
 
@@ -331,7 +340,7 @@ def with_fused(layout: dict, tensors: dict) -> dict:
 
 
 def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float32, quantized: bool = False,
-                     place=None):
+                     place=None, mtp: bool = False):
     from .. import gguf_file
     from ..errors import ArtifactError
     from ..gguf_names import ROPE_FACTORS, nextn_layer
@@ -339,9 +348,12 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
 
     try:
         fam, cfg, _, tensors = gguf_model(path)
-        layout = with_fused(fam.gguf_layout(cfg), tensors)
+        if mtp:
+            mtp_block.check(cfg, path)
+            cfg = replace(cfg, load_mtp=True)
+        layout = with_fused(mtp_block.with_block(fam.gguf_layout(cfg), cfg, gguf=True), tensors)
         known = {name for sources in layout.values() for name, *_ in sources} | {ROPE_FACTORS}
-        unknown = sorted(n for n in set(tensors) - known if nextn_layer(n, cfg.num_layers) is None)
+        unknown = sorted(n for n in set(tensors) - known if mtp or nextn_layer(n, cfg.num_layers) is None)
         if unknown:
             raise StrataError(f"{path}: unexpected tensors {', '.join(unknown[:6])}{' ...' if len(unknown) > 6 else ''} "
                               f"(a {fam.gguf_arch} file with parts Strata does not implement)")

@@ -11,6 +11,7 @@ from ..gguf_names import HYBRID, nextn_layer
 from ..layers.linear_attention import GatedDeltaNet
 from .config import LinearAttentionConfig, moe_from_hf, optional, require
 from .decoder import DenseFamily, attention, dense_gguf_config, dense_hf_layout, gguf_count, gguf_value
+from .mtp import MTPHead
 from .qwen3_moe import moe_gguf_config, sparse_gguf_layout
 from .registry import register
 
@@ -54,6 +55,7 @@ def hybrid_gguf_config(fam, kv: dict, tensors: dict, where: str):
     if moe and f"{a}.feed_forward_length" not in kv:
         plain[f"{a}.feed_forward_length"] = kv.get(f"{a}.expert_feed_forward_length")
     cfg = dense_gguf_config(fam, plain, main, where)
+    cfg.mtp_layers = nextn
     rotary = gguf_value(kv, f"{a}.rope.dimension_count", where, None,
                         f"an even count up to the head dim {cfg.head_dim}", int,
                         lambda v: 0 < v <= cfg.head_dim and v % 2 == 0)
@@ -101,6 +103,7 @@ class Qwen3_5(DenseFamily):
             prefix = "model.language_model."
         cfg = super().config(hf, where)
         cfg.checkpoint_prefix = prefix
+        cfg.mtp_layers = optional(hf, "mtp_num_hidden_layers", where, 0, int) if hf.get("mtp_num_hidden_layers") else 0
         types = hf.get("layer_types")
         if not isinstance(types, list) or len(types) != cfg.num_layers or \
                 set(types) - {"linear_attention", "full_attention"}:
@@ -122,6 +125,13 @@ class Qwen3_5(DenseFamily):
                                            require(hf, "linear_value_head_dim", where),
                                            require(hf, "linear_conv_kernel_dim", where))
         return cfg
+
+    def build(self, cfg):
+        """The decoder, and with cfg.load_mtp its MTP block (models/mtp.py)."""
+        model = super().build(cfg)
+        if cfg.load_mtp:
+            model.mtp = MTPHead(cfg, attention(cfg, 0, gated=True))
+        return model
 
     def mixer(self, cfg, index):
         """Gated DeltaNet in the linear-attention layers, gated attention in the others."""
@@ -206,10 +216,9 @@ class Qwen3_5(DenseFamily):
                 out[name] = (1.0 + t.float()).to(t.dtype)
         order = rope_order(cfg.head_dim, cfg.rope.rotary_dim)
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        for n in range(cfg.num_layers):
-            if n in cfg.linear.layers:
-                continue
-            p = f"layers.{n}.self_attn."
+        attending = [f"layers.{n}." for n in range(cfg.num_layers) if n not in cfg.linear.layers]
+        for layer in attending + (["mtp.layer."] if "mtp.layer.self_attn.qkv_proj.weight" in state else []):
+            p = layer + "self_attn."
             w = out[p + "qkv_proj.weight"]
             q = w[:2 * h * d].unflatten(0, (h, 2, d))
             q = torch.stack([q[:, 0][:, order], q[:, 1]], dim=1).flatten(0, 2)
