@@ -70,3 +70,19 @@ def test_bench_random_dflash2_and_dspark_drafters(tmp_path):
         data = json.loads(out.read_text())
         name = f"random 1-layer {variant}" + (" Q8_0" if kind == "Q8_0" else "")
         assert data["drafter"] == name and data["dflash"]["identical_to_target_only"]
+
+
+def test_bench_mtp_on_a_random_hybrid_shape(tmp_path):
+    """--mtp on a hybrid --shape: its random MTP block drafts (the round's draft and verify costs, and the speed at
+    the oracle's acceptance), output equal to target-only; a shape without a block is refused in one line."""
+    out = tmp_path / "mtp.json"
+    r = run_cli("bench", "--shape", "tiny-hybrid", "--mtp", "--spec", "3", "--prompt-len", "8", "--new-tokens", "9",
+                "--runs", "1", "--hf", "none", "--out", out)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["drafter"] == "the model's MTP block (random)" and data["dflash"]["drafter"] == "mtp"
+    assert data["dflash"]["identical_to_target_only"] and data["dflash"]["tok_s_at_oracle_tau"] > 0
+    assert "MTP W=3" in r.stderr
+    r = run_cli("bench", "--shape", "tiny", "--mtp", "--runs", "1", "--hf", "none")
+    assert r.returncode == 2 and r.stderr.strip().endswith("has no MTP block (the hybrid shapes have one: tiny-hybrid, "
+                                                           "qwen3.5-9b, qwen3.5-35b-a3b)")

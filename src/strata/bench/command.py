@@ -81,7 +81,8 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
                 load_model_config(resolve(pair)[0])[1])
     t0 = time.perf_counter()
     if bench.shape:
-        target = random_target(bench.shape, device=pair.torch_device(), dtype=pair.torch_dtype(), quant=bench.quant)
+        target = random_target(bench.shape, device=pair.torch_device(), dtype=pair.torch_dtype(), quant=bench.quant,
+                               mtp=pair.mtp)
         if pair.expert_cache is not None:  # random weights are made on the device: only a pinned budget moves some
             from ..models.placement import place_experts
 
@@ -135,7 +136,8 @@ def run_command(pair: PairSpec, engine: EngineConfig, bench: BenchSpec, command:
     result["model"] = label
     variant = "" if bench.drafter_variant == "dflash" else f" {bench.drafter_variant}"
     variant += "" if bench.drafter_type == "BF16" else f" {bench.drafter_type}"
-    result["drafter"] = dflash or (f"random {bench.drafter_layers}-layer{variant}" if bench.drafter_layers else None)
+    result["drafter"] = dflash or ("the model's MTP block" + (" (random)" if bench.shape else "") if pair.mtp else
+                                   f"random {bench.drafter_layers}-layer{variant}" if bench.drafter_layers else None)
     result["command"] = command
     result["commit"] = source_commit()
     result["quant"] = bench.quant
@@ -224,9 +226,12 @@ def summary(result: dict) -> list[str]:
                  f"verify {o['split']['verify_ms']:.2f} ms, other {o['split']['other_ms']:.2f} ms")
     if "dflash" in result:
         d = result["dflash"]
-        lines.append(f"DFlash W={window}: {d['tok_s']:.1f} tok/s, tau {d['tau']:.2f}, "
+        name = {"mtp": "MTP", "prompt-lookup": "prompt lookup"}.get(d.get("drafter"), "DFlash")
+        lines.append(f"{name} W={window}: {d['tok_s']:.1f} tok/s, tau {d['tau']:.2f}, "
                      f"x{result['ratios']['dflash_vs_target_only']:.2f}; round: draft {d['split']['draft_ms']:.2f} ms, "
-                     f"verify {d['split']['verify_ms']:.2f} ms")
+                     f"verify {d['split']['verify_ms']:.2f} ms"
+                     + (f"; at the oracle's tau {o['tau']:.2f}: {d['tok_s_at_oracle_tau']:.1f} tok/s"
+                        if "tok_s_at_oracle_tau" in d else ""))
     if result.get("window_sweep"):
         lines += sweep_lines(result["window_sweep"])
     sweep = result.get("tree_sweep")

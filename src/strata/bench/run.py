@@ -313,6 +313,9 @@ def run_bench(target, drafter, prompt: list[int], new_tokens: int, window: int, 
         result["dflash"] = timed_runs(engine, prompt, new_tokens, runs)
         result["dflash"]["split"] = round_split(engine, prompt, new_tokens)
         result["dflash"]["identical_to_target_only"] = result["dflash"]["output_ids"] == reference["output_ids"]
+        result["dflash"]["drafter"] = drafter.name
+        split = result["dflash"]["split"]  # its round at the oracle's acceptance: what a trained drafter could reach
+        result["dflash"]["tok_s_at_oracle_tau"] = 1e3 * result["dflash_oracle"]["tau"] / sum(split.values())
         engines["dflash"] = engine
     result["dflash_oracle"]["identical_to_target_only"] = \
         result["dflash_oracle"]["output_ids"] == reference["output_ids"]

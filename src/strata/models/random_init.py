@@ -60,13 +60,20 @@ def shape_config(shape: str, **overrides):
 
 
 def random_target(shape: str = "tiny", device="cpu", dtype=torch.float32, seed: int = 0, quant: str | None = None,
-                  quantized: bool | None = None, **overrides):
+                  quantized: bool | None = None, mtp: bool = False, **overrides):
     """A random-weight target built directly on the device (no files: an 8B shape needs no download). With
     quant (a llama.cpp file type: Q4_K_M, Q8_0, ...) its matrices are random valid GGUF blocks of the
     types that file type gives them, kept quantized on a GPU (or with quantized=True: the Triton kernels
     then run, in the interpreter on the CPU) and on the CPU dequantized by gguf's reference, as load_target
-    keeps a GGUF file's."""
+    keeps a GGUF file's. mtp: with an MTP block (a hybrid shape's: models/mtp.py)."""
     fam, cfg, _ = shape_config(shape, **overrides)
+    if mtp:
+        if cfg.linear is None:
+            from ..errors import StrataError
+
+            raise StrataError(f"--mtp: shape {shape} has no MTP block (the hybrid shapes have one: "
+                              f"{', '.join(s for s, v in SHAPES.items() if 'layer_types' in v)})")
+        cfg.mtp_layers, cfg.load_mtp = 1, True
     with torch.device("meta"):
         model = fam.build(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -122,15 +129,16 @@ def quantize_randomly(model, cfg, recipe: str, device, dtype, gen) -> None:
                               f"multiples of 256 (use a larger --shape)")
 
     q_rows = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
-    for n, layer in enumerate(model.layers):
+    layers = [(f"layers.{n}", layer) for n, layer in enumerate(model.layers)]
+    for name, layer in layers + ([("mtp.layer", model.mtp.layer)] if model.mtp is not None else []):
         if isinstance(layer.mlp, SparseMoE):  # as llama.cpp quantizes ffn_{gate,up,down}_exps; the router stays
             _, experts, inter, hidden = layer.mlp.gate_up_proj.shape
-            down_type = recipe_types(recipe, f"layers.{n}.mlp.down_proj.weight", cfg.num_layers)[0][0]
+            down_type = recipe_types(recipe, f"{name}.mlp.down_proj.weight", cfg.num_layers)[0][0]
             for attr, t, rows, cols in (("gate_up_proj", RECIPES[recipe][0], 2 * inter, hidden),
                                         ("down_proj", down_type, hidden, inter)):
-                check(f"layers.{n}.mlp.{attr}", cols)
+                check(f"{name}.mlp.{attr}", cols)
                 blocks = random_blocks(t, experts * rows, cols, device, gen).view(experts, rows, -1)
-                replace_parameter(model, f"layers.{n}.mlp.{attr}", QuantExperts(t, blocks, cols, dtype))
+                replace_parameter(model, f"{name}.mlp.{attr}", QuantExperts(t, blocks, cols, dtype))
     for name, p in list(model.named_parameters()):
         if p.dim() != 2 or name.endswith(KEPT_FLOAT):
             continue
