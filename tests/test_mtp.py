@@ -128,7 +128,7 @@ def test_mtp_sampled_matches_target_distribution(tmp_path):
 
 def test_mtp_cli(folders, tmp_path):
     """generate --mtp prints target-only's tokens; --mtp refused with --dflash and on a model without an MTP
-    block, each with one line and exit code 2."""
+    block, each with one line and exit code 2; inspect shows the block."""
     folder = folders["qwen3_5"]
     args = ("generate", "--model", folder, "--prompt-ids", "3,99,14,250", "--max-new-tokens", "16")
     mtp, plain = run_cli(*args, "--mtp", "--spec", "3"), run_cli(*args)
@@ -142,3 +142,7 @@ def test_mtp_cli(folders, tmp_path):
     none = run_cli("generate", "--model", bare, "--prompt-ids", "3,4", "--mtp")
     assert none.returncode == 2 and len(none.stderr.strip().splitlines()) == 1
     assert "has no MTP block" in none.stderr
+    shown = run_cli("inspect", folder)  # a target: its shape and its block
+    assert shown.returncode == 0 and "MTP: 1 block (one full-attention layer with an MLP of 96, fc [64, 128]): " \
+        "--mtp drafts with it" in shown.stdout, shown.stdout
+    assert "MTP: none" in run_cli("inspect", bare).stdout

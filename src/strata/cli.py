@@ -237,7 +237,12 @@ def cmd_export_dflash(args) -> int:
 
 def cmd_inspect(args) -> int:
     from .dflash.inspect import inspect_path
+    from .models.inspect import describe_target
 
+    target = describe_target(args.path) if args.model is None else None
+    if target is not None:  # a target model: its shape and its MTP block
+        print(target)
+        return 0
     text, ok = inspect_path(args.path, args.model)
     print(text)
     return 0 if ok else 2

@@ -177,8 +177,9 @@ def build_parser(commands) -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=commands.cmd_export_dflash)
 
-    i = sub.add_parser("inspect", help="describe and validate a DFlash drafter (GGUF file or HF folder)")
-    i.add_argument("path", help="the drafter: a GGUF file or a Hugging Face folder")
+    i = sub.add_parser("inspect", help="describe and validate a DFlash drafter (GGUF file or HF folder), or describe "
+                                      "a target model (its shape, experts and MTP block)")
+    i.add_argument("path", help="the drafter or the target model: a GGUF file or a Hugging Face folder")
     i.add_argument("--model", help="a target model folder: check that the drafter fits it (sizes, taps, "
                                    "vocabulary, mask id)")
     i.set_defaults(func=commands.cmd_inspect)
