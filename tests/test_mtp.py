@@ -127,7 +127,7 @@ def test_mtp_sampled_matches_target_distribution(tmp_path):
 
 
 def test_mtp_cli(folders, tmp_path):
-    """generate --mtp prints target-only's tokens; --mtp refused with --dflash and on a model without an MTP
+    """generate --mtp prints target-only's tokens, gate --mtp passes; --mtp refused with --dflash and on a model without an MTP
     block, each with one line and exit code 2; inspect shows the block."""
     folder = folders["qwen3_5"]
     args = ("generate", "--model", folder, "--prompt-ids", "3,99,14,250", "--max-new-tokens", "16")
@@ -135,6 +135,9 @@ def test_mtp_cli(folders, tmp_path):
     assert mtp.returncode == 0 and plain.returncode == 0, mtp.stderr
     assert mtp.stdout.splitlines()[0] == plain.stdout.splitlines()[0]
     assert "W=3" in mtp.stderr
+    gate = run_cli("gate", "--model", folder, "--mtp", "--prompt-ids", "3,99,14,250", "--max-new-tokens", "12",
+                   "--spec-list", "2", "5")
+    assert gate.returncode == 0 and "gate: PASS (2/2 identical)" in gate.stdout, gate.stdout + gate.stderr
     both = run_cli(*args, "--mtp", "--dflash", str(tmp_path / "d.gguf"))
     assert both.returncode == 2 and both.stderr.strip().endswith(
         "--dflash and --mtp are mutually exclusive: choose one drafter")
