@@ -111,6 +111,7 @@ def auto_budget(model, moes, device, max_len: int, drafter_bytes: int) -> tuple[
     experts = {id(p) for moe in moes for p in (moe.gate_up_proj, moe.down_proj)}
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in experts)
     attention_layers = cfg.num_layers - (len(cfg.linear.layers) if cfg.linear is not None else 0)
+    attention_layers += model.mtp is not None  # an MTP block's K/V (its weights are counted above)
     kv = 2 * attention_layers * (max_len + 64) * cfg.num_kv_heads * cfg.head_dim * model.norm.weight.element_size()
     budget = free - weights - kv - drafter_bytes - WORKSPACE
     return budget, [f"auto: {free / GIB:.2f} GiB free on {device} - {weights / GIB:.2f} GiB other weights - "
