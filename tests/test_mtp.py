@@ -149,3 +149,22 @@ def test_mtp_cli(folders, tmp_path):
     assert shown.returncode == 0 and "MTP: 1 block (one full-attention layer with an MLP of 96, fc [64, 128]): " \
         "--mtp drafts with it" in shown.stdout, shown.stdout
     assert "MTP: none" in run_cli("inspect", bare).stdout
+
+
+def test_a_quantized_mtp_block_stays_in_its_blocks(tmp_path):
+    """A Q8_0 GGUF's block loaded for the device kernels (quantized=True, as on a GPU): its matrices and experts
+    kept in their blocks as the decoder's are (the same loader path; the interpreter is too slow to decode here)."""
+    import gguf
+
+    from hybrid_layout import COMMON, SHAPES
+    from strata.layers.quant import QuantExperts, QuantWeight
+
+    folder, _ = write_hf_model(tmp_path / "m", "qwen3_5_moe", seed=31, vocab=320, **COMMON, **SHAPES["qwen3_5_moe"])
+    qwen2_tokenizer(folder, 320)
+    path = tmp_path / "m-q8.gguf"
+    write_gguf(path, add_mtp_block(folder), "qwen3_5_moe", qtype=gguf.GGMLQuantizationType.Q8_0, mtp=True)
+    block = load_target(path, mtp=True, quantized=True).mtp
+    assert all(isinstance(w, QuantWeight) for w in (block.fc.weight, block.layer.self_attn.qkv_proj.weight,
+                                                    block.layer.self_attn.o_proj.weight))
+    assert isinstance(block.layer.mlp.gate_up_proj, QuantExperts) and isinstance(block.layer.mlp.down_proj,
+                                                                                 QuantExperts)
