@@ -755,3 +755,32 @@ def test_a_quantized_dflash2_drafter_keeps_its_matrices_in_blocks(tmp_path, monk
     # test's drafter in Q8_0 measures 0.9e-2); a row or block out of place would be O(1)
     assert 1e-6 < rel(got.logits, want.logits) <= 5e-2
     assert (got.confidence - want.confidence).abs().max() <= 2e-2
+
+
+def test_a_quantized_dspark_drafter_keeps_its_matrices_in_blocks(tmp_path, monkeypatch):
+    """A Q8_0 DSpark drafter (llama-quantize's Q8_0 of one): its layers' matrices and fc in their blocks, its Markov
+    head's codebooks read by rows (dequantized) and its one-row confidence head as stored; kept in its blocks it
+    drafts what its dequantization drafts from the anchor: the same chain, close logits and confidences."""
+    from strata.dflash.artifact import load_artifact
+    from strata.dflash.converter import convert_hf_to_gguf
+
+    target_dir = drafter_target(tmp_path, monkeypatch)
+    gen = torch.Generator().manual_seed(9)
+    extra = {"markov_head.markov_w1.weight": torch.randn(320, 32, generator=gen) * 0.2,
+             "markov_head.markov_w2.weight": torch.randn(320, 32, generator=gen) * 0.2,
+             "confidence_head.proj.weight": torch.randn(1, 256 + 32, generator=gen) * 0.1,
+             "confidence_head.proj.bias": torch.zeros(1)}
+    src = write_hf_drafter(tmp_path / "d", layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256,
+                           taps=(0, 1), num_target_layers=2, vocab=320, mask_token_id=319, tokenizer=False,
+                           extra_config={"architectures": ["DSparkDraftModel"]},
+                           extra_tensors={k: v.to(torch.bfloat16) for k, v in extra.items()})
+    path = tmp_path / "ds-q8_0.gguf"
+    convert_hf_to_gguf(src, path, target_dir, qtype="Q8_0", progress=False)
+    art = load_artifact(path)
+    assert art.cfg.variant == "dspark" and art.types["markov_head.markov_w1.weight"] == "Q8_0"
+    (_, kept), want, got = proposals_plain_and_kept(art, target_dir)
+    assert isinstance(kept.model.fc.weight, QuantWeight)
+    assert not isinstance(kept.model.markov_head.markov_w1.weight, QuantWeight)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert 1e-6 < rel(got.logits, want.logits) <= 5e-2
+    assert (got.confidence - want.confidence).abs().max() <= 2e-2
