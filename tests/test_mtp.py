@@ -6,6 +6,8 @@ draft-mtp."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -142,6 +144,8 @@ def test_mtp_cli(folders, tmp_path):
     assert both.returncode == 2 and both.stderr.strip().endswith(
         "--dflash and --mtp are mutually exclusive: choose one drafter")
     bare, _ = write_hf_model(tmp_path / "bare", "qwen3_5", seed=1, layers=4)
+    config = json.loads((bare / "config.json").read_text())  # a re-upload that kept the count, not the block
+    (bare / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
     none = run_cli("generate", "--model", bare, "--prompt-ids", "3,4", "--mtp")
     assert none.returncode == 2 and len(none.stderr.strip().splitlines()) == 1
     assert "has no MTP block" in none.stderr

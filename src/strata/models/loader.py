@@ -129,8 +129,10 @@ def load_model_config(folder: str | Path) -> tuple[Family, ModelConfig]:
     if held is not None and cfg.moe is not None and held[1] and cfg.moe.experts > held[1]:
         raise StrataError(f"{path}: num_experts is {cfg.moe.experts}, but the checkpoint holds {held[1]} experts a "
                           f"layer")
-    if held is not None and cfg.linear is not None and "mtp_num_hidden_layers" not in text:
-        cfg.mtp_layers = held[2]  # Qwen3-Next's config does not count its MTP blocks
+    if held is not None and cfg.linear is not None:
+        # the MTP blocks the tensors hold: Qwen3-Next's config does not count them, and a re-upload may keep the
+        # count but drop the tensors
+        cfg.mtp_layers = min(cfg.mtp_layers, held[2]) if "mtp_num_hidden_layers" in text else held[2]
     return fam, cfg
 
 
@@ -187,7 +189,7 @@ def dequantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int] | No
     return out
 
 
-def checkpoint_counts(folder: Path) -> tuple[int, int] | None:
+def checkpoint_counts(folder: Path) -> tuple[int, int, int] | None:
     """How many decoder layers, experts a layer (0: none by index) and MTP blocks (mtp.layers.N) a checkpoint's
     tensor names cover (its safetensors headers only; None without weights)."""
     try:
