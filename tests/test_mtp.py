@@ -129,8 +129,9 @@ def test_mtp_sampled_matches_target_distribution(tmp_path):
 
 
 def test_mtp_cli(folders, tmp_path):
-    """generate --mtp prints target-only's tokens, gate --mtp passes; --mtp refused with --dflash and on a model without an MTP
-    block, each with one line and exit code 2; inspect shows the block."""
+    """generate --mtp prints target-only's tokens, gate --mtp passes; --mtp refused with --dflash and on a model
+    without an MTP block (also one whose config counts a block its tensors lack), each with one line and exit code 2;
+    inspect shows the block."""
     folder = folders["qwen3_5"]
     args = ("generate", "--model", folder, "--prompt-ids", "3,99,14,250", "--max-new-tokens", "16")
     mtp, plain = run_cli(*args, "--mtp", "--spec", "3"), run_cli(*args)
