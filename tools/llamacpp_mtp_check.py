@@ -20,7 +20,11 @@ the token's embedding plus a share (MIX) of the hidden state it is paired with. 
   the same tokens, and the same rounds once counted as llama.cpp counts them (it drafts min(N, tokens left - 1)
   per round, none when one token is left; Strata drafts N every round and counts a round's accepted drafts up to
   what the budget delivered); on qwen3_next, whose rollback llama.cpp replaces by its checkpoint replay, the
-  reference's rounds without the replay (the block's rounds as an exact rollback gives them).
+  reference's rounds without the replay (the block's rounds as an exact rollback gives them);
+- with drafts cut at the first candidate whose top-10 softmax is below P (llama-server --spec-draft-p-min P, Strata
+  --draft-p-min P; --p-min, default 0.12: this block's candidates rate 0.05-0.3), qwen35 and qwen35moe: the same
+  tokens and the same accepted runs (llama.cpp logs no round for an empty draft, so only the rounds that accepted
+  something are compared), and llama.cpp's drafts shorter than without the cut.
 Prints one line per check and exits 1 on any difference. --llama-only runs llama.cpp and the transformers
 reference only (no Strata). Never from CI (llama-server: ../shared/tools/build_llamacpp.sh's flags with
 -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF, target llama-server; its converter
@@ -28,7 +32,7 @@ needs ../shared/tools/lcpp_convert.py for the demo's vocabulary).
 
 usage: python tools/llamacpp_mtp_check.py LLAMA_CPP_SOURCE_DIR LLAMA_SERVER_BIN_DIR LCPP_CONVERT_PY [--llama-only]
            [--n-max N] [--new NEW] [--mtp-init mix|embed|hidden|random] [--quiet Q] [--mix M] [--family F ...]
-           [--no-reference] [--keep DIR] [--out JSON]"""
+           [--p-min P] [--no-reference] [--keep DIR] [--out JSON]"""
 
 from __future__ import annotations
 
@@ -136,9 +140,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(bins: Path, gguf_path: Path, n_max: int, port: int) -> list[str]:
+def server_command(bins: Path, gguf_path: Path, n_max: int, port: int, p_min: float = 0.0) -> list[str]:
     return [str(bins / "llama-server"), "-m", str(gguf_path), "--spec-type", "draft-mtp",
-            "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+            "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(p_min),
             "-c", "512", "-np", "1", "-t", "2", "--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -156,14 +160,15 @@ def post(port: int, path: str, body: dict | None = None, timeout: float = 300) -
 
 
 def llama_server(bins: Path, gguf_path: Path, prompts: list[list[int]], new: int, n_max: int, log: Path,
-                 ) -> list[dict]:
+                 p_min: float = 0.0) -> list[dict]:
     """Each prompt on a fresh llama-server: its tokens, draft_n, draft_n_accepted, per-round (accepted, drafted)."""
     rows = []
     for i, prompt in enumerate(prompts):
         port = free_port()
         err = log.with_suffix(f".{i}.log")
         with open(err, "w") as f:
-            proc = subprocess.Popen(server_command(bins, gguf_path, n_max, port), stdout=f, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(server_command(bins, gguf_path, n_max, port, p_min), stdout=f,
+                                    stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env={**os.environ, "LLAMA_TRACE": "1"})
         try:
             for _ in range(600):
@@ -314,7 +319,7 @@ def as_llama_counts(accept_lengths: list[int], accepted: int, new: int, n_max: i
     return rows
 
 
-def strata_generate(path: Path, prompt: list[int], new: int, n_max: int) -> dict:
+def strata_generate(path: Path, prompt: list[int], new: int, n_max: int, p_min: float = 0.0) -> dict:
     """Strata's MTP speculative decoding (the API this check is written against; see the brief)."""
     from strata.engine.decode import Engine
     from strata.engine.mtp import MTPDrafter
@@ -324,7 +329,7 @@ def strata_generate(path: Path, prompt: list[int], new: int, n_max: int) -> dict
     if key not in _targets:
         _targets[key] = load_target(path, mtp=True)
     target = _targets[key]
-    res = Engine(target, MTPDrafter(target), max_len=256, window=n_max + 1).generate(prompt, new)
+    res = Engine(target, MTPDrafter(target), max_len=256, window=n_max + 1, draft_p_min=p_min).generate(prompt, new)
     summary = res.acceptance.summary()
     rounds = as_llama_counts(summary["accept_lengths"], summary["accepted"], new, n_max)
     return {"tokens": res.output_ids, "rounds": rounds, "draft_n": sum(r[2] for r in rounds),
@@ -332,6 +337,30 @@ def strata_generate(path: Path, prompt: list[int], new: int, n_max: int) -> dict
 
 
 _targets: dict = {}
+
+
+def nonzero(rounds: list[list[int]]) -> list[int]:
+    """The accepted counts of the rounds that accepted something, in order (with p_min llama.cpp logs no round
+    for an empty draft, so its anchors are not comparable; the accepted runs are)."""
+    return [r[1] for r in rounds if r[1]]
+
+
+def p_min_check(a, path: Path, prompts: list[list[int]], plain: list[dict], log: Path) -> list[dict]:
+    """Both engines with drafts cut at the first candidate whose top-10 softmax is below p_min: the same tokens,
+    the same accepted runs and totals, and llama.cpp's drafts shorter than without the cut."""
+    theirs = llama_server(a.bins, path, prompts, a.new, a.n_max, log, a.p_min)
+    out = []
+    for text, prompt, lc, row in zip(TEXTS, prompts, theirs, plain):
+        ours = strata_generate(path, prompt, a.new, a.n_max, a.p_min)
+        label = f"{path.stem} {text[:20]!r} p_min {a.p_min}"
+        check(ours["tokens"] == lc["tokens"], f"{label}: Strata's tokens equal llama.cpp's")
+        check(nonzero(ours["rounds"]) == nonzero(lc["rounds"]) and ours["draft_n_accepted"] == lc["draft_n_accepted"],
+              f"{label}: the same drafts accepted, round by round ({nonzero(lc['rounds'])}; llama.cpp drafted "
+              f"{lc['draft_n']} against {row['llama.cpp']['draft_n']} without the cut)")
+        out.append({"prompt": text, "llama.cpp": lc, "strata GGUF": ours})
+    check(sum(r["llama.cpp"]["draft_n"] for r in out) < sum(r["llama.cpp"]["draft_n"] for r in plain),
+          f"{path.stem}: p_min {a.p_min} cut llama.cpp's drafts")
+    return out
 
 
 # --- the check -----------------------------------------------------------------------------------------------------
@@ -348,6 +377,8 @@ def main() -> None:
     ap.add_argument("--quiet", type=float, default=QUIET, help="the linear-attention layers' output scale")
     ap.add_argument("--mix", type=float, default=MIX, help="--mtp-init mix: the hidden state's share of fc")
     ap.add_argument("--family", action="append", choices=FAMILIES)
+    ap.add_argument("--p-min", type=float, default=0.12,
+                    help="also decode with --spec-draft-p-min / --draft-p-min P (0: skip; not on qwen3next)")
     ap.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
     ap.add_argument("--out", type=Path, help="write every number as JSON here")
     ap.add_argument("--keep", type=Path, help="keep the checkpoints, GGUF files and server logs in this folder")
@@ -399,6 +430,8 @@ def main() -> None:
                               f"({ours['draft_n_accepted']}/{ours['draft_n']} vs {want['draft_n_accepted']}/"
                               f"{want['draft_n']}; Strata's own count {ours['summary']})")
                 rows.append(row)
+            if a.p_min > 0 and not a.llama_only and not replay:
+                report.setdefault("p_min", {})[family] = p_min_check(a, path, prompts, rows, d / f"{family}-pmin")
             report["families"][family] = rows
     if a.out:
         a.out.write_text(json.dumps(report, indent=1) + "\n")
