@@ -37,7 +37,13 @@ def head_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_
 def store(k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,
           v: torch.Tensor) -> None:
     """Rows of k/v into the cache cells named by a device tensor (no host value read: graph-safe). Under
-    autocast the rows may come in a lower precision than the cache holds."""
+    autocast the rows may come in a lower precision than the cache holds. cells [B, T] with a cache of B
+    sequences [B, cells, ...]: each sequence's rows into its own cells."""
+    if cells.dim() > 1:
+        seq = torch.arange(cells.shape[0], device=cells.device).unsqueeze(-1)
+        k_cache[seq, cells] = k.to(k_cache.dtype)
+        v_cache[seq, cells] = v.to(v_cache.dtype)
+        return
     k_cache.index_copy_(-3, cells, k.to(k_cache.dtype))
     v_cache.index_copy_(-3, cells, v.to(v_cache.dtype))
 
