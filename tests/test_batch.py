@@ -34,8 +34,42 @@ def test_batched_requests_decode_as_alone(qwen3_dir, sampled):
 
 
 def test_batching_refuses_what_it_does_not_run(tmp_path):
-    from conftest import write_hf_model
+    """Batching runs target-only decoding of dense attention-only targets so far: a drafter, a hybrid or MoE
+    target is refused, by serve before anything loads (one line, exit code 2)."""
+    from conftest import run_cli, write_hf_model
 
     folder, _ = write_hf_model(tmp_path / "h", "qwen3_5", seed=1, layers=4)
     with pytest.raises(SettingError, match="attention-only dense targets"):
         BatchEngine(load_target(folder), 4, 64)
+    for args, needle in ((("--model", folder), "runs dense attention-only targets so far"),
+                         ((), "runs target-only so far; add --no-dflash")):
+        r = run_cli("serve", "--max-num-seqs", "4", *args)
+        assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_server_batches_eight_clients_each_as_alone(tmp_path):
+    """`strata serve --max-num-seqs 4` with the openai client: eight concurrent requests (greedy and seeded
+    sampled, four waiting for a slot) each get the text they get alone; a streaming client that goes away mid-batch
+    leaves the others intact; /metrics counts the steps' batch sizes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve import PROMPTS, Live
+
+    server = Live(tmp_path, "--no-dflash", "--max-num-seqs", "4")
+    try:
+        def ask(i):
+            sampled = dict(temperature=0.8, seed=100 + i) if i % 2 else dict(temperature=0)
+            return server.client.completions.create(model="strata-demo", prompt=PROMPTS[i], max_tokens=12 + i,
+                                                    **sampled).choices[0].text
+
+        alone = [ask(i) for i in range(8)]
+        gone = server.client.completions.create(model="strata-demo", prompt=PROMPTS[0], max_tokens=200, stream=True)
+        next(iter(gone))
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(ask, range(8)))
+            gone.close()
+        assert together == alone
+        assert server.metric("strata:batch_size_sum") > server.metric("strata:batch_size_count") > 0
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0 and "Traceback" not in server.text_log()

@@ -353,6 +353,23 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def check_batching(args) -> None:
+    """--max-num-seqs N > 1 before anything loads: what batched serving runs so far (target-only, dense
+    attention-only targets)."""
+    from .models.loader import load_model_config
+    from .pair import resolve
+
+    spec = pair_spec(args)
+    model, dflash, _ = resolve(spec)
+    if dflash or spec.prompt_lookup is not None or spec.mtp:
+        raise StrataError(f"--max-num-seqs {args.max_num_seqs}: batched serving runs target-only so far; add "
+                          f"--no-dflash (or serve one sequence at a time)")
+    cfg = load_model_config(model)[1]
+    if cfg.linear is not None or cfg.moe is not None:
+        raise StrataError(f"--max-num-seqs {args.max_num_seqs}: batched serving runs dense attention-only targets "
+                          f"so far; {model} is a {cfg.family} model")
+
+
 def cmd_serve(args) -> int:
     import logging
 
@@ -371,14 +388,23 @@ def cmd_serve(args) -> int:
         from .engine.sampling import SamplingParams
 
         SamplingParams(**{"temperature": 1.0, **defaults})  # bad defaults are refused before loading
+    if args.max_num_seqs < 1:
+        raise StrataError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.max_num_seqs > 1:
+        check_batching(args)
     pair, config = load(args, window=args.spec)
     engine = Engine(pair.target, pair.drafter, config)
+    batch = None
+    if args.max_num_seqs > 1:
+        from .engine.batch import BatchEngine
+
+        batch = BatchEngine(pair.target, args.max_num_seqs, engine.max_len)
     name = args.served_model_name or ("strata-demo" if pair.using_demo else pair.model_dir.name)
     api_key = args.api_key or os.environ.get("STRATA_API_KEY") or None
     server = Server(engine, pair.tokenizer, ServerConfig(
         name, pair.stop_ids, max_queue=args.max_queue, api_key=api_key, max_body_bytes=args.max_body_bytes,
         timeout=args.timeout, loopback=args.host in ("127.0.0.1", "localhost", "::1"), defaults=defaults,
-        setting_names=FLAGS))
+        setting_names=FLAGS), batch)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"strata serve: model '{name}' ({engine.drafter.name} drafter, W={engine.window}) on "
           f"http://{args.host}:{args.port}{'' if api_key is None else ' (API key required)'}", file=sys.stderr,

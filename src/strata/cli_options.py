@@ -187,6 +187,10 @@ def build_parser(commands) -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    sv.add_argument("--max-num-seqs", type=int, default=1, metavar="N",
+                    help="decode up to N requests together (continuous batching, vLLM's name; target-only so far: "
+                         "dense attention-only targets, --no-dflash); each request's tokens are the same as served "
+                         "alone (default 1: one at a time)")
     sv.add_argument("--max-queue", type=int, default=64, metavar="N",
                     help="requests admitted at once (running and waiting); more get HTTP 429 (default 64)")
     sv.add_argument("--served-model-name", metavar="NAME", help="the model id clients use (default: the folder name)")

@@ -10,6 +10,7 @@ sampled (each sequence draws from its own seeded generator)."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" or "length" once done
     slot: int | None = None
     gen: torch.Generator | None = None
+    on_tokens: Callable[[list[int]], None] | None = None  # hears each token as it is decoded
 
 
 class SlotCache:
@@ -71,8 +73,19 @@ class BatchEngine:
             return int(logits.argmax(-1))
         return int(sample(process(logits, seq.params), seq.gen))
 
+    def abort(self, seq: Sequence) -> None:
+        """A sequence leaves before its end (its client went away): its slot is free at the next step."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.slot is not None and self.running.get(seq.slot) is seq:
+            del self.running[seq.slot]
+            self.free.append(seq.slot)
+        seq.finish_reason = "abort"
+
     def emit(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
+        if seq.on_tokens is not None:
+            seq.on_tokens([token])
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= seq.max_new_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_len:

@@ -107,7 +107,8 @@ class Job:
 
 
 class Server:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, config: ServerConfig):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, config: ServerConfig, batch=None):
+        """batch: a BatchEngine over the engine's target (--max-num-seqs > 1): requests decode together."""
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.model_name = config.model_name
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-engine")
@@ -118,6 +119,11 @@ class Server:
         self.created = int(time.time())
         self.draining = False  # SIGTERM: no new requests
         self.cutting = False  # the shutdown deadline passed: in-flight work is stopped
+        self.batch_worker = None
+        if batch is not None:
+            from .batch_worker import BatchWorker
+
+            self.batch_worker = BatchWorker(batch, self)
 
     # -- admission
     def admit(self, job: Job) -> None:
@@ -134,6 +140,11 @@ class Server:
     def release(self, job: Job) -> None:
         with self.lock:
             self.jobs.discard(job)
+            self._gauges()
+
+    def set_running(self, n: int) -> None:
+        with self.lock:
+            self.running = n
             self._gauges()
 
     def _gauges(self) -> None:
@@ -229,7 +240,8 @@ class Server:
 
     def submit(self, job: Job) -> asyncio.Future:
         self.admit(job)
-        fut = asyncio.wrap_future(self.worker.submit(self.run, job))
+        inner = self.batch_worker.submit(job) if self.batch_worker else self.worker.submit(self.run, job)
+        fut = asyncio.wrap_future(inner)
         fut.add_done_callback(lambda _: self.release(job))
         return fut
 

@@ -18,6 +18,8 @@ class Metrics:
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.running = Gauge("strata:num_requests_running", "Requests being generated", registry=r)
         self.waiting = Gauge("strata:num_requests_waiting", "Requests admitted and waiting for the engine", registry=r)
+        self.batch_size = Histogram("strata:batch_size", "Sequences per decode step", registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.drafts = Counter("strata:spec_decode_num_drafts", "Speculative rounds (drafts verified)", registry=r)
         self.draft_tokens = Counter("strata:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter("strata:spec_decode_num_accepted_tokens", "Draft tokens accepted",
