@@ -35,14 +35,16 @@ def test_batched_requests_decode_as_alone(qwen3_dir, sampled):
 
 def test_batching_refuses_what_it_does_not_run(tmp_path):
     """Batching runs target-only decoding of dense attention-only targets so far: a drafter, a hybrid or MoE
-    target is refused, by serve before anything loads (one line, exit code 2)."""
+    target, and more sequences than the device can hold the KV cache of are refused, by serve before anything
+    loads (one line with the numbers, exit code 2)."""
     from conftest import run_cli, write_hf_model
 
     folder, _ = write_hf_model(tmp_path / "h", "qwen3_5", seed=1, layers=4)
     with pytest.raises(SettingError, match="attention-only dense targets"):
         BatchEngine(load_target(folder), 4, 64)
     for args, needle in ((("--model", folder), "runs dense attention-only targets so far"),
-                         ((), "runs target-only so far; add --no-dflash")):
+                         ((), "runs target-only so far; add --no-dflash"),
+                         (("--no-dflash", "--max-num-seqs", "100000"), "x --max-model-len 2048: their KV cache needs")):
         r = run_cli("serve", "--max-num-seqs", "4", *args)
         assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 

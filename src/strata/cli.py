@@ -29,7 +29,8 @@ def pair_spec(args, model: str | None = None):
 FLAGS = {"max_len": "--max-model-len", "allow_long_context": "--allow-long-context", "window": "--spec",
          "tree": "--tree", "adaptive_window": "--adaptive-window", "draft_sampling": "--draft-sampling",
          "attention": "--attention", "backend": "--eager/--static/--no-graphs/--no-compile/--no-triton",
-         "verify_windows": "--verify-windows", "auto_window": "--spec auto", "draft_p_min": "--draft-p-min"}
+         "verify_windows": "--verify-windows", "auto_window": "--spec auto", "draft_p_min": "--draft-p-min",
+         "max_num_seqs": "--max-num-seqs"}
 
 
 def backend(args) -> str:
@@ -368,6 +369,13 @@ def check_batching(args) -> None:
     if cfg.linear is not None or cfg.moe is not None:
         raise StrataError(f"--max-num-seqs {args.max_num_seqs}: batched serving runs dense attention-only targets "
                           f"so far; {model} is a {cfg.family} model")
+    from .engine.batch import refuse_unless_fits
+
+    try:
+        refuse_unless_fits(cfg, args.max_num_seqs, engine_config(args).context(cfg), spec.torch_device(),
+                           spec.torch_dtype())
+    except SettingError as e:
+        raise StrataError(e.named(FLAGS)) from None
 
 
 def cmd_serve(args) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import aligned_cells
+from ..cache import aligned_cells, kv_bytes, memory
 from ..errors import SettingError
 from ..layers.modules import LayerKV, Step
 from .sampling import SamplingParams, process, sample
@@ -41,12 +41,24 @@ class SlotCache:
         self.layers = [LayerKV(kv.k[slot:slot + 1], kv.v[slot:slot + 1]) for kv in cache.layers]
 
 
+def refuse_unless_fits(cfg, max_num_seqs: int, max_len: int, device, dtype) -> None:
+    """The KV cache of max_num_seqs sequences of max_len positions each in the device's memory, or a one-line
+    error with the numbers (before any weight loads)."""
+    need = kv_bytes(cfg.num_layers, (max_num_seqs, aligned_cells(max_len), cfg.num_kv_heads, cfg.head_dim), dtype)
+    have = memory(torch.device(device))
+    if need > have:
+        raise SettingError(f"{{max_num_seqs}} {max_num_seqs} x {{max_len}} {max_len}: their KV cache needs "
+                           f"{need / 2 ** 30:.1f} GiB, more than the {have / 2 ** 30:.1f} GiB of "
+                           f"{torch.device(device).type} memory")
+
+
 class BatchEngine:
     def __init__(self, target, max_num_seqs: int, max_len: int):
         if target.recurrent or target.cfg.moe is not None:
             raise SettingError("{max_num_seqs}: batching runs attention-only dense targets so far")
         if max_num_seqs < 1:
             raise SettingError(f"{{max_num_seqs}} must be >= 1, got {max_num_seqs}")
+        refuse_unless_fits(target.cfg, max_num_seqs, max_len, target.device, target.dtype)
         self.target, self.max_len, self.slots = target, max_len, max_num_seqs
         self.cache = target.make_cache(aligned_cells(max_len), batch=max_num_seqs)
         dev = target.device
