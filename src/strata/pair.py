@@ -20,7 +20,6 @@ from .engine.prompt_lookup import PromptLookupDrafter
 from .errors import StrataError
 from .gguf_vocab import UnsupportedVocab
 from .models.config import read_json, token_ids
-from .models import mtp as mtp_block
 from .models.loader import check_tensors, load_model_config, load_target, parse_dtype
 from .models.placement import PLACEMENTS, place_experts
 from .tokenizer import Tokenizer
@@ -125,8 +124,6 @@ def load_pair(spec: PairSpec, engine: EngineConfig = EngineConfig(), drafter: bo
     model_config = load_model_config(model_dir)  # a bad context length or vocabulary is refused
     cfg = model_config[1]
     spec.check_for(cfg)
-    if spec.mtp:
-        mtp_block.check(cfg, model_dir)
     device = spec.torch_device()
     max_len = engine.check_before_load(cfg, device, spec.torch_dtype())
     artifact = None

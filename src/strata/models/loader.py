@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -256,8 +255,7 @@ def load_target(path: str | Path, device="cpu", dtype: torch.dtype = torch.float
                                 else quantized, place, mtp)
     fam, cfg = model_config or load_model_config(path)
     if mtp:
-        mtp_block.check(cfg, path)
-        cfg = replace(cfg, load_mtp=True)
+        cfg = mtp_block.loading(cfg, path)
     tensors = dequantize_fp8(read_safetensors(path), cfg.weight_block, path)
     state = fam.finish(pack(tensors, mtp_block.with_block(fam.hf_layout(cfg), cfg, gguf=False), dtype, path), cfg)
     return instantiate(fam, cfg, state, device, place=place)
@@ -351,8 +349,7 @@ def load_gguf_target(path: Path, device="cpu", dtype: torch.dtype = torch.float3
     try:
         fam, cfg, _, tensors = gguf_model(path)
         if mtp:
-            mtp_block.check(cfg, path)
-            cfg = replace(cfg, load_mtp=True)
+            cfg = mtp_block.loading(cfg, path)
         layout = with_fused(mtp_block.with_block(fam.gguf_layout(cfg), cfg, gguf=True), tensors)
         known = {name for sources in layout.values() for name, *_ in sources} | {ROPE_FACTORS}
         unknown = sorted(n for n in set(tensors) - known if mtp or nextn_layer(n, cfg.num_layers) is None)

@@ -11,6 +11,8 @@ the decoder's own layers are."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -60,7 +62,7 @@ def source_layer(cfg) -> int:
     return found[-1]
 
 
-def block_layout(layout: dict, cfg, param_of: str, source_of: str, source_to: str) -> dict:
+def block_layout(layout: dict, param_of: str, source_of: str, source_to: str) -> dict:
     """The block's layer in a layout: the entries of parameters under param_of (layers.N.) moved under
     mtp.layer., their sources' prefix source_of replaced by source_to."""
     out = {}
@@ -75,7 +77,7 @@ def hf_layout(layout: dict, cfg) -> dict:
     """The block's parameters from a Hugging Face checkpoint (mtp.layers.0.*, mtp.fc, mtp's norms), given the
     decoder's layout."""
     n, h = source_layer(cfg), cfg.hidden_size
-    out = block_layout(layout, cfg, f"layers.{n}.", f"{cfg.checkpoint_prefix}layers.{n}.", "mtp.layers.0.")
+    out = block_layout(layout, f"layers.{n}.", f"{cfg.checkpoint_prefix}layers.{n}.", "mtp.layers.0.")
     for param, (name, _) in OWN.items():
         out["mtp." + param] = [("mtp." + name, (h, 2 * h) if param == "fc.weight" else (h,))]
     return out
@@ -85,14 +87,15 @@ def gguf_layout(layout: dict, cfg) -> dict:
     """The block's parameters from llama.cpp's tensors (blk.L.*, L the decoder's layer count), given the
     decoder's GGUF layout."""
     n, h, last = source_layer(cfg), cfg.hidden_size, cfg.num_layers
-    out = block_layout(layout, cfg, f"layers.{n}.", f"blk.{n}.", f"blk.{last}.")
+    out = block_layout(layout, f"layers.{n}.", f"blk.{n}.", f"blk.{last}.")
     for param, (_, name) in OWN.items():
         out["mtp." + param] = [(f"blk.{last}.{name}", (h, 2 * h) if param == "fc.weight" else (h,), None)]
     return out
 
 
-def check(cfg, where) -> None:
-    """--mtp on this model: one MTP block to load, or a one-line error before any weight loads."""
+def loading(cfg, where):
+    """--mtp on this model: the config to build and load it with its MTP block, or a one-line error before any
+    weight loads where it has none to load."""
     if cfg.mtp_layers == 0:
         raise StrataError(f"{where}: the model has no MTP block (a Hugging Face folder's mtp.* tensors and "
                           f"mtp_num_hidden_layers, a GGUF file's nextn_predict_layers); --mtp needs one (Qwen3.5, "
@@ -100,6 +103,7 @@ def check(cfg, where) -> None:
     if cfg.mtp_layers > 1:
         raise StrataError(f"{where}: the model has {cfg.mtp_layers} MTP blocks; Strata runs a single one, as "
                           f"llama.cpp's qwen35 graph does")
+    return replace(cfg, load_mtp=True)
 
 
 def with_block(layout: dict, cfg, gguf: bool) -> dict:
