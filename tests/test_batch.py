@@ -40,7 +40,7 @@ def test_batching_refuses_what_it_does_not_run(tmp_path):
     from conftest import run_cli, write_hf_model
 
     folder, _ = write_hf_model(tmp_path / "h", "qwen3_5", seed=1, layers=4)
-    with pytest.raises(SettingError, match="attention-only dense targets"):
+    with pytest.raises(SettingError, match="runs dense attention-only targets so far; the target is a qwen3_5 model"):
         BatchEngine(load_target(folder), 4, 64)
     for args, needle in ((("--model", folder), "runs dense attention-only targets so far"),
                          ((), "runs target-only so far; add --no-dflash"),

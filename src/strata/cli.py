@@ -365,15 +365,12 @@ def check_batching(args) -> None:
     if dflash or spec.prompt_lookup is not None or spec.mtp:
         raise StrataError(f"--max-num-seqs {args.max_num_seqs}: batched serving runs target-only so far; add "
                           f"--no-dflash (or serve one sequence at a time)")
-    cfg = load_model_config(model)[1]
-    if cfg.linear is not None or cfg.moe is not None:
-        raise StrataError(f"--max-num-seqs {args.max_num_seqs}: batched serving runs dense attention-only targets "
-                          f"so far; {model} is a {cfg.family} model")
-    from .engine.batch import refuse_unless_fits
+    from .engine.batch import refuse_unless_batchable
 
+    cfg = load_model_config(model)[1]
     try:
-        refuse_unless_fits(cfg, args.max_num_seqs, engine_config(args).context(cfg), spec.torch_device(),
-                           spec.torch_dtype())
+        refuse_unless_batchable(cfg, args.max_num_seqs, engine_config(args).context(cfg), spec.torch_device(),
+                                spec.torch_dtype())
     except SettingError as e:
         raise StrataError(e.named(FLAGS)) from None
 

@@ -41,9 +41,13 @@ class SlotCache:
         self.layers = [LayerKV(kv.k[slot:slot + 1], kv.v[slot:slot + 1]) for kv in cache.layers]
 
 
-def refuse_unless_fits(cfg, max_num_seqs: int, max_len: int, device, dtype) -> None:
-    """The KV cache of max_num_seqs sequences of max_len positions each in the device's memory, or a one-line
-    error with the numbers (before any weight loads)."""
+def refuse_unless_batchable(cfg, max_num_seqs: int, max_len: int, device, dtype) -> None:
+    """What batching runs and holds, from a model's config before any weight loads: a dense attention-only
+    target, and the KV cache of max_num_seqs sequences of max_len positions each in the device's memory; else a
+    one-line error with the numbers."""
+    if cfg.linear is not None or cfg.moe is not None:
+        raise SettingError(f"{{max_num_seqs}} {max_num_seqs}: batched serving runs dense attention-only targets so "
+                           f"far; the target is a {cfg.family} model")
     need = kv_bytes(cfg.num_layers, (max_num_seqs, aligned_cells(max_len), cfg.num_kv_heads, cfg.head_dim), dtype)
     have = memory(torch.device(device))
     if need > have:
@@ -54,12 +58,10 @@ def refuse_unless_fits(cfg, max_num_seqs: int, max_len: int, device, dtype) -> N
 
 class BatchEngine:
     def __init__(self, target, max_num_seqs: int, max_len: int):
-        if target.recurrent or target.cfg.moe is not None:
-            raise SettingError("{max_num_seqs}: batching runs attention-only dense targets so far")
         if max_num_seqs < 1:
             raise SettingError(f"{{max_num_seqs}} must be >= 1, got {max_num_seqs}")
-        refuse_unless_fits(target.cfg, max_num_seqs, max_len, target.device, target.dtype)
-        self.target, self.max_len, self.slots = target, max_len, max_num_seqs
+        refuse_unless_batchable(target.cfg, max_num_seqs, max_len, target.device, target.dtype)
+        self.target, self.max_len = target, max_len
         self.cache = target.make_cache(aligned_cells(max_len), batch=max_num_seqs)
         dev = target.device
         self.tokens = torch.zeros(max_num_seqs, 1, dtype=torch.long, device=dev)
