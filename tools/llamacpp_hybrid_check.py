@@ -39,7 +39,7 @@ from strata.engine.decode import Engine  # noqa: E402
 from strata.models.loader import load_target  # noqa: E402
 from strata.pair import tokenizer_of  # noqa: E402
 
-from conftest import write_hf_model  # noqa: E402
+from conftest import add_mtp_block, write_hf_model  # noqa: E402
 from hybrid_layout import ARCH, COMMON, SHAPES, from_gguf, to_gguf  # noqa: E402
 
 TEXTS = ["def quicksort(arr):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):",
@@ -58,20 +58,8 @@ def checkpoint(folder: Path, family: str, mtp: bool = False) -> Path:
     write_hf_model(folder, family, seed=41, vocab=4096, **COMMON, **SHAPES[family])
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(root / "src/strata/demo/target" / name, folder / name)
-    if mtp:  # an MTP block as Qwen3.5 checkpoints carry it: the last full-attention layer's weights, fc and norms
-        tensors = load_file(folder / "model.safetensors")
-        cfg = json.loads((folder / "config.json").read_text())
-        last = cfg["layer_types"].index("full_attention")
-        prefix, h = f"model.layers.{last}.", cfg["hidden_size"]
-        tensors.update({"mtp.layers.0." + k[len(prefix):]: t.clone() for k, t in tensors.items()
-                        if k.startswith(prefix)})
-        gen = torch.Generator().manual_seed(5)
-        tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.02
-        for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-            tensors[f"mtp.{norm}.weight"] = torch.randn(h, generator=gen) * 0.1
-        save_file(tensors, str(folder / "model.safetensors"))
-        cfg["mtp_num_hidden_layers"] = 1
-        (folder / "config.json").write_text(json.dumps(cfg))
+    if mtp:  # an MTP block as Qwen3.5 checkpoints carry it (its values unread: Strata skips it here)
+        add_mtp_block(folder, passthrough=0.0)
     return folder
 
 
